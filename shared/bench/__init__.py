@@ -1,0 +1,19 @@
+"""Benchmarks. `register(subparsers)` adds `throughput` to the `kvrelay bench` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    """Add `throughput` to the `bench` subparsers; its func runs the benchmark and returns an exit code."""
+    from shared.bench import throughput
+
+    p = subparsers.add_parser(
+        "throughput",
+        help="engine throughput on a mixed real-text workload, vs the matmul ceiling and optionally HF",
+        description=throughput.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    throughput.add_arguments(p)
+    p.set_defaults(func=throughput.run)

@@ -1,0 +1,126 @@
+"""EngineCore: the step loop every node runs. One step is schedule() -> execute() -> update().
+
+Request lifecycle:
+1. `add_request` validates (a bad request raises ValueError naming the field, holding nothing) and
+   queues it; n > 1 becomes n child requests that share the prompt's blocks through the prefix cache.
+2. `step` schedules, runs the model, and turns sampled tokens into EngineCoreOutputs.
+3. A request ends on a stop condition, on max_tokens / max_model_len, or by `abort`; its blocks are
+   freed at once (cached ones stay reusable).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from shared.block_pool import BlockPool
+from shared.config import EngineConfig
+from shared.kv_cache_manager import KVCacheManager
+from shared.model_info import ModelInfo, load_model_info
+from shared.model_runner import ModelRunner
+from shared.request import Request, RequestStatus
+from shared.sampling_params import SamplingParams
+from shared.scheduler import Scheduler
+from shared.scheduler_output import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    return f"{request_id}#{index}"
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, record_block_events: bool = False) -> None:
+        self.config = config
+        t0 = time.perf_counter()
+        self.info: ModelInfo = load_model_info(config.model)
+        self.runner = ModelRunner(config, self.info)
+        self.vocab_size = self.runner.vocab_size
+        self.num_blocks = self.runner.determine_num_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        block_size = config.cache.block_size
+        capacity = self.num_blocks * block_size
+        self.max_model_len = self._max_model_len(capacity)
+        pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, record_events=record_block_events)
+        self.kv = KVCacheManager(pool, block_size, self.info.model_id, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        logger.info(
+            "engine ready in %.1fs: %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens (%.1f MiB), "
+            "max_model_len %d",
+            time.perf_counter() - t0, self.info.model_id, self.info.dtype, self.info.device,
+            self.num_blocks, block_size, capacity, self.num_blocks * self.runner.bytes_per_block / 2**20,
+            self.max_model_len,
+        )
+
+    def _max_model_len(self, capacity: int) -> int:
+        limit = self.config.model.max_model_len or self.info.max_position_embeddings
+        if limit > self.info.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {limit} exceeds the model's context length {self.info.max_position_embeddings}"
+            )
+        if limit > capacity:
+            logger.warning("max_model_len %d exceeds the KV cache capacity; capping at %d tokens", limit, capacity)
+            limit = capacity
+        return limit
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt: must not be empty")
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within max_model_len "
+                f"{self.max_model_len}"
+            )
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad} outside the vocabulary [0, {self.vocab_size})")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        cache_salt: str = "",
+    ) -> list[str]:
+        """Queue a request; returns the engine request ids (one, or n children for n > 1)."""
+        prompt = list(prompt_token_ids)
+        self.validate(prompt, params)
+        if params.n == 1:
+            self._add_one(request_id, prompt, params, arrival_time, cache_salt)
+            return [request_id]
+        ids = [child_request_id(request_id, i) for i in range(params.n)]
+        for i, rid in enumerate(ids):
+            self._add_one(rid, prompt, params.for_child(i), arrival_time, cache_salt)
+        return ids
+
+    def _add_one(
+        self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str
+    ) -> None:
+        req = Request(rid, prompt, params, eos_token_id=self.info.eos_token_id, cache_salt=salt)
+        if arrival is not None:
+            req.arrival_time = arrival
+        room = self.max_model_len - len(prompt)
+        req.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.scheduler.add_request(req)
+
+    def abort(self, request_ids: Sequence[str]) -> list[str]:
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [r.request_id for r in done]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        return self.scheduler.update_from_output(sched, result)

@@ -1,0 +1,61 @@
+"""KV-block hashing: the one function the gateway and every engine share (see DESIGN.md, "Block hash").
+
+    h_0 = H(model_id, block_size, cache_salt)
+    h_i = H(h_{i-1} || token ids of block i as little-endian int32 || extra keys)
+
+H is xxh3-128, kept as 16 bytes. Only full blocks are hashed. The encoding of the root is fixed here:
+the UTF-8 of model_id, a NUL, block_size as little-endian uint32, a NUL, the UTF-8 of cache_salt.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+BlockHash = bytes  # 16 bytes
+
+_U32 = struct.Struct("<I")
+
+
+def root_hash(model_id: str, block_size: int, cache_salt: str = "") -> BlockHash:
+    payload = model_id.encode() + b"\x00" + _U32.pack(block_size) + b"\x00" + cache_salt.encode()
+    return xxhash.xxh3_128_digest(payload)
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b"") -> BlockHash:
+    tokens = np.asarray(token_ids, dtype="<i4").tobytes()
+    return xxhash.xxh3_128_digest(parent + tokens + extra_keys)
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    parent: BlockHash,
+    start_block: int = 0,
+    extra_keys: bytes = b"",
+) -> list[BlockHash]:
+    """Hashes of the full blocks of `token_ids` from block `start_block` on, chained from `parent`
+    (the hash of block start_block-1, or the root hash when start_block is 0)."""
+    num_full = len(token_ids) // block_size
+    if num_full <= start_block:
+        return []
+    # One conversion for the whole prompt: per-block numpy calls dominate for long prompts.
+    arr = np.asarray(token_ids[start_block * block_size : num_full * block_size], dtype="<i4")
+    raw = arr.tobytes()
+    stride = block_size * 4
+    hashes: list[BlockHash] = []
+    digest = xxhash.xxh3_128_digest
+    for i in range(num_full - start_block):
+        parent = digest(parent + raw[i * stride : (i + 1) * stride] + extra_keys)
+        hashes.append(parent)
+    return hashes
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int], model_id: str, block_size: int, cache_salt: str = ""
+) -> list[BlockHash]:
+    """All full-block hashes of a prompt, the way the gateway computes them for routing."""
+    return hash_blocks(token_ids, block_size, root_hash(model_id, block_size, cache_salt))

@@ -1,0 +1,30 @@
+"""Shared pytest fixtures. Heavy resources are session-scoped so each is built once per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# ---------------------------------------------------------------- default model
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The packaged SmolLM2 GGUF, resolved once (converted into the kvrelay cache on first use)."""
+    from shared.model_resolve import resolve_model
+
+    return resolve_model("default", progress=False)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(default_model) -> Path:
+    """HF folder of the default model (config.json, model.safetensors, tokenizer files)."""
+    return default_model.path
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_dir):
+    from shared.tokenizer import Tokenizer
+
+    return Tokenizer(default_model_dir)

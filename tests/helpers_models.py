@@ -1,0 +1,89 @@
+"""Tiny random-weight HF checkpoints for tests: `make_tiny_checkpoint(arch, path) -> path`.
+
+`arch` is a variant name from TINY_ARCHS (or a HF architecture name, meaning its plain variant). Weights
+are drawn with a fixed seed at a scale where a wrong implementation visibly changes the logits (HF's own
+init leaves biases zero and norms one, which would hide loading bugs). No tokenizer is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+# variant -> (config class name, overrides of _COMMON)
+_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(num_hidden_layers=3)),
+    "llama-tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "mistral-window": ("MistralConfig", dict(sliding_window=24)),  # shorter than the test prompts
+    "qwen2": ("Qwen2Config", dict(num_hidden_layers=4)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),  # head_dim != hidden / heads
+}
+TINY_ARCHS = tuple(_VARIANTS)
+_BY_ARCHITECTURE = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def tiny_config(arch: str):
+    import transformers
+
+    variant = _BY_ARCHITECTURE.get(arch, arch)
+    if variant not in _VARIANTS:
+        raise ValueError(f"unknown tiny checkpoint {arch!r}; choose one of {TINY_ARCHS}")
+    cls_name, overrides = _VARIANTS[variant]
+    return getattr(transformers, cls_name)(**{**_COMMON, **overrides})
+
+
+def make_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, max_shard_size: str | None = None) -> Path:
+    """Write a fp32 checkpoint (config.json + safetensors) into `path` and return it.
+
+    max_shard_size (e.g. "100KB") writes a sharded checkpoint with model.safetensors.index.json.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    config = tiny_config(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path
