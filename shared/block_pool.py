@@ -136,6 +136,10 @@ class BlockPool:
             out.append(block)
         return out
 
+    def uncache_block(self, block: KVBlock) -> None:
+        """Drop a block's hash (its KV will not be computed after all); it stays allocated."""
+        self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

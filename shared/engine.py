@@ -60,6 +60,12 @@ class EngineCore:
             raise ValueError(
                 f"max_model_len: {limit} exceeds the model's context length {self.info.max_position_embeddings}"
             )
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < limit:
+            raise ValueError(
+                f"max_num_batched_tokens: {sched.max_num_batched_tokens} is smaller than max_model_len {limit}; "
+                "without chunked prefill a longer prompt could never be scheduled"
+            )
         if limit > capacity:
             logger.warning("max_model_len %d exceeds the KV cache capacity; capping at %d tokens", limit, capacity)
             limit = capacity

@@ -114,7 +114,7 @@ def _file_lock(lock_path: Path) -> Iterator[None]:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.info("Another process is converting into %s; waiting for it", lock_path.parent)
+            logger.info("Another process holds %s (converting); waiting for it to finish", lock_path)
             fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

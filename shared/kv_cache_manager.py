@@ -127,7 +127,11 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         blocks = self.req_to_blocks.pop(req.request_id, [])
-        self.num_cached_blocks.pop(req.request_id, None)
+        num_cached = self.num_cached_blocks.pop(req.request_id, 0)
+        # Blocks hashed for tokens scheduled but never computed (a request preempted in the very step that
+        # scheduled it) must not stay findable by their hash.
+        for block in blocks[req.num_computed_tokens // self.block_size : num_cached]:
+            self.pool.uncache_block(block)
         self.pool.free_blocks(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:

@@ -43,10 +43,12 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_reason: int | None = None  # the stop token id that ended it, if any
-    max_tokens: int = 0  # effective limit, set by the engine from params and max_model_len
+    max_tokens: int | None = None  # effective limit (the engine folds in max_model_len); None: no limit
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
+        if self.max_tokens is None:
+            self.max_tokens = self.sampling_params.max_tokens
         self.all_token_ids = list(self.prompt_token_ids)
 
     @property

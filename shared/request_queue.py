@@ -60,17 +60,19 @@ class PriorityQueue(RequestQueue):
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, float, int, Request]] = []
-        self._live: set[str] = set()
+        # By identity, not id: a removed request's stale heap entry must not come back to life when a new
+        # request reuses its id.
+        self._live: dict[str, Request] = {}
         self._seq = itertools.count()
 
     def add(self, req: Request) -> None:
         heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
-        self._live.add(req.request_id)
+        self._live[req.request_id] = req
 
     add_front = add  # the (priority, arrival) key already puts a preempted request where it belongs
 
     def _prune(self) -> None:
-        while self._heap and self._heap[0][3].request_id not in self._live:
+        while self._heap and self._live.get(self._heap[0][3].request_id) is not self._heap[0][3]:
             heapq.heappop(self._heap)
 
     def peek(self) -> Request:
@@ -80,11 +82,12 @@ class PriorityQueue(RequestQueue):
     def pop(self) -> Request:
         self._prune()
         req = heapq.heappop(self._heap)[3]
-        self._live.discard(req.request_id)
+        del self._live[req.request_id]
         return req
 
     def remove(self, req: Request) -> None:
-        self._live.discard(req.request_id)
+        if self._live.get(req.request_id) is req:
+            del self._live[req.request_id]
 
     def __len__(self) -> int:
         return len(self._live)

@@ -240,17 +240,19 @@ class Scheduler:
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> None:
-        params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
-            if token == req.eos_token_id and not params.ignore_eos:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return
-            if token in params.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token
-                return
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        # Length first, as vLLM does: a stop token that is also the last allowed token ends as "length".
+        at_limit = req.max_tokens is not None and req.num_output_tokens >= req.max_tokens
+        if at_limit or req.num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
+            return
+        params = req.sampling_params
+        if req.num_output_tokens < params.min_tokens:
+            return
+        if token == req.eos_token_id and not params.ignore_eos:
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif token in params.stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = token
 
     def _update_stats(self) -> None:
         self.stats.num_running = len(self.running)

@@ -170,14 +170,19 @@ def test_mixed_batch_matches_alone(models):
     assert (mixed - torch.cat(expected)).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["auto-compute", "native-bf16"])
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-def test_bf16_smoke(arch, tmp_path):
+def test_bf16_smoke(arch, native, tmp_path, monkeypatch):
+    from shared.models import loader
+
+    if native:  # bf16 matmuls even where the loader would compute in fp32 (CPUs without AVX512/AMX)
+        monkeypatch.setattr(loader, "compute_dtype", lambda dtype, device: dtype)
     path = make_tiny_checkpoint(arch, tmp_path)
     logits = {}
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model(str(path), dtype, torch.device("cpu"), "torch")
-        assert model.lm_head.weight.dtype == dtype
-        caches = new_caches(model, dtype)
+        assert model.lm_head.weight.dtype == loader.compute_dtype(dtype, torch.device("cpu"))
+        caches = new_caches(model, dtype)  # the KV cache is in the requested dtype either way
         seq, pool = Seq(tokens(41, 5), []), Pool(4)
         pool.blocks_for(seq, 41)
         logits[dtype] = torch.cat([step(model, caches, [seq], [40]), step(model, caches, [seq], [1])])
@@ -211,3 +216,21 @@ def test_unsupported_architecture_and_rope():
     with pytest.raises(ValueError, match="dynamic"):
         get_model_class("LlamaForCausalLM")(config, None, torch.float32)
     assert rope_parameters(tiny_config("llama3"))["rope_type"] == "llama3"
+
+
+@pytest.mark.parametrize("change", ["missing", "unexpected", "shape"])
+def test_loader_rejects_mismatched_checkpoints(change, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_checkpoint("llama-tied", tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    if change == "missing":
+        del tensors["model.norm.weight"]
+    elif change == "unexpected":
+        tensors["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
+    else:
+        tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(3, 64)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    match = {"missing": "lacks.*model.norm.weight", "unexpected": "does not know", "shape": "k_proj.*shape"}
+    with pytest.raises(ValueError, match=match[change]):
+        load_model(str(path), torch.float32, torch.device("cpu"), "torch")

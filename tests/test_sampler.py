@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from shared.sampler import Sampler, SamplerOutput, SamplingRow, noise_seed
+from shared.sampler import Sampler, SamplerOutput, SamplingRow, _narrow_supports, noise_seed
 from shared.sampling_params import SamplingParams as SP
 
 
@@ -84,6 +84,14 @@ def test_padded_vocab_columns_are_never_sampled():
     assert all(t < 10 for t in sample(logits, rows, vocab_size=10))
 
 
+def test_bfloat16_logits_are_accepted():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 3).bfloat16()
+    rows = [row(SP(temperature=0, logprobs=1)), row(SP(top_k=1, seed=3)), row(SP(temperature=0.01, seed=4))]
+    out = Sampler(4)(logits, rows)
+    assert out.token_ids == [1, 1, 1]
+    assert out.logprobs[0].logprob == pytest.approx(float(logits[0].float().log_softmax(-1)[1]))
+
+
 # -- support restriction --------------------------------------------------------------------------------
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0])  # distinct, decreasing
@@ -109,6 +117,31 @@ def test_top_p_boundaries():
     assert seeded_draws(logits, SP(top_p=1e-9), 50) == {999}
 
 
+@pytest.mark.parametrize("scale", [0.3, 1.5, 4.0, 12.0])
+def test_windowed_supports_match_the_definition(scale):
+    # Flat to peaked rows over V=3000: supports found in the 64 and 2048 windows and by the full sort.
+    g = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(32, 3000, generator=g) * scale
+    logits[0, :100] = logits[1, 40:140] = 100.0  # a run of ties across the 64-token window
+    logits[5, 30:] = logits[9, 100:] = float("-inf")  # as min_p leaves them: fewer than k survivors
+    top_k = [50, 50, 0, 0, 5, 50, 100, 1500, 2999, 0, 20, 80] * 3
+    top_p = [1.0, 1.0, 0.3, 0.9, 0.99, 1.0, 0.5, 0.9, 0.99, 0.7, 1.0, 0.95] * 3
+    found, width = {}, {}
+    for rows, ids, lgs in _narrow_supports(logits.clone(), top_k[:32], top_p[:32]):
+        for r, i, lg in zip(rows.tolist(), ids, lgs):
+            found[r], width[r] = set(i[lg > float("-inf")].tolist()), len(i)
+    assert sorted(found) == list(range(32))
+    assert width[5] == 64 and len(found[5]) == 30  # the 30 survivors are known complete in the first window
+    assert len(found[0]) == 100 and len(found[1]) == 100  # top-k keeps every tie of the k-th value
+    checked = 0
+    for i in range(len(logits)):
+        allowed, margin = reference_support(logits[i], SP(top_k=top_k[i], top_p=top_p[i]))
+        if margin > 1e-5:
+            assert found[i] == allowed, i
+            checked += 1
+    assert checked >= 28
+
+
 def test_top_p_applies_to_the_top_k_survivors():
     logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
     # Renormalised over the top 2: 4/7, 3/7; p=0.5 needs only the first, p=0.6 needs both.
@@ -128,7 +161,7 @@ def test_low_temperature_concentrates_on_the_argmax():
     assert seeded_draws(LOGITS, SP(temperature=5.0), 2000) == set(range(8))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     values=st.lists(st.floats(-6, 6), min_size=2, max_size=40, unique=True),
     temperature=st.sampled_from([0.3, 0.7, 1.0, 1.8]),
@@ -161,19 +194,21 @@ def test_suppressed_tokens_are_never_sampled():
 
 
 def test_penalties_give_exact_logits():
-    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0]] * 3)
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0]] * 4)
     rows = [
         row(SP(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
             prompt=[0, 1, 5], output=[2, 2, 3]),
         row(SP(), prompt=[0, 1], output=[2, 2, 3]),
         # Presence and frequency only look at the output; the prompt token 0 is untouched.
         row(SP(presence_penalty=-1.0, frequency_penalty=1.0), prompt=[0], output=[4, 4, 4, 1]),
+        row(SP(repetition_penalty=3.0, presence_penalty=1.0, frequency_penalty=1.0)),  # nothing seen yet
     ]
     got = Sampler(6).processed_logits(logits, rows)
     expected = torch.tensor([
         [2.0 / 2, -1.0 * 2, 0.5 / 2 - 2 * 0.5 - 0.25, -0.5 * 2 - 0.5 - 0.25, 3.0, 0.0],
         [2.0, -1.0, 0.5, -0.5, 3.0, 0.0],
         [2.0, -1.0 - 1.0 + 1.0, 0.5, -0.5, 3.0 - 3.0 + 1.0, 0.0],
+        [2.0, -1.0, 0.5, -0.5, 3.0, 0.0],
     ])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
@@ -228,17 +263,17 @@ def test_seeded_noise_is_bitwise_identical_whatever_the_batch():
     V = 4096
     s = Sampler(V)
     target = row(SP(seed=1234), position=77)
-    ref = s._noise([target], torch.device("cpu"))[0]
+    ref = s._uniform_noise([target], torch.device("cpu"))[0]
     rng = random.Random(3)
     for _ in range(4):
         batch = _other_rows(rng.randrange(1, 9), rng) + [target]
         rng.shuffle(batch)
-        noise = s._noise(batch, torch.device("cpu"))
+        noise = s._uniform_noise(batch, torch.device("cpu"))
         assert torch.equal(noise[batch.index(target)], ref)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(Sampler(V, seed=9)._noise([target], torch.device("cpu"))[0], ref)
+        assert torch.equal(Sampler(V, seed=9)._uniform_noise([target], torch.device("cpu"))[0], ref)
     finally:
         torch.set_num_threads(threads)
 
@@ -247,7 +282,7 @@ def test_different_positions_and_seeds_draw_differently():
     V = 1000
     s = Sampler(V)
     cpu = torch.device("cpu")
-    a, b, c = (s._noise([row(SP(seed=sd), position=p)], cpu)[0] for sd, p in [(1, 5), (1, 6), (2, 5)])
+    a, b, c = (s._uniform_noise([row(SP(seed=sd), position=p)], cpu)[0] for sd, p in [(1, 5), (1, 6), (2, 5)])
     assert not torch.equal(a, b) and not torch.equal(a, c)
     flat = torch.zeros(50, V)
     tokens = sample(flat, [row(SP(seed=1), position=p) for p in range(50)])
@@ -297,19 +332,28 @@ def test_logprobs_are_raw_log_softmax_with_ranks_and_sorted_top():
 # -- the distribution -----------------------------------------------------------------------------------
 
 
-def _chi_square(tokens: list[int], probs: torch.Tensor) -> float:
-    n = len(tokens)
-    observed = torch.bincount(torch.tensor(tokens), minlength=probs.numel()).double()
-    expected = probs.double() * n
-    return float(((observed - expected) ** 2 / expected).sum())
+def _chi_square(tokens: list[int], probs: torch.Tensor, support: list[int]) -> float:
+    counts = torch.bincount(torch.tensor(tokens), minlength=max(support) + 1).double()[support]
+    expected = probs.double() * len(tokens)
+    return float(((counts - expected) ** 2 / expected).sum())
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6, 2.0])
+@pytest.mark.parametrize(
+    "params",
+    [SP(), SP(temperature=0.6), SP(temperature=2.0), SP(top_k=5), SP(top_p=0.8, temperature=1.5),
+     SP(min_p=0.2, top_k=6, top_p=0.95)],
+    ids=["T=1", "T=0.6", "T=2", "top_k", "top_p", "min_p+top_k+top_p"],
+)
 @pytest.mark.parametrize("seeded", [True, False])
-def test_empirical_distribution_matches_softmax(temperature, seeded):
+def test_empirical_distribution_matches_the_renormalised_softmax(params, seeded):
     logits = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3, -1.0, 0.8, 1.5])
-    n = 6000
-    rows = [row(SP(temperature=temperature, seed=i if seeded else None), position=i % 97) for i in range(n)]
+    allowed, _ = reference_support(logits, params)
+    x = logits.double() / params.temperature
+    x[[t for t in range(8) if t not in allowed]] = float("-inf")
+    probs = x.softmax(-1)
+    n = 3000
+    rows = [row(replace(params, seed=i if seeded else None), position=i % 97) for i in range(n)]
     tokens = sample(logits.expand(n, -1).contiguous(), rows, seed=11)
-    # 7 degrees of freedom: P(chi2 > 30) ~ 1e-4; the draws are fixed, so this is deterministic.
-    assert _chi_square(tokens, (logits / temperature).softmax(-1)) < 30.0
+    assert set(tokens) == allowed
+    # At most 7 degrees of freedom: P(chi2 > 30) ~ 1e-4; the draws are fixed, so this is deterministic.
+    assert _chi_square(tokens, probs[probs > 0], sorted(allowed)) < 30.0

@@ -642,3 +642,10 @@ def test_stats():
     d.sched.schedule()
     st = d.sched.stats
     assert st.num_running == 2 and st.num_waiting == 0 and st.kv_cache_usage == pytest.approx(0.4)
+
+
+def test_length_wins_over_a_stop_token_at_the_limit():
+    d = Driver(token_fn=tokens_then([5, 42]))
+    d.add("a", prompt(3), max_tokens=2, stop_token_ids=[42])
+    d.run()
+    assert d.outputs["a"] == [5, 42] and d.finish["a"] == ("length", None)

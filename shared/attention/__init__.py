@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
 from .base import AttentionBackend, AttentionMetadata, kv_cache_shape, write_kv
 from .torch_backend import TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "torch", "flash_attn")
 
@@ -30,7 +33,12 @@ def flash_attn_available(device: torch.device | str) -> bool:
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """'auto': flash_attn on CUDA when the package is installed, else the portable torch backend."""
     if name == "auto":
-        name = "flash_attn" if flash_attn_available(device) else "torch"
+        if flash_attn_available(device):
+            try:
+                return get_attention_backend("flash_attn", device)
+            except ImportError as exc:  # installed but broken (e.g. built for another torch): stay up
+                logger.warning("flash-attn unusable (%s); using the torch attention backend", exc)
+        name = "torch"
     if name == "torch":
         return TorchAttentionBackend()
     if name == "flash_attn":

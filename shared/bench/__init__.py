@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 
 def register(subparsers) -> None:
     """Add `throughput` to the `bench` subparsers; its func runs the benchmark and returns an exit code."""
@@ -13,7 +11,7 @@ def register(subparsers) -> None:
         "throughput",
         help="engine throughput on a mixed real-text workload, vs the matmul ceiling and optionally HF",
         description=throughput.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=throughput.HelpFormatter,
     )
     throughput.add_arguments(p)
     p.set_defaults(func=throughput.run)

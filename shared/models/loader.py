@@ -8,6 +8,7 @@ dtype on the way: at most one checkpoint tensor is held beside the model at any 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +18,8 @@ from torch import nn
 from shared.attention.base import AttentionBackend
 
 from .llama import FusedLinear
+
+logger = logging.getLogger(__name__)
 
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -41,12 +44,32 @@ def load_model(
     archs = getattr(hf_config, "architectures", None) or []
     if len(archs) != 1:
         raise ValueError(f"{model_dir}: config.json must name exactly one architecture, got {archs}")
+    compute = compute_dtype(dtype, device)
+    if compute != dtype:
+        logger.info("%s matmuls are slow on this CPU: computing in %s on %s-rounded weights", dtype, compute, dtype)
     with torch.device("meta"):
-        model = get_model_class(archs[0])(hf_config, attn_backend, dtype)
+        model = get_model_class(archs[0])(hf_config, attn_backend, compute)
     model.to_empty(device=device)
     model.after_materialize(device)
-    load_weights(model, checkpoint_files(Path(model_dir)))
+    load_weights(model, checkpoint_files(Path(model_dir)), round_to=dtype if compute != dtype else None)
     return model.eval()
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the model computes in when asked for `dtype` on `device`.
+
+    A CPU without native bf16/fp16 matmul (no AVX512/AMX: oneDNN reports no support) runs torch's bf16
+    GEMM 5-15x slower than fp32. There the model computes in fp32 on weights rounded to the requested
+    dtype, while the caller's KV cache may stay in the narrow dtype: the same values at fp32 speed.
+    """
+    if device.type != "cpu" or dtype == torch.float32:
+        return dtype
+    checks = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
+    try:
+        native = bool(getattr(torch.ops.mkldnn, checks[dtype])())
+    except (AttributeError, KeyError, RuntimeError):
+        native = True  # cannot tell: honour the request
+    return dtype if native else torch.float32
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -63,7 +86,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def load_weights(model: nn.Module, files: list[Path]) -> None:
+def load_weights(model: nn.Module, files: list[Path], round_to: torch.dtype | None = None) -> None:
+    """Copy every checkpoint tensor into its parameter; round_to first rounds values to that dtype."""
     targets = _weight_targets(model)
     tied = getattr(model, "arch", None) is not None and model.arch.tie_word_embeddings
     loaded: set[str] = set()
@@ -77,7 +101,8 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
                     unexpected.append(name)
                     continue
                 param, rows = targets[name]
-                _copy_into(param, rows, f.get_tensor(name), name)
+                tensor = f.get_tensor(name)
+                _copy_into(param, rows, tensor if round_to is None else tensor.to(round_to), name)
                 loaded.add(name)
     if unexpected:
         raise ValueError(f"checkpoint has tensors this model does not know: {unexpected[:8]}")

@@ -1,0 +1,179 @@
+"""Thread-safe bookkeeping of transfers in one direction: which layers are done, bytes, errors, waiters."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kv_transfer.base import ConnectorMetrics, TransferError, TransferResult
+
+logger = logging.getLogger(__name__)
+
+# Failures recorded for transfers nobody waits on yet (e.g. a refused handshake before expect()); bounded so
+# that a misbehaving peer cannot grow memory without limit.
+_MAX_ORPHAN_FAILURES = 1024
+
+
+@dataclass
+class _Transfer:
+    transfer_id: str
+    num_layers: int
+    peer: str | None = None
+    allowed_dst: frozenset[int] | None = None
+    enqueued: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+    nbytes: int = 0
+    started: float | None = None
+    finished: float | None = None
+    error: TransferError | None = None
+
+
+class TransferBook:
+    def __init__(self, direction: str, metrics: ConnectorMetrics):
+        assert direction in ("send", "recv")
+        self._direction = direction
+        self._metrics = metrics
+        self._cond = threading.Condition()
+        self._transfers: dict[str, _Transfer] = {}
+        self._orphans: OrderedDict[str, TransferError] = OrderedDict()
+
+    # -- opening ---------------------------------------------------------------------------------------
+    def open(self, transfer_id: str, num_layers: int, allowed_dst: frozenset[int] | None = None) -> None:
+        with self._cond:
+            if transfer_id in self._transfers:
+                raise ValueError(f"transfer {transfer_id!r} is already open")
+            t = _Transfer(transfer_id, num_layers, allowed_dst=allowed_dst)
+            t.error = self._orphans.pop(transfer_id, None)
+            self._transfers[transfer_id] = t
+
+    def enqueue_layer(self, transfer_id: str, num_layers: int, layer: int, peer: str) -> bool:
+        """Sender: note a layer as enqueued (opening the transfer at its first). False: already failed."""
+        with self._cond:
+            t = self._transfers.get(transfer_id)
+            if t is None:
+                t = self._transfers[transfer_id] = _Transfer(transfer_id, num_layers, peer=peer)
+            if t.peer != peer:
+                raise ValueError(f"transfer {transfer_id!r} goes to {t.peer}, not {peer}")
+            if layer in t.enqueued:
+                raise ValueError(f"transfer {transfer_id!r}: layer {layer} was already sent")
+            t.enqueued.add(layer)
+            if t.started is None:
+                t.started = time.perf_counter()
+            return t.error is None
+
+    # -- progress --------------------------------------------------------------------------------------
+    def check_layer(self, transfer_id: str, layer: int, dst_block_ids: list[int]) -> str | None:
+        """Receiver: why this layer must be refused, or None if it may be written."""
+        with self._cond:
+            t = self._transfers.get(transfer_id)
+            if t is None:
+                return (
+                    f"transfer {transfer_id!r} is not expected by the receiver (never reserved, or expired)"
+                )
+            if t.error is not None:
+                return f"transfer {transfer_id!r} already failed: {t.error}"
+            if not 0 <= layer < t.num_layers or layer in t.done:
+                return f"transfer {transfer_id!r}: unexpected or repeated layer {layer}"
+            if t.allowed_dst is not None and not t.allowed_dst.issuperset(dst_block_ids):
+                extra = sorted(set(dst_block_ids) - t.allowed_dst)
+                return f"transfer {transfer_id!r}: dst blocks {extra} were not reserved for it"
+            if t.started is None:
+                t.started = time.perf_counter()
+            return None
+
+    def layer_done(self, transfer_id: str, layer: int, nbytes: int) -> None:
+        with self._cond:
+            t = self._transfers.get(transfer_id)
+            if t is None or t.error is not None:
+                return  # timed out or failed meanwhile: its waiter has already been answered
+            t.done.add(layer)
+            t.nbytes += nbytes
+            if len(t.done) == t.num_layers:
+                t.finished = time.perf_counter()
+                self._cond.notify_all()
+
+    def fail(self, transfer_id: str, error: TransferError) -> None:
+        with self._cond:
+            t = self._transfers.get(transfer_id)
+            if t is None:
+                # A sender's transfer is unknown only once wait() has answered; a receiver may hear of a
+                # failure (a refused handshake) before expect(): keep it for then.
+                if self._direction == "send" or transfer_id in self._orphans:
+                    return
+                self._orphans[transfer_id] = error
+                while len(self._orphans) > _MAX_ORPHAN_FAILURES:
+                    self._orphans.popitem(last=False)
+            elif t.error is None and t.finished is None:
+                t.error = error
+                self._cond.notify_all()
+            else:
+                return  # the first error stands; later ones are consequences
+        logger.warning("%s transfer %s failed: %s", self._direction, transfer_id, error)
+
+    def fail_unfinished(self, transfer_id: str, error: TransferError) -> None:
+        """Fail a transfer only if it is still open (no record is kept for one already answered)."""
+        with self._cond:
+            t = self._transfers.get(transfer_id)
+            if t is None or t.error is not None or t.finished is not None:
+                return
+        self.fail(transfer_id, error)
+
+    def fail_peer(self, peer: str, error: TransferError) -> None:
+        """Sender: fail every unfinished transfer to a peer whose connection broke."""
+        with self._cond:
+            ids = [t.transfer_id for t in self._transfers.values() if t.peer == peer]
+        for transfer_id in ids:
+            self.fail(transfer_id, error)
+
+    def fail_all(self, error: TransferError) -> None:
+        with self._cond:
+            ids = list(self._transfers)
+        for transfer_id in ids:
+            self.fail(transfer_id, error)
+
+    def peer_of(self, transfer_id: str) -> str | None:
+        with self._cond:
+            t = self._transfers.get(transfer_id)
+            return None if t is None else t.peer
+
+    def error_of(self, transfer_id: str) -> TransferError | None:
+        with self._cond:
+            t = self._transfers.get(transfer_id)
+            return None if t is None else t.error
+
+    # -- waiting ---------------------------------------------------------------------------------------
+    def wait(self, transfer_id: str, timeout: float) -> TransferResult:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            t = self._transfers.get(transfer_id)
+            if t is None:
+                orphan = self._orphans.pop(transfer_id, None)
+                if orphan is not None:
+                    self._metrics.add(failures=1)
+                    raise orphan
+                raise TransferError(f"unknown transfer {transfer_id!r} ({self._direction} side)")
+            while t.error is None and t.finished is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    t.error = TransferError(
+                        f"{self._direction} transfer {transfer_id!r} timed out after {timeout:.1f}s "
+                        f"({len(t.done)}/{t.num_layers} layers done)"
+                    )
+                    break
+                self._cond.wait(left)
+            del self._transfers[transfer_id]
+        return self._settle(t)
+
+    def _settle(self, t: _Transfer) -> TransferResult:
+        if t.error is not None:
+            self._metrics.add(failures=1)
+            raise t.error
+        seconds = t.finished - t.started if t.started is not None and t.finished is not None else 0.0
+        if self._direction == "send":
+            self._metrics.add(bytes_sent=t.nbytes, transfers_sent=1, send_seconds=seconds)
+        else:
+            self._metrics.add(bytes_received=t.nbytes, transfers_received=1, recv_seconds=seconds)
+        return TransferResult(t.transfer_id, t.nbytes, seconds, t.num_layers)

@@ -1,0 +1,257 @@
+"""UCX connector (ucxx).
+
+Two endpoints per sender->receiver pair. The control endpoint comes from the receiver's listener, with error
+handling on (ucxx forces it for listener connections, and it is what turns a dead peer into an error): it
+carries the layout handshake, one JSON header per layer, and the receiver's per-layer acks. The data endpoint
+is created from the receiver's UCX worker address and carries only block bytes as tagged messages; its error
+handling follows the transport, because UCX only uses shared memory on endpoints without it. Tags are
+(connection id << 32 | message sequence number), so every data message has a unique tag at the receiver.
+
+CUDA caches work the same way: buffers are handed to ucxx through __cuda_array_interface__, the sender waits
+on a CUDA event recorded by send_blocks, and each side synchronizes its copies before UCX or a waiter reads
+them. Use transport "auto" (or ucx_tls with cuda_copy,cuda_ipc) so that UCX loads its CUDA transports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+from kv_transfer import _blocks
+from kv_transfer._ucx_runtime import UcxRuntime, parse_peer, recv_msg, send_msg, tag, ucx_settings, ucxx
+from kv_transfer._ucx_sender import Job, SenderPeer
+from kv_transfer.base import (
+    ConnectorConfig,
+    KVConnector,
+    KVLayout,
+    LayoutMismatchError,
+    TransferError,
+    TransferResult,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class UcxConnector(KVConnector):
+    name = "ucx"
+
+    def __init__(self, config: ConnectorConfig):
+        super().__init__(config)
+        tls, self._error_handling = ucx_settings(config)
+        self._rt = UcxRuntime.acquire(tls, timeout=max(config.connect_timeout, 10.0))
+        self._peers: dict[str, SenderPeer] = {}  # touched on the loop thread only
+        self._serving: set[asyncio.Task] = set()
+        self._conn_ids: set[int] = set()
+        self._closed = False
+        self._staging = _blocks.StagingPool()
+        try:
+            self._listener = self._rt.run(self._listen(), timeout=max(config.connect_timeout, 10.0))
+            self._port: int = self._listener.port
+        except BaseException:
+            self._rt.release()
+            raise
+
+    @property
+    def address(self) -> str:
+        return f"ucx://{self.config.host}:{self._port}"
+
+    def connect(self, peer: str, timeout: float | None = None) -> None:
+        wait = self.config.connect_timeout + 1 if timeout is None else timeout
+        self._rt.run(self._connect_peer(peer), timeout=wait)
+
+    def send_blocks(
+        self, peer: str, transfer_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> None:
+        self._check_send_args(transfer_id, layer, src_block_ids, dst_block_ids)
+        parse_peer(peer)  # a malformed address is the caller's bug: raise here, not on the transfer thread
+        if self._closed:
+            raise TransferError("ucx connector is closed")
+        if not self._sent.enqueue_layer(transfer_id, self.layout.num_layers, layer, peer):
+            return
+        job = Job(
+            transfer_id,
+            layer,
+            list(src_block_ids),
+            list(dst_block_ids),
+            _blocks.ready_event(self._caches[layer]),
+        )
+        self._rt.call_soon(lambda: self._peer(peer, transfer_id).queue.put_nowait(job))
+
+    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        peer = self._sent.peer_of(transfer_id)
+        try:
+            return super().wait(transfer_id, timeout)
+        except TransferError as e:
+            if peer is not None:  # let the receiver give up now rather than at its own deadline
+                self._rt.call_soon(self._abort, peer, transfer_id, str(e))
+            raise
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._rt.run(self._shutdown(), timeout=10)
+        except TransferError as e:
+            logger.warning("ucx connector close: %s", e)
+        error = TransferError("ucx connector closed")
+        self._sent.fail_all(error)
+        self._received.fail_all(error)
+        self._rt.release()
+
+    # -- loop-thread internals -------------------------------------------------------------------------
+    def _peer(self, peer: str, first_transfer_id: str | None) -> SenderPeer:
+        sender = self._peers.get(peer)
+        if sender is None:
+            sender = self._peers[peer] = SenderPeer(self, peer, first_transfer_id)
+        return sender
+
+    def _drop_peer(self, sender: SenderPeer) -> None:
+        if self._peers.get(sender.peer) is sender:
+            del self._peers[sender.peer]
+
+    async def _connect_peer(self, peer: str) -> None:
+        await self._peer(peer, None).connected_or_raise()
+
+    def _abort(self, peer: str, transfer_id: str, reason: str) -> None:
+        sender = self._peers.get(peer)
+        if sender is not None:
+            sender.queue.put_nowait(("abort", transfer_id, reason))
+
+    async def _listen(self) -> object:
+        return ucxx.create_listener(
+            self._serve, port=self.config.port or None, connect_timeout=self.config.connect_timeout
+        )
+
+    async def _shutdown(self) -> None:
+        for sender in list(self._peers.values()):
+            await sender.close()
+        for task in list(self._serving):
+            task.cancel()
+        await asyncio.gather(*self._serving, return_exceptions=True)
+        self._listener.close()
+        self._peers.clear()
+        self._listener = None  # ucxx.reset() refuses while anything still references the UCX context
+
+    async def _serve(self, ep: object) -> None:
+        task = asyncio.current_task()
+        self._serving.add(task)
+        inbound: _Inbound | None = None
+        try:
+            conn_id = await self._accept(ep)
+            if conn_id:
+                inbound = _Inbound(self, ep, conn_id)
+                await inbound.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken connection must fail its transfers, not the loop
+            logger.info("ucx connection from a sender ended: %r", e)
+            if inbound is not None:
+                inbound.fail(TransferError(f"connection to sender lost: {e!r}"))
+        finally:
+            if inbound is not None:
+                inbound.cancel()
+                self._conn_ids.discard(inbound.conn_id)
+            self._serving.discard(task)
+            ep.abort()
+
+    async def _accept(self, ep: object) -> int:
+        """Layout handshake; returns the new connection id, or 0 when the sender was refused."""
+        hello = await asyncio.wait_for(recv_msg(ep), self.config.connect_timeout)
+        sender_layout = KVLayout.from_dict(hello["layout"])
+        refusal = self.layout.mismatch(sender_layout, "receiver", "sender") if self._layout else None
+        if self._layout is None or refusal is not None:
+            reason = str(refusal) if refusal else "receiver has no KV caches registered yet"
+            logger.error("refused ucx sender: %s", reason)
+            self.metrics.add(refused_handshakes=1)
+            if hello.get("transfer_id") is not None:
+                mismatches = refusal.mismatches if refusal else {}
+                self._received.fail(
+                    hello["transfer_id"], LayoutMismatchError(f"refused sender: {reason}", mismatches)
+                )
+            layout = self._layout.to_dict() if self._layout else None
+            await send_msg(ep, {"ok": False, "error": reason, "layout": layout})
+            try:  # closing at once could drop the refusal in flight: let the sender hang up first
+                await asyncio.wait_for(recv_msg(ep), self.config.connect_timeout)
+            except (Exception, asyncio.TimeoutError):  # noqa: BLE001
+                pass
+            return 0
+        conn_id = random.randrange(1, 1 << 31)
+        while conn_id in self._conn_ids:
+            conn_id = random.randrange(1, 1 << 31)
+        self._conn_ids.add(conn_id)
+        reply = {"ok": True, "layout": self.layout.to_dict(), "conn_id": conn_id}
+        await send_msg(ep, reply | {"worker_address": self._rt.worker_address.hex()})
+        return conn_id
+
+    async def _recv_layer(self, conn_id: int, msg: dict) -> str | None:
+        """Receive one layer into the cache; returns why it was refused, or None."""
+        transfer_id, layer, dst = msg["transfer_id"], msg["layer"], msg["dst"]
+        segments = [_blocks.Segment.from_list(s) for s in msg["segments"]]
+        cache = self._caches[layer]
+        refusal = self._received.check_layer(transfer_id, layer, dst)
+        buffers, complete = _blocks.layer_sinks(cache, dst, segments, self._staging, refusal is not None)
+        recvs = [
+            ucxx.recv(_blocks.wire_buffer(buf), tag=tag(conn_id, msg["seq"] + i))
+            for i, buf in enumerate(buffers)
+        ]
+        await asyncio.wait_for(asyncio.gather(*recvs), self.config.transfer_timeout)
+        nbytes = complete()
+        if refusal is None:
+            self._received.layer_done(transfer_id, layer, nbytes)
+        else:
+            self._received.fail(transfer_id, TransferError(refusal))
+        return refusal
+
+
+class _Inbound:
+    """One sender's connection, receiving side. Layers are received concurrently (up to max_inflight_layers)
+    so that the next header is read and its receives posted while earlier bytes are still arriving."""
+
+    def __init__(self, owner: UcxConnector, ep: object, conn_id: int):
+        self.owner, self.ep, self.conn_id = owner, ep, conn_id
+        self.seen: set[str] = set()
+        self.ack_lock = asyncio.Lock()
+        self.slots = asyncio.Semaphore(owner.config.max_inflight_layers)
+        self.tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        while True:
+            msg = await recv_msg(self.ep)  # idle until the sender has work; ends when it leaves
+            if msg["kind"] == "layer":
+                self.seen.add(msg["transfer_id"])
+                await self.slots.acquire()
+                task = asyncio.get_running_loop().create_task(self._layer(msg))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+            elif msg["kind"] == "abort":
+                error = TransferError(f"sender aborted: {msg['error']}")
+                self.owner._received.fail(msg["transfer_id"], error)
+            elif msg["kind"] == "bye":
+                await asyncio.gather(*self.tasks)
+                return
+
+    async def _layer(self, msg: dict) -> None:
+        try:
+            refusal = await self.owner._recv_layer(self.conn_id, msg)
+            ack = {"kind": "ack", "transfer_id": msg["transfer_id"], "layer": msg["layer"], "error": refusal}
+            async with self.ack_lock:  # send_obj is two messages: keep concurrent acks from interleaving
+                await send_msg(self.ep, ack)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            # The message stream is out of step now: drop the connection; run() sees it and fails the rest.
+            logger.warning("ucx receive of layer %s failed: %r", msg["layer"], e)
+            self.fail(TransferError(f"receiving layer {msg['layer']} failed: {e!r}"))
+            self.ep.abort()
+        finally:
+            self.slots.release()
+
+    def fail(self, error: TransferError) -> None:
+        for transfer_id in self.seen:
+            self.owner._received.fail_unfinished(transfer_id, error)
+
+    def cancel(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
