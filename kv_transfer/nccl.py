@@ -179,6 +179,7 @@ class NcclConnector(KVConnector):
         if self.backend == "nccl":
             if not hasattr(dist, "ProcessGroupNCCL"):
                 raise TransferError("this torch build has no NCCL; use backend gloo")
+            torch.cuda.set_device(self._caches[0].device)  # per thread: the one that will use this group
             return dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options())
         options = dist.ProcessGroupGloo._Options()
         # Bind to the advertised interface rather than whatever the hostname resolves to.

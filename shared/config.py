@@ -74,6 +74,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # A long prompt takes at most this many tokens of one step, so decodes keep flowing.
     long_prefill_token_threshold: int = 0  # 0: no cap beyond the budget
+    # Disaggregation: how long a reservation or blocks held for a transfer live unclaimed.
+    kv_lease_s: float = 30.0
 
 
 @dataclass(frozen=True)

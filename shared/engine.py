@@ -19,10 +19,10 @@ from shared.config import EngineConfig
 from shared.kv_cache_manager import KVCacheManager
 from shared.model_info import ModelInfo, load_model_info
 from shared.model_runner import ModelRunner
-from shared.request import Request, RequestStatus
+from shared.request import KVSendSpec, Request, RequestStatus
 from shared.sampling_params import SamplingParams
 from shared.scheduler import Scheduler
-from shared.scheduler_output import EngineCoreOutput
+from shared.scheduler_output import EngineCoreOutput, Reservation
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +95,18 @@ class EngineCore:
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str = "",
+        kv_send: KVSendSpec | None = None,
     ) -> list[str]:
-        """Queue a request; returns the engine request ids (one, or n children for n > 1)."""
+        """Queue a request; returns the engine request ids (one, or n children for n > 1).
+        With `kv_send` (prefill role) the request computes its prompt, samples one token, and its prompt
+        KV goes to the peer layer by layer as it is computed."""
         prompt = list(prompt_token_ids)
         self.validate(prompt, params)
+        if kv_send is not None:
+            req = self._make_request(request_id, prompt, params.for_child(0), arrival_time, cache_salt)
+            req.kv_send, req.max_tokens = kv_send, 1
+            self.scheduler.add_request(req)
+            return [request_id]
         if params.n == 1:
             self._add_one(request_id, prompt, params, arrival_time, cache_salt)
             return [request_id]
@@ -110,12 +118,45 @@ class EngineCore:
     def _add_one(
         self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str
     ) -> None:
+        self.scheduler.add_request(self._make_request(rid, prompt, params, arrival, salt))
+
+    def _make_request(
+        self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str
+    ) -> Request:
         req = Request(rid, prompt, params, eos_token_id=self.info.eos_token_id, cache_salt=salt)
         if arrival is not None:
             req.arrival_time = arrival
         room = self.max_model_len - len(prompt)
         req.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        self.scheduler.add_request(req)
+        return req
+
+    # -- disaggregation -------------------------------------------------------------------------------
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+        lease_s: float | None = None, cache_salt: str = "",
+    ) -> Reservation | None:
+        """Decode role: blocks for a prompt a prefill node will compute (None: no room now)."""
+        prompt = list(prompt_token_ids)
+        self.validate(prompt, params)
+        if params.n != 1:
+            raise ValueError("n: a reservation is for one sequence; reserve each of n separately")
+        req = self._make_request(request_id, prompt, params, None, cache_salt)
+        lease = self.config.scheduler.kv_lease_s if lease_s is None else lease_s
+        return self.scheduler.reserve(req, lease)
+
+    def admit_reserved(self, request_id: str, first_token: int, logprobs=None) -> EngineCoreOutput:
+        """Decode role: the reserved blocks hold the prompt's KV; decode on from `first_token`."""
+        if not 0 <= first_token < self.vocab_size:
+            raise ValueError(f"first_token_id: {first_token} is outside the vocabulary [0, {self.vocab_size})")
+        return self.scheduler.admit_reserved(request_id, first_token, logprobs)
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill role: the transfer reading this request's blocks is over; free them."""
+        return self.scheduler.release_held(request_id)
+
+    def expire_leases(self) -> list[str]:
+        return self.scheduler.expire_leases()
 
     def abort(self, request_ids: Sequence[str]) -> list[str]:
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -124,9 +165,14 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_leases(self) -> bool:
+        return bool(self.scheduler.reserved or self.scheduler.held)
+
     # -- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.scheduler.reserved or self.scheduler.held:
+            self.scheduler.expire_leases()
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         return self.scheduler.update_from_output(sched, result)

@@ -47,6 +47,7 @@ class KVCacheManager:
         # How many leading blocks of each request already carry their hash.
         self.num_cached_blocks: dict[str, int] = {}
         self._roots: dict[str, bytes] = {}
+        self.held: dict[str, list[KVBlock]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -84,10 +85,11 @@ class KVCacheManager:
         return PrefixHit(tuple(hit), len(hit) * self.block_size)
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT
+        self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT, cache: bool = True
     ) -> list[KVBlock] | None:
         """Blocks for `num_new_tokens` more tokens after the computed ones (and the hit), or None when
-        the pool cannot supply them (nothing is changed then)."""
+        the pool cannot supply them (nothing is changed then). `cache=False` leaves the new blocks
+        unhashed: their KV arrives later (a transfer), and `cache_tokens` hashes them then."""
         blocks = self.req_to_blocks.get(req.request_id, [])
         num_computed = req.num_computed_tokens + hit.num_tokens
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
@@ -104,7 +106,8 @@ class KVCacheManager:
             blocks.extend(hit.blocks)
             self.num_cached_blocks[req.request_id] = len(blocks)
         blocks.extend(new_blocks)
-        self._cache_full_blocks(req, num_computed + num_new_tokens)
+        if cache:
+            self._cache_full_blocks(req, num_computed + num_new_tokens)
         return new_blocks
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
@@ -133,6 +136,18 @@ class KVCacheManager:
         for block in blocks[req.num_computed_tokens // self.block_size : num_cached]:
             self.pool.uncache_block(block)
         self.pool.free_blocks(reversed(blocks))
+
+    def hold(self, req: Request) -> None:
+        """Keep a finished request's blocks (a transfer may still be reading them) until `release`."""
+        self.held[req.request_id] = self.req_to_blocks.pop(req.request_id, [])
+        self.num_cached_blocks.pop(req.request_id, None)
+
+    def release(self, request_id: str) -> bool:
+        blocks = self.held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.free_blocks(reversed(blocks))
+        return True
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

@@ -31,7 +31,10 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # bfloat16 everywhere: this CPU has AVX512-BF16, and it is the usual serving dtype on GPUs.
+        # bfloat16 on GPUs and on CPUs with native bf16 matmul (AVX512-BF16/AMX); elsewhere torch's bf16
+        # GEMM runs ~100x slower than fp32, so auto means float32 there.
+        if device.type == "cpu" and not _cpu_has_native_bf16():
+            return torch.float32
         return torch.bfloat16
     dtype = parse_dtype(name)
     if device.type == "cpu" and dtype == torch.float16:
@@ -65,3 +68,10 @@ def _eos_token_id(path: str, hf: dict) -> int | None:
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     return eos
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False

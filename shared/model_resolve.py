@@ -6,13 +6,14 @@ GGUF files are converted once into the cache; later starts reuse the conversion.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.gguf_convert import ensure_converted, gguf_fingerprint, is_converted
+from shared.gguf_convert import MANIFEST_NAME, ensure_converted, gguf_fingerprint, is_converted
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +63,9 @@ def default_gguf_path() -> Path:
     )
 
 
-def resolve_model(spec: str, *, progress: bool = True) -> ResolvedModel:
+def resolve_model(spec: str | os.PathLike, *, progress: bool = True) -> ResolvedModel:
     """Resolve a model spec to an HF folder, converting a GGUF into the cache when needed."""
-    spec = (spec or "").strip()
+    spec = os.fspath(spec or "").strip()
     if not spec:
         raise ModelResolveError(f"empty model spec; {_SPEC_HELP}")
     if spec == DEFAULT_SPEC:
@@ -86,7 +87,17 @@ def _resolve_folder(path: Path) -> ResolvedModel:
         raise ModelResolveError(f"model folder {str(path)!r} has no config.json ({_SPEC_HELP})")
     path = path.resolve()
     logger.info("Using model folder %s", path)
-    return ResolvedModel(path=path, model_id=path.name, source="folder")
+    return ResolvedModel(path=path, model_id=_folder_model_id(path), source="folder")
+
+
+def _folder_model_id(path: Path) -> str:
+    """A folder we converted keeps the id of its GGUF, so block hashes agree however it is named."""
+    manifest = path / MANIFEST_NAME
+    if manifest.is_file():
+        source = Path(json.loads(manifest.read_text()).get("source", ""))
+        if source.name:
+            return DEFAULT_MODEL_ID if source.name == DEFAULT_GGUF_NAME else source.stem
+    return path.name
 
 
 def converted_dir_for(gguf_path: Path) -> Path:

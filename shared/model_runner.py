@@ -23,7 +23,7 @@ from shared.model_info import ModelInfo
 from shared.models.loader import load_model
 from shared.sampler import Sampler, SamplingRow
 from shared.sampling_params import SamplingParams
-from shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shared.scheduler_output import KVSend, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.model.seed)
         self.kv_caches: list[torch.Tensor] = []
         self.states: dict[str, _ReqState] = {}
+        self.connector = None  # kv_transfer.KVConnector; a prefill node sets it to send KV while computing
 
     # -- KV cache ----------------------------------------------------------------------------------
 
@@ -102,7 +103,8 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        on_layer_done = self._layer_sender(sched.kv_sends) if sched.kv_sends else None
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, on_layer_done)
         if not batch.sample_req_ids:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -115,6 +117,18 @@ class ModelRunner:
             if lp is not None:
                 logprobs[rid] = lp
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _layer_sender(self, sends: tuple[KVSend, ...]):
+        if self.connector is None:
+            raise RuntimeError("kv_sends scheduled but no KV connector is registered")
+        connector = self.connector
+
+        def send_layer(layer: int) -> None:
+            # send_blocks only enqueues: the connector's thread moves the bytes while later layers compute.
+            for s in sends:
+                connector.send_blocks(s.peer, s.transfer_id, layer, list(s.src_block_ids), list(s.dst_block_ids))
+
+        return send_layer
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids | sched.preempted_req_ids:

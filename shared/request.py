@@ -12,6 +12,7 @@ from shared.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # decode role: blocks reserved, a prefill node is filling them
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -24,6 +25,17 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+
+
+@dataclass(frozen=True)
+class KVSendSpec:
+    """Prefill role: where this request's prompt KV goes. The peer already holds the first
+    `skip_blocks` blocks; the rest go to `dst_block_ids` in its cache."""
+
+    peer: str
+    transfer_id: str
+    skip_blocks: int
+    dst_block_ids: tuple[int, ...]
 
 
 @dataclass
@@ -43,6 +55,8 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_reason: int | None = None  # the stop token id that ended it, if any
+    kv_send: KVSendSpec | None = None
+    kv_send_started: bool = False  # its blocks may be in flight: hold them past the request's end
     max_tokens: int | None = None  # effective limit (the engine folds in max_model_len); None: no limit
 
     def __post_init__(self) -> None:

@@ -15,21 +15,26 @@ prefill is what happens when the budget runs out mid-prompt. The scheduler never
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from shared.config import SchedulerConfig
-from shared.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
+from shared.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit, cdiv
 from shared.request import Request, RequestStatus
 from shared.request_queue import create_request_queue
 from shared.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
+    KVSend,
     ModelRunnerOutput,
     NewRequestData,
+    Reservation,
     SchedulerOutput,
 )
+
+_QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 @dataclass
@@ -40,6 +45,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens not computed yet, waiting or running
+    num_reserved: int = 0
 
 
 @dataclass
@@ -61,6 +68,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.stats = SchedulerStats()
+        # Disaggregation: reservations awaiting a transfer (decode role), finished requests whose blocks a
+        # transfer may still read (prefill role), and remote-prefilled requests the runner has not seen.
+        self.reserved: dict[str, float] = {}  # req id -> lease deadline
+        self.held: dict[str, float] = {}
+        self._unseen: set[str] = set()
 
     # -- queue management -------------------------------------------------------------------------
 
@@ -79,6 +91,8 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_KV:
+                del self.reserved[rid]
             else:
                 self.waiting.remove(req)
             req.status = status
@@ -87,8 +101,13 @@ class Scheduler:
         return done
 
     def _free(self, req: Request) -> None:
-        self.kv.free(req)
+        if req.kv_send_started:
+            self.kv.hold(req)
+            self.held[req.request_id] = time.monotonic() + self.config.kv_lease_s
+        else:
+            self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
+        self._unseen.discard(req.request_id)
         del self.requests[req.request_id]
 
     def has_unfinished(self) -> bool:
@@ -112,6 +131,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.tokens.values()),
             finished_req_ids=frozenset(self.finished_req_ids),
             preempted_req_ids=frozenset(plan.preempted),
+            kv_sends=self._kv_sends(plan),
         )
         self.finished_req_ids = set()
         # Tokens count as computed once scheduled: the runner computes them before the next schedule.
@@ -141,9 +161,12 @@ class Scheduler:
                 continue
             plan.tokens[req.request_id] = n
             plan.budget -= n
-            plan.cached.append(
-                CachedRequestData(req.request_id, tuple(b.block_id for b in new_blocks), req.num_computed_tokens)
-            )
+            if req.request_id in self._unseen:
+                self._unseen.discard(req.request_id)
+                plan.new.append(self._new_request_data(req))
+            else:
+                new_ids = tuple(b.block_id for b in new_blocks)
+                plan.cached.append(CachedRequestData(req.request_id, new_ids, req.num_computed_tokens))
 
     def _allocate_or_preempt(self, req: Request, n: int, plan: _StepPlan) -> list | None:
         while (new_blocks := self.kv.allocate_slots(req, n)) is None:
@@ -198,15 +221,16 @@ class Scheduler:
         self.running.append(req)
         plan.tokens[req.request_id] = n
         plan.budget -= n
-        plan.new.append(
-            NewRequestData(
-                req_id=req.request_id,
-                token_ids=tuple(req.all_token_ids),
-                num_prompt_tokens=req.num_prompt_tokens,
-                sampling_params=req.sampling_params,
-                block_ids=tuple(self.kv.block_ids(req.request_id)),
-                num_computed_tokens=req.num_computed_tokens,
-            )
+        plan.new.append(self._new_request_data(req))
+
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=req.request_id,
+            token_ids=tuple(req.all_token_ids),
+            num_prompt_tokens=req.num_prompt_tokens,
+            sampling_params=req.sampling_params,
+            block_ids=tuple(self.kv.block_ids(req.request_id)),
+            num_computed_tokens=req.num_computed_tokens,
         )
 
     # -- update ---------------------------------------------------------------------------------------
@@ -222,22 +246,24 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt
             req.append_output_token(token)
             self._check_stop(req, token)
-            outputs.append(
-                EngineCoreOutput(
-                    req_id=rid,
-                    new_token_ids=(token,),
-                    logprobs=result.logprobs.get(rid),
-                    finish_reason=req.finish_reason,
-                    stop_reason=req.stop_reason,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=req.num_cached_tokens or 0,
-                )
-            )
+            outputs.append(self._output(req, token, result.logprobs.get(rid)))
             if req.is_finished:
                 self.running.remove(req)
                 self._free(req)
         self._update_stats()
         return outputs
+
+    @staticmethod
+    def _output(req: Request, token: int, logprobs) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            req_id=req.request_id,
+            new_token_ids=(token,),
+            logprobs=logprobs,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens or 0,
+        )
 
     def _check_stop(self, req: Request, token: int) -> None:
         # Length first, as vLLM does: a stop token that is also the last allowed token ends as "length".
@@ -257,4 +283,85 @@ class Scheduler:
     def _update_stats(self) -> None:
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
+        self.stats.num_reserved = len(self.reserved)
         self.stats.kv_cache_usage = self.kv.usage()
+        queued = sum(r.num_prompt_tokens - r.num_computed_tokens for r in self.running
+                     if r.num_computed_tokens < r.num_prompt_tokens)
+        queued += sum(r.num_prompt_tokens for r in self.requests.values() if r.status in _QUEUED)
+        self.stats.queued_prefill_tokens = queued
+
+    # -- disaggregation ------------------------------------------------------------------------------
+
+    def _kv_sends(self, plan: _StepPlan) -> tuple[KVSend, ...]:
+        """Requests whose prompt completes this step and whose KV goes to a peer."""
+        sends = []
+        for rid, n in plan.tokens.items():
+            req = self.requests[rid]
+            spec = req.kv_send
+            if spec is None or req.num_computed_tokens + n < req.num_prompt_tokens or req.kv_send_started:
+                continue
+            blocks = self.kv.block_ids(rid)[spec.skip_blocks : cdiv(req.num_prompt_tokens, self.kv.block_size)]
+            if len(blocks) != len(spec.dst_block_ids):
+                raise ValueError(
+                    f"dst_block_ids: {len(spec.dst_block_ids)} given for {len(blocks)} blocks of request {rid}"
+                )
+            req.kv_send_started = True
+            sends.append(KVSend(rid, spec.transfer_id, spec.peer, tuple(blocks), spec.dst_block_ids))
+        return tuple(sends)
+
+    def reserve(self, req: Request, lease_s: float) -> Reservation | None:
+        """Decode role: set aside blocks for a prompt whose KV a prefill node will write. None when the
+        blocks are not there (the caller answers 'no capacity')."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        hit = self._lookup(req)
+        if self.kv.allocate_slots(req, req.num_prompt_tokens - hit.num_tokens, hit, cache=False) is None:
+            self.kv.free(req)
+            return None
+        req.status = RequestStatus.WAITING_FOR_KV
+        req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
+        self.stats.prefix_cache_queries += req.num_prompt_tokens
+        self.stats.prefix_cache_hits += hit.num_tokens
+        self.requests[req.request_id] = req
+        deadline = time.monotonic() + lease_s
+        self.reserved[req.request_id] = deadline
+        dst = self.kv.block_ids(req.request_id)[len(hit.blocks) :]
+        self._update_stats()
+        return Reservation(req.request_id, hit.num_tokens, tuple(dst), deadline)
+
+    def admit_reserved(self, request_id: str, first_token: int, logprobs=None) -> EngineCoreOutput:
+        """Decode role: the prompt's KV is in place and the prefill node sampled `first_token`."""
+        req = self.requests.get(request_id)
+        if req is None or request_id not in self.reserved:
+            raise KeyError(f"request_id: no reservation for {request_id!r} (expired or unknown)")
+        del self.reserved[request_id]
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_tokens(req)  # the transferred blocks become prefix-cache hits from now on
+        req.append_output_token(first_token)
+        self._check_stop(req, first_token)
+        out = self._output(req, first_token, logprobs)
+        if req.is_finished:
+            self._free(req)
+        else:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._unseen.add(request_id)
+        self._update_stats()
+        return out
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill role: the transfer that read these blocks is over."""
+        self.held.pop(request_id, None)
+        return self.kv.release(request_id)
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        """Free reservations nobody filled and held blocks nobody released before their deadline."""
+        now = time.monotonic() if now is None else now
+        expired = [rid for rid, t in self.reserved.items() if t <= now]
+        self.finish_requests(expired, RequestStatus.FINISHED_ABORTED)
+        for rid in [rid for rid, t in self.held.items() if t <= now]:
+            self.release_held(rid)
+            expired.append(rid)
+        if expired:
+            self._update_stats()
+        return expired

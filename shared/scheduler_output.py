@@ -29,6 +29,17 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
+class KVSend:
+    """Send these blocks, layer by layer as the step computes them, to a peer's blocks."""
+
+    req_id: str
+    transfer_id: str
+    peer: str
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     new_reqs: tuple[NewRequestData, ...]
     cached_reqs: tuple[CachedRequestData, ...]
@@ -36,6 +47,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: frozenset[str]
     preempted_req_ids: frozenset[str]
+    kv_sends: tuple[KVSend, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -57,3 +69,13 @@ class EngineCoreOutput:
     stop_reason: int | None
     num_prompt_tokens: int
     num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Decode role: blocks set aside for a request whose KV a prefill node will write."""
+
+    req_id: str
+    num_cached_tokens: int  # leading prompt tokens already held here (prefix cache)
+    dst_block_ids: tuple[int, ...]  # the blocks after those, for the transfer to fill
+    deadline: float

@@ -5,6 +5,9 @@ single SDPA call with a length mask. Prefill chunks go one request at a time: a 
 attends over its own fresh k/v (no gather); a later chunk gathers its context and uses a causal mask offset
 by the context length. Index tensors and masks are built once per step (per metadata object) and shared by
 all layers; gathers land in reused workspace buffers.
+
+Padding and the unused tail of a request's last block are read and masked out, so the cache must hold finite
+values there (allocate it with zeros, not empty: NaN garbage would leak through the masked softmax).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ them. The batch is flat (no padding): T tokens of many requests, positions absol
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +48,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel (statistics in fp32); bit-identical to HF's chain of ops in fp32, and within
-        # rounding of it in bf16 (HF rounds before scaling by the weight).
+        # One fused kernel (statistics in fp32) instead of HF's five ops; it matched HF exactly in fp32 when
+        # measured, and is within rounding in bf16 (HF rounds before scaling by the weight).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,12 +232,17 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """`on_layer_done(i)` runs once layer i has written its KV: a prefill node starts sending that
+        layer's blocks while the next layers compute."""
         h = self.model.embed_tokens(input_ids)
         cos_sin = self.rope.lookup(positions)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             h, residual = layer(h, residual, cos_sin, kv_cache, meta, self.rope)
+            if on_layer_done is not None:
+                on_layer_done(i)
         h, _ = self.model.norm.add_forward(h, residual)
         return h
 
