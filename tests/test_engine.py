@@ -74,7 +74,8 @@ def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=24)],
+    [SamplingParams(temperature=0.0, max_tokens=24),
+     SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=24)],
     ids=["greedy", "seeded"],
 )
 def test_batch_invariance(default_model_dir, llm, params):

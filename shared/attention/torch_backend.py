@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .base import AttentionBackend, AttentionMetadata, write_kv
 
 
@@ -39,9 +40,20 @@ class _StepPlan:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, use_native: bool = True) -> None:
         self._plan: _StepPlan | None = None
+        # The native kernel reads K/V in place from the block table; the gather path is the portable fallback.
+        self._native = cpu_kernels.load() if use_native else None
         self._buffers: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
+
+    def _native_ok(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return (
+            self._native is not None
+            and q.device.type == "cpu"
+            and q.dtype == torch.float32
+            and kv_cache.dtype in (torch.float32, torch.bfloat16)
+            and kv_cache.is_contiguous()
+        )
 
     def forward(
         self,
@@ -57,7 +69,11 @@ class TorchAttentionBackend(AttentionBackend):
         plan = self._step_plan(meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
-        if plan.decode is not None:
+        if plan.decode is not None and self._native_ok(q, kv_cache):
+            out[:nd] = self._native.paged_decode(
+                q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, sliding_window or 0
+            )
+        elif plan.decode is not None:
             out[:nd] = self._decode(q[:nd], kv_cache, plan, scale, sliding_window)
         starts = plan.query_starts
         for r in range(nd, meta.num_reqs):

@@ -83,7 +83,7 @@ class NodeInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "model_id", "block_size", "dtype", "max_model_len", "vocab_size", "capacity_tokens", "layout", "connector", "kv_address", "grpc_address")
+    __slots__ = ("node_id", "role", "model_id", "block_size", "dtype", "max_model_len", "vocab_size", "capacity_tokens", "layout", "connector", "kv_address", "grpc_address", "metrics_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class NodeInfo(_message.Message):
     CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     model_id: str
@@ -108,7 +109,8 @@ class NodeInfo(_message.Message):
     connector: str
     kv_address: str
     grpc_address: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., connector: _Optional[str] = ..., kv_address: _Optional[str] = ..., grpc_address: _Optional[str] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., connector: _Optional[str] = ..., kv_address: _Optional[str] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -197,7 +199,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_kv_address: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprobs", "num_cached_tokens", "bytes_transferred", "transfer_seconds", "prefill_seconds", "finish_reason")
+    __slots__ = ("request_id", "first_token_id", "first_logprobs", "num_cached_tokens", "bytes_transferred", "transfer_seconds", "prefill_seconds", "finish_reason", "last_layer_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +208,7 @@ class PrefillResponse(_message.Message):
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprobs: TokenLogprobs
@@ -214,7 +217,8 @@ class PrefillResponse(_message.Message):
     transfer_seconds: float
     prefill_seconds: float
     finish_reason: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    last_layer_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., finish_reason: _Optional[str] = ..., last_layer_seconds: _Optional[float] = ...) -> None: ...
 
 class Handoff(_message.Message):
     __slots__ = ("first_token_id", "first_logprobs")

@@ -1,0 +1,31 @@
+"""The gateway's settings: one record, built from `kvrelay gateway` flags or by tests directly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import DEFAULT_BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str = "default"  # folder, .gguf or 'default': the tokenizer and the model id the nodes must serve
+    served_model_names: tuple[str, ...] = ()  # empty: the model id
+    api_key: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int | None = None  # None: no gRPC API
+    redis_url: str | None = None
+    prefill: tuple[str, ...] = ()  # static host:port addresses
+    decode: tuple[str, ...] = ()
+    routing_policy: str = "cache_aware"
+    local_prefill_threshold: int = 64  # tokens the decode node would compute at most to prefill itself
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_model_len: int | None = None  # None: the smallest any node announces
+    shutdown_timeout: float = 30.0
+    refresh_interval: float = 0.5  # registry poll
+    health_interval: float = 2.0  # static nodes' health checks
+    startup_timeout: float = 0.0  # wait this long for a decode node before serving (0: serve at once)
+    kv_lease_ms: int = 0  # reservation lease asked of decode nodes (0: the node's default)
+    prefill_timeout: float = 300.0
+    log_requests: bool = False

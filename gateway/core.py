@@ -1,0 +1,221 @@
+"""The text-level generate both APIs (OpenAI HTTP and gRPC) share: route once, fan out n choices, turn
+engine tokens into per-choice text deltas, keep request metrics.
+
+n > 1 runs n engine sequences on the nodes routing chose, each with its own seed stream
+(SamplingParams.for_child); they share the prompt's blocks through the nodes' prefix caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from gateway.dispatch import Dispatcher
+from gateway.errors import BadRequest, ShuttingDown
+from gateway.node_client import EngineRequest, TokenChunk
+from gateway.outputs import ChoiceOutput, Delta, OutputOptions, TokenTexts
+from gateway.router import Router
+from shared.sampling_params import SamplingParams
+from shared.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DONE = object()
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams  # params.n choices
+    options: OutputOptions
+    request_id: str = ""
+    cache_salt: str = ""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class GatewayCore:
+    def __init__(self, tokenizer: Tokenizer, router: Router, dispatcher: Dispatcher, metrics=None,
+                 max_model_len: int | None = None, default_max_model_len: int = 2048) -> None:
+        self.tokenizer = tokenizer
+        self.router = router
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.texts = TokenTexts(tokenizer)
+        self._max_model_len = max_model_len
+        self._default_max_model_len = default_max_model_len
+        self.draining = False
+        self.active = 0  # generations in progress (graceful shutdown waits for them)
+
+    # ------------------------------------------------------------------------------------ limits
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len or self.router.discovery.max_model_len() or self._default_max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.router.discovery.vocab_size() or self.tokenizer.vocab_size
+
+    def check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
+        if not prompt_ids:
+            raise BadRequest("the prompt is empty", param=param)
+        vocab = self.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+    def fit_max_tokens(self, num_prompt: int, max_tokens: int | None, param: str, max_tokens_param: str) -> int:
+        """The max_tokens the engines get: what was asked, or the room left; 400 when it cannot fit."""
+        limit = self.max_model_len
+        if max_tokens is None:
+            if num_prompt >= limit:
+                raise BadRequest(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                                 f"has {num_prompt} tokens, which leaves no room to generate.", param=param)
+            return limit - num_prompt
+        if num_prompt + max_tokens > limit:
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the length of the prompt or completion.", param=max_tokens_param)
+        return max_tokens
+
+    def engine_stop_ids(self, stop_token_ids: Sequence[int], ignore_eos: bool) -> tuple[int, ...]:
+        """The caller's stop ids, plus end tokens generation_config lists beyond the model's one eos."""
+        ids = list(dict.fromkeys(int(t) for t in stop_token_ids))
+        vocab = self.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token ids {bad} are outside the vocabulary [0, {vocab})", param="stop_token_ids")
+        if not ignore_eos:
+            eos = self.tokenizer.eos_token_id
+            ids += sorted(t for t in self.tokenizer.stop_token_ids if t != eos and t not in ids)
+        return tuple(ids)
+
+    # ---------------------------------------------------------------------------------- generate
+
+    def generate(self, inp: GenerateInput) -> Generation:
+        if self.draining:
+            raise ShuttingDown("the gateway is shutting down")
+        return Generation(self, inp)
+
+
+class Generation:
+    """One request's choices. Iterate `deltas()` once; `usage` and `choices` are complete afterwards."""
+
+    def __init__(self, core: GatewayCore, inp: GenerateInput) -> None:
+        self.core = core
+        self.inp = inp
+        self.request_id = inp.request_id or new_request_id("req")
+        n = inp.params.n
+        self.choices = [ChoiceOutput(i, core.tokenizer, core.texts, inp.prompt_token_ids, inp.options)
+                        for i in range(n)]
+        self._start = time.perf_counter()
+        self._first: float | None = None
+        self._last: dict[int, float] = {}
+        self._itls: list[float] = []
+
+    @property
+    def usage(self) -> Usage:
+        cached = max((c.num_cached_tokens for c in self.choices), default=0)
+        return Usage(len(self.inp.prompt_token_ids), sum(len(c.token_ids) for c in self.choices), cached)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        self.core.active += 1
+        try:
+            decision = await self.core.router.route(self.inp.prompt_token_ids, self.inp.cache_salt)
+            streams = [self._choice_stream(decision, i) for i in range(len(self.choices))]
+            source = streams[0] if len(streams) == 1 else merge(streams)
+            async with aclosing(source):
+                async for index, chunk in source:
+                    delta = self._consume(index, chunk)
+                    if delta is not None:
+                        yield delta
+        finally:
+            self.core.active -= 1
+            self._observe()
+
+    async def _choice_stream(self, decision, index: int) -> AsyncIterator[tuple[int, TokenChunk]]:
+        params = self.inp.params
+        child = params.for_child(index) if params.n > 1 else params
+        req = EngineRequest(f"{self.request_id}-{index}", self.inp.prompt_token_ids, child, self.inp.cache_salt)
+        choice = self.choices[index]
+        async with aclosing(self.core.dispatcher.stream(decision, req)) as stream:
+            async for chunk in stream:
+                yield index, chunk
+                if choice.finished:  # a stop string ended it: closing the stream aborts it on the node
+                    return
+
+    def _consume(self, index: int, chunk: TokenChunk) -> Delta | None:
+        now = time.perf_counter()
+        if chunk.token_ids:
+            if self._first is None:
+                self._first = now
+            last = self._last.get(index)
+            if last is not None:
+                self._itls.append(now - last)
+            self._last[index] = now
+        delta = self.choices[index].add(chunk)
+        if delta.text or delta.token_ids or delta.finish_reason:
+            return delta
+        return None
+
+    def _observe(self) -> None:
+        metrics = self.core.metrics
+        if metrics is None:
+            return
+        u = self.usage
+        ttft = None if self._first is None else self._first - self._start
+        metrics.observe_latency(ttft, self._itls, time.perf_counter() - self._start, u.prompt_tokens,
+                                u.completion_tokens)
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
+    """Interleave several async iterators as their items arrive; the first error ends all of them."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    await queue.put(item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # handed to the consumer, which re-raises it
+            await queue.put(e)
+            return
+        await queue.put(_DONE)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,108 @@
+"""Gateway metrics: kvrelay:* for routing, transfers and outcomes, plus vLLM-style request latency histograms.
+
+The latency histograms keep vLLM's names and buckets under the kvrelay: prefix: the nodes already export
+vllm:* for the same requests, and one scrape of a whole fleet must not count a request twice.
+Each gateway owns a registry, so several gateways in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_ROUTE_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+OUTCOMES = ("success", "client_error", "unauthorized", "not_found", "no_capacity", "node_error", "cancelled")
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str, policy: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model_name, self.policy = model_name, policy
+        m = ["model_name"]
+        self.routing_seconds = Histogram("kvrelay:routing_decision_seconds",
+                                         "Hashing + index lookup + scoring per request", ["policy"],
+                                         buckets=_ROUTE_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvrelay:prompt_tokens", "Prompt tokens of routed sequences", m, registry=r)
+        self.prefix_hit_tokens = Counter("kvrelay:prefix_hit_tokens",
+                                         "Prompt tokens found in the prefix cache of the node that computed the "
+                                         "prompt", m, registry=r)
+        self.prefix_hit_ratio = Histogram("kvrelay:prefix_hit_ratio", "Cached fraction of each sequence's prompt",
+                                          m, buckets=_RATIO_BUCKETS, registry=r)
+        self.requests = Counter("kvrelay:requests", "Requests by outcome", ["outcome"], registry=r)
+        self.inflight = Gauge("kvrelay:node_inflight_sequences", "This gateway's sequences in flight per node",
+                              ["node_id", "role"], registry=r)
+        self.sequences = Counter("kvrelay:routed_sequences", "Sequences by prefill mode", ["mode"], registry=r)
+        self.transfer_failures = Counter("kvrelay:transfer_failures", "Prefill/KV hand-offs that failed",
+                                         registry=r)
+        self.reservation_refusals = Counter("kvrelay:reservation_refusals", "Decode reservations refused (full)",
+                                            registry=r)
+        self.node_failures = Counter("kvrelay:node_failures", "Failed engine calls per node", ["node_id"],
+                                     registry=r)
+        self.transfer_bytes = Counter("kvrelay:kv_transfer_bytes", "KV bytes moved prefill -> decode", registry=r)
+        self.transfer_seconds = Histogram("kvrelay:kv_transfer_seconds", "KV transfer time per hand-off",
+                                          buckets=_TTFT_BUCKETS, registry=r)
+        self.ttft = Histogram("kvrelay:time_to_first_token_seconds", "Time to first token at the gateway", m,
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("kvrelay:inter_token_latency_seconds", "Time between tokens at the gateway", m,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("kvrelay:e2e_request_latency_seconds", "Request latency at the gateway", m,
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("kvrelay:request_prompt_tokens", "Prompt tokens per request", m,
+                                               buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("kvrelay:request_generation_tokens",
+                                                   "Generated tokens per request", m, buckets=_TOKEN_BUCKETS,
+                                                   registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        for mode in ("disaggregated", "local"):
+            self.sequences.labels(mode)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ------------------------------------------------------------------------------------- hooks
+
+    def observe_route(self, decision) -> None:
+        self.routing_seconds.labels(self.policy).observe(decision.seconds)
+
+    def observe_prefix(self, num_prompt: int, num_cached: int) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt)
+        self.prefix_hit_tokens.labels(self.model_name).inc(num_cached)
+        if num_prompt:
+            self.prefix_hit_ratio.labels(self.model_name).observe(num_cached / num_prompt)
+
+    def observe_mode(self, local: bool) -> None:
+        self.sequences.labels("local" if local else "disaggregated").inc()
+
+    def observe_transfer(self, num_bytes: int, seconds: float) -> None:
+        self.transfer_bytes.inc(num_bytes)
+        if seconds > 0:
+            self.transfer_seconds.observe(seconds)
+
+    def node_inflight(self, node_id: str, role: str, delta: int) -> None:
+        self.inflight.labels(node_id, role).inc(delta)
+
+    def observe_request(self, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+
+    def observe_latency(self, ttft: float | None, itls: list[float], e2e: float, prompt: int, generated: int) -> None:
+        name = self.model_name
+        if ttft is not None:
+            self.ttft.labels(name).observe(ttft)
+        itl = self.itl.labels(name)
+        for v in itls:
+            itl.observe(v)
+        self.e2e.labels(name).observe(e2e)
+        self.request_prompt_tokens.labels(name).observe(prompt)
+        self.request_generation_tokens.labels(name).observe(generated)

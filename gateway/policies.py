@@ -1,0 +1,140 @@
+"""Routing policies: rank the candidate nodes of one role for one prompt, best first.
+
+Costs are in prompt-token equivalents so cache hits and load compare directly:
+- prefill node: the tokens it must compute (prompt minus its cached prefix) plus the tokens queued ahead.
+- decode node: when it would prefill locally, the tokens it must compute plus its queue; otherwise a small
+  weight per token to transfer, plus a cost per sequence it is already decoding.
+Load is the larger of what the node last published and what this gateway has in flight there: the
+published number lags, and the gateway's own count misses other replicas, so neither alone is right.
+
+Ties are broken by rendezvous hashing on the prompt's leading blocks: the same prefix prefers the same node
+in every gateway replica (no randomness, no shared state), and different prefixes spread out.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import xxhash
+
+from gateway.discovery import Node
+
+
+@dataclass(frozen=True)
+class Weights:
+    transfer_per_token: float = 0.05  # moving a block costs far less than computing it
+    per_running_seq: float = 32.0  # one more sequence in a decode batch, in prompt tokens
+    kv_full_penalty: float = 1e9  # a node that cannot hold the prompt goes last, but stays a fallback
+
+
+@dataclass(frozen=True)
+class Candidate:
+    node: Node
+    cached_tokens: int  # leading prompt tokens the index says the node holds
+    inflight: int = 0  # this gateway's sequences on the node
+    inflight_tokens: int = 0  # prompt tokens this gateway sent that the node has not finished prefilling
+
+    @property
+    def queued_tokens(self) -> int:
+        published = self.node.load.queued_prefill_tokens if self.node.load else 0
+        return max(published, self.inflight_tokens)
+
+    @property
+    def active_seqs(self) -> int:
+        load = self.node.load
+        published = load.num_running + load.num_waiting if load else 0
+        return max(published, self.inflight)
+
+    def fits(self, num_tokens: int) -> bool:
+        load = self.node.load
+        if load is None or load.total_kv_blocks == 0:
+            return True  # unknown: let the node decide
+        return load.free_kv_blocks * self.node.block_size >= num_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True)
+class Prompt:
+    num_tokens: int
+    affinity_key: bytes  # identifies the prompt's leading blocks, for tie-breaks
+    local_threshold: int  # a decode node prefills itself when it would compute at most this many tokens
+    can_disaggregate: bool  # a prefill node is up
+
+
+def rendezvous(key: bytes, node_id: str) -> int:
+    # Smallest wins; independent of the order and number of nodes, so adding a node moves few prefixes.
+    return xxhash.xxh3_64_intdigest(key + node_id.encode())
+
+
+def decode_is_local(c: Candidate, prompt: Prompt) -> bool:
+    return not prompt.can_disaggregate or prompt.num_tokens - c.cached_tokens <= prompt.local_threshold
+
+
+class Policy:
+    name = "base"
+    uses_cache = False
+
+    def __init__(self, weights: Weights | None = None) -> None:
+        self.weights = weights or Weights()
+
+    def rank(self, role: str, candidates: list[Candidate], prompt: Prompt) -> list[Candidate]:
+        cost = self.prefill_cost if role == "prefill" else self.decode_cost
+        return sorted(candidates, key=lambda c: (cost(c, prompt), rendezvous(prompt.affinity_key, c.node.node_id)))
+
+    def prefill_cost(self, c: Candidate, prompt: Prompt) -> float:
+        raise NotImplementedError
+
+    def decode_cost(self, c: Candidate, prompt: Prompt) -> float:
+        raise NotImplementedError
+
+
+class CacheAware(Policy):
+    name = "cache_aware"
+    uses_cache = True
+
+    def prefill_cost(self, c: Candidate, prompt: Prompt) -> float:
+        return prompt.num_tokens - c.cached_tokens + c.queued_tokens
+
+    def decode_cost(self, c: Candidate, prompt: Prompt) -> float:
+        w = self.weights
+        uncached = prompt.num_tokens - c.cached_tokens
+        work = uncached + c.queued_tokens if decode_is_local(c, prompt) else w.transfer_per_token * uncached
+        penalty = 0.0 if c.fits(prompt.num_tokens) else w.kv_full_penalty
+        return work + w.per_running_seq * c.active_seqs + penalty
+
+
+class LeastLoaded(Policy):
+    name = "least_loaded"
+
+    def prefill_cost(self, c: Candidate, prompt: Prompt) -> float:
+        return c.queued_tokens
+
+    def decode_cost(self, c: Candidate, prompt: Prompt) -> float:
+        return self.weights.per_running_seq * c.active_seqs + c.queued_tokens
+
+
+class RoundRobin(Policy):
+    """Each role's nodes in turn, sorted by node id; the rest of the order is the fallback sequence."""
+
+    name = "round_robin"
+
+    def __init__(self, weights: Weights | None = None) -> None:
+        super().__init__(weights)
+        self._counters = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    def rank(self, role: str, candidates: list[Candidate], prompt: Prompt) -> list[Candidate]:
+        ordered = sorted(candidates, key=lambda c: c.node.node_id)
+        if not ordered:
+            return ordered
+        start = next(self._counters[role]) % len(ordered)
+        return ordered[start:] + ordered[:start]
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (CacheAware, LeastLoaded, RoundRobin)}
+
+
+def make_policy(name: str, weights: Weights | None = None) -> Policy:
+    try:
+        return POLICIES[name](weights)
+    except KeyError:
+        raise ValueError(f"routing_policy: unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None

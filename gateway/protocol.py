@@ -1,0 +1,261 @@
+"""The OpenAI wire schema (plus vLLM's extras): the only place in the gateway with pydantic models.
+
+Requests ignore unknown fields, as OpenAI's own server does for forward compatibility. Bounds that protect
+the wire (int64 seeds, int32 token ids, uint32 counts) live here; the meaning of each sampling value is
+checked once, by shared.sampling_params, so the HTTP API, the gRPC API and the engines agree.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+# ------------------------------------------------------------------------------------------- shared
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class _SamplingFields(_Request):
+    """Fields chat and completions share; names and meanings follow OpenAI, then vLLM."""
+
+    model: str | None = None
+    n: int | None = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=256)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(default=None, max_length=256)
+    priority: int = Field(default=0, ge=-(2**31), le=INT32_MAX)
+    request_id: str | None = Field(default=None, max_length=128)
+
+
+# --------------------------------------------------------------------------------------------- chat
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TopLogprobEntry(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprobEntry] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# -------------------------------------------------------------------------------------- completions
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="text, texts, token ids (int32), or lists of token ids"
+    )
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+
+class CompletionLogprobs(_Response):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    pass
+
+
+# ----------------------------------------------------------------------------------- models, health
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvrelay"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class HealthNode(_Response):
+    node_id: str
+    role: str
+    address: str
+    source: str
+    routable: bool
+    reason: str | None = None
+
+
+class HealthResponse(_Response):
+    status: Literal["ok", "degraded", "draining"]
+    prefill_nodes: int
+    decode_nodes: int
+    nodes: list[HealthNode]

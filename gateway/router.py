@@ -1,0 +1,159 @@
+"""Pick the prefill and decode nodes of one request.
+
+hash the prompt's blocks (shared.hashing, the engines' own function) -> one index lookup for every node ->
+score each role's candidates with the policy -> the best decode node, and the best prefill node unless the
+decode node should prefill itself (few tokens to compute, or no prefill node up). The ranked rest of each
+role is kept as the fallback order when a node refuses or fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import xxhash
+
+from gateway.discovery import Discovery, Node
+from gateway.errors import NoCapacity
+from gateway.policies import Candidate, Policy, Prompt, decode_is_local
+from shared.hashing import prompt_block_hashes
+
+logger = logging.getLogger(__name__)
+
+_AFFINITY_BLOCKS = 8  # leading blocks that name a prompt's "tenant" for tie-breaks
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    decode: Node
+    prefill: Node | None  # None: the decode node prefills locally
+    num_prompt_tokens: int
+    decode_cached_tokens: int  # as the index saw it when routing
+    prefill_cached_tokens: int
+    decode_fallbacks: tuple[Node, ...] = ()
+    prefill_fallbacks: tuple[Node, ...] = ()
+    seconds: float = 0.0
+
+    @property
+    def local_prefill(self) -> bool:
+        return self.prefill is None
+
+
+@dataclass
+class InFlight:
+    """This gateway's own work per node; the published load lags by a heartbeat."""
+
+    seqs: dict[str, int] = field(default_factory=dict)
+    prefill_tokens: dict[str, int] = field(default_factory=dict)
+
+    @contextmanager
+    def track(self, counts: dict[str, int], node_id: str, amount: int):
+        counts[node_id] = counts.get(node_id, 0) + amount
+        try:
+            yield
+        finally:
+            left = counts[node_id] - amount
+            if left:
+                counts[node_id] = left
+            else:
+                del counts[node_id]
+
+
+class Router:
+    def __init__(self, discovery: Discovery, policy: Policy, index=None, local_prefill_threshold: int = 0,
+                 metrics=None) -> None:
+        self.discovery = discovery
+        self.policy = policy
+        self.index = index
+        self.local_prefill_threshold = local_prefill_threshold
+        self.metrics = metrics
+        self.inflight = InFlight()
+        self.model_id = discovery.config.model_id
+        self.block_size = discovery.config.block_size
+        self._lookup_is_async = index is not None and inspect.iscoroutinefunction(index.lookup)
+        self.index_error: str | None = None
+
+    async def route(self, prompt_token_ids: Sequence[int], cache_salt: str = "") -> RouteDecision:
+        start = time.perf_counter()
+        decode_nodes = self.discovery.routable("decode")
+        if not decode_nodes:
+            raise NoCapacity("no decode node is up; retry later")
+        prefill_nodes = self.discovery.routable("prefill")
+        hashes = self._hashes(prompt_token_ids, cache_salt)
+        hits = await self._lookup(hashes) if hashes and self.policy.uses_cache else {}
+        decision = self.decide(prompt_token_ids, hashes, hits, prefill_nodes, decode_nodes, start)
+        if self.metrics is not None:
+            self.metrics.observe_route(decision)
+        return decision
+
+    def _hashes(self, prompt_token_ids: Sequence[int], cache_salt: str) -> list[bytes]:
+        return prompt_block_hashes(prompt_token_ids, self.model_id, self.block_size, cache_salt)
+
+    async def _lookup(self, hashes: list[bytes]) -> dict[str, int]:
+        if self.index is None:
+            return {}
+        try:
+            result = self.index.lookup(hashes)
+            if self._lookup_is_async or inspect.isawaitable(result):
+                result = await result
+        except Exception as e:  # route without cache knowledge rather than fail the request
+            if self.index_error is None:
+                logger.warning("index lookup failed, routing without prefix information: %s", e)
+            self.index_error = str(e)
+            return {}
+        self.index_error = None
+        return result
+
+    def decide(self, prompt_token_ids: Sequence[int], hashes: list[bytes], hits: dict[str, int],
+               prefill_nodes: list[Node], decode_nodes: list[Node], start: float | None = None) -> RouteDecision:
+        """Score and pick; pure given its inputs (the benchmark times it without a network)."""
+        start = time.perf_counter() if start is None else start
+        n = len(prompt_token_ids)
+        prompt = Prompt(n, _affinity_key(prompt_token_ids, hashes), self.local_prefill_threshold,
+                        can_disaggregate=bool(prefill_nodes))
+        decode = self.policy.rank("decode", self._candidates(decode_nodes, hits, n), prompt)
+        best = decode[0]
+        prefill: list[Candidate] = []
+        if not decode_is_local(best, prompt):
+            prefill = self.policy.rank("prefill", self._candidates(prefill_nodes, hits, n), prompt)
+        return RouteDecision(
+            decode=best.node, prefill=prefill[0].node if prefill else None, num_prompt_tokens=n,
+            decode_cached_tokens=best.cached_tokens, prefill_cached_tokens=prefill[0].cached_tokens if prefill else 0,
+            decode_fallbacks=tuple(c.node for c in decode[1:]), prefill_fallbacks=tuple(c.node for c in prefill[1:]),
+            seconds=time.perf_counter() - start,
+        )
+
+    def _candidates(self, nodes: list[Node], hits: dict[str, int], num_tokens: int) -> list[Candidate]:
+        seqs, tokens, bs = self.inflight.seqs, self.inflight.prefill_tokens, self.block_size
+        # A full-prompt hit still leaves the last token to compute (the engine needs its logits).
+        return [Candidate(node, min(hits.get(node.node_id, 0) * bs, max(num_tokens - 1, 0)),
+                          seqs.get(node.node_id, 0), tokens.get(node.node_id, 0)) for node in nodes]
+
+    # ----------------------------------------------------------------------------------- in-flight
+
+    def track_sequence(self, node_id: str):
+        return self.inflight.track(self.inflight.seqs, node_id, 1)
+
+    def track_prefill(self, node_id: str, num_tokens: int):
+        return self.inflight.track(self.inflight.prefill_tokens, node_id, num_tokens)
+
+
+def _affinity_key(prompt_token_ids: Sequence[int], hashes: list[bytes]) -> bytes:
+    if hashes:
+        return hashes[min(len(hashes), _AFFINITY_BLOCKS) - 1]
+    return xxhash.xxh3_128_digest(repr(list(prompt_token_ids)).encode())
+
+
+async def wait_for_nodes(discovery: Discovery, timeout_s: float) -> bool:
+    """Until a decode node is routable (start-up), at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not discovery.routable("decode"):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True

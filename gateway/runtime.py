@@ -1,0 +1,95 @@
+"""The gateway's parts wired together, with start, drain and stop; the HTTP and gRPC servers sit on top."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+from gateway.config import GatewayConfig
+from gateway.core import GatewayCore
+from gateway.discovery import Discovery, DiscoveryConfig
+from gateway.dispatch import Dispatcher
+from gateway.metrics import GatewayMetrics
+from gateway.node_client import NodeClients, Timeouts
+from gateway.policies import make_policy
+from gateway.router import Router, wait_for_nodes
+from gateway.serving_chat import ChatServing
+from gateway.serving_completions import CompletionServing
+from shared.model_resolve import resolve_model
+from shared.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def open_index(redis_url: str, model_id: str):
+    """The block index and the node registry on one Redis (shared.index)."""
+    from shared.index import create_index
+    from shared.index.registry import Registry
+
+    return create_index(redis_url, model_id), Registry.from_url(redis_url)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        resolved = resolve_model(config.model)
+        self.model_id = resolved.model_id
+        self.tokenizer = tokenizer or Tokenizer(resolved.path)
+        self.served_names = list(config.served_model_names) or [self.model_id]
+        self.metrics = GatewayMetrics(self.served_names[0], config.routing_policy)
+        self.clients = NodeClients(Timeouts(prefill_s=config.prefill_timeout))
+        self.index, self.registry = open_index(config.redis_url, self.model_id) if config.redis_url else (None, None)
+        self.discovery = Discovery(DiscoveryConfig(
+            model_id=self.model_id, block_size=config.block_size, static_prefill=tuple(config.prefill),
+            static_decode=tuple(config.decode), refresh_s=config.refresh_interval, health_s=config.health_interval,
+        ), self.clients, self.registry)
+        policy = make_policy(config.routing_policy)
+        self.router = Router(self.discovery, policy, self.index, config.local_prefill_threshold, self.metrics)
+        self.dispatcher = Dispatcher(self.router, self.clients, self.discovery, self.metrics, config.kv_lease_ms)
+        self.core = GatewayCore(self.tokenizer, self.router, self.dispatcher, self.metrics, config.max_model_len,
+                                _model_context(resolved.path))
+        self.chat = ChatServing(self.core, self.served_names)
+        self.completions = CompletionServing(self.core, self.served_names)
+        self.started_at = time.time()
+
+    async def start(self) -> None:
+        await self.discovery.start()
+        if self.config.startup_timeout > 0 and not await wait_for_nodes(self.discovery, self.config.startup_timeout):
+            logger.warning("no decode node after %.0f s; serving anyway (requests get 503 until one is up)",
+                           self.config.startup_timeout)
+        nodes = self.discovery.nodes()
+        logger.info("gateway for %s: %d prefill and %d decode nodes routable, policy %s", self.model_id,
+                    sum(n.routable and n.role == "prefill" for n in nodes),
+                    sum(n.routable and n.role == "decode" for n in nodes), self.config.routing_policy)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests and wait for the running ones; True when all finished in time."""
+        self.core.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.core.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.core.active:
+            logger.warning("%d generations still running after %.0f s; cutting them off", self.core.active,
+                           timeout_s)
+        return self.core.active == 0
+
+    async def stop(self) -> None:
+        await self.discovery.stop()
+        await self.dispatcher.drain(2.0)
+        await self.clients.close()
+        for obj in (self.index, self.registry):
+            close = getattr(obj, "close", None)
+            if close is not None:
+                result = close()
+                if asyncio.iscoroutine(result):
+                    await result
+
+
+def _model_context(path) -> int:
+    try:
+        return int(json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings", 2048))
+    except (OSError, ValueError):
+        return 2048

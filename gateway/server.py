@@ -1,0 +1,230 @@
+"""The OpenAI-compatible HTTP API (FastAPI), and `serve()`: HTTP + optional gRPC on one event loop.
+
+Every error, bad input included, leaves in OpenAI's shape {"error": {message, type, param, code}}: pydantic
+validation errors are 400s (OpenAI's convention), not FastAPI's 422s. SIGTERM stops new connections and new
+requests (503), lets open streams finish within --shutdown-timeout, then cancels what is left, which
+aborts those sequences on the nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.config import GatewayConfig
+from gateway.errors import GatewayError, Unauthorized
+from gateway.metrics import CONTENT_TYPE
+from gateway.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    HealthNode,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+)
+from gateway.runtime import Gateway
+
+logger = logging.getLogger(__name__)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+_OUTCOME = {400: "client_error", 401: "unauthorized", 404: "not_found", 503: "no_capacity", 502: "node_error"}
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None, code=None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    first = err.errors()[0] if err.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def build_app(gateway: Gateway, grpc_port: int | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.start()
+        grpc_server = None
+        if grpc_port is not None:
+            from gateway.grpc_api import start_grpc_server
+
+            grpc_server = await start_grpc_server(gateway, gateway.config.host, grpc_port)
+        app.state.grpc_server = grpc_server
+        try:
+            yield
+        finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=1.0)
+            await gateway.stop()
+
+    app = FastAPI(title="kvrelay gateway", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API over disaggregated prefill and decode pools")
+    app.state.gateway = gateway
+    _install_error_handlers(app, gateway)
+    app.include_router(_openai_routes(gateway))
+    app.include_router(_ops_routes(gateway))
+    return app
+
+
+def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError):
+        gateway.metrics.observe_request(_OUTCOME.get(int(exc.status), "client_error"))
+        return error_response(int(exc.status), exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        gateway.metrics.observe_request("client_error")
+        message, param = _validation_message(exc)
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error serving %s", request.url.path)
+        gateway.metrics.observe_request("node_error")
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+
+def _auth(gateway: Gateway):
+    key = gateway.config.api_key
+
+    async def check(request: Request) -> None:
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or token.strip() != key:
+            raise Unauthorized("Incorrect or missing API key; send it as 'Authorization: Bearer <key>'")
+
+    return check
+
+
+def _openai_routes(gateway: Gateway) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_auth(gateway))])
+
+    @router.get("/models", response_model=ModelList, responses=_ERRORS)
+    async def models() -> ModelList:
+        max_len = gateway.core.max_model_len
+        cards = [ModelCard(id=name, root=gateway.model_id, max_model_len=max_len) for name in gateway.served_names]
+        return ModelList(data=cards)
+
+    @router.post("/chat/completions", response_model=ChatCompletionResponse,
+                 responses={**_ERRORS, 200: {"content": _SSE}})
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await _respond(gateway, request, gateway.chat.create(body))
+
+    @router.post("/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}})
+    async def completions(body: CompletionRequest, request: Request):
+        return await _respond(gateway, request, gateway.completions.create(body))
+
+    return router
+
+
+def _ops_routes(gateway: Gateway) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    async def health():
+        nodes = gateway.discovery.nodes()
+        views = [HealthNode(node_id=n.node_id, role=n.role, address=n.address, source=n.source,
+                            routable=n.routable, reason=n.refused or (None if n.healthy else "unhealthy"))
+                 for n in nodes]
+        prefill = sum(n.routable and n.role == "prefill" for n in nodes)
+        decode = sum(n.routable and n.role == "decode" for n in nodes)
+        status = "draining" if gateway.core.draining else "ok" if decode else "degraded"
+        body = HealthResponse(status=status, prefill_nodes=prefill, decode_nodes=decode, nodes=views)
+        code = 200 if status == "ok" else 503
+        return JSONResponse(body.model_dump(), status_code=code)
+
+    @router.get("/metrics", response_class=Response)
+    async def metrics():
+        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+    return router
+
+
+async def _respond(gateway: Gateway, request: Request, work: Awaitable):
+    """Run a request; a client that hangs up before the answer cancels it (and so aborts it on the nodes)."""
+    result = await _cancel_on_disconnect(request, work)
+    if result is None:
+        gateway.metrics.observe_request("cancelled")
+        return Response(status_code=499)
+    gateway.metrics.observe_request("success")
+    if isinstance(result, Response):
+        return result  # a stream: it watches for disconnects itself
+    return Response(result.model_dump_json(exclude_none=True), media_type="application/json")
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable):
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# ---------------------------------------------------------------------------------------------- serve
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+
+    async def shutdown(self, sockets=None) -> None:
+        # New requests on connections still open get 503 while the streams already running finish.
+        self.gateway.core.draining = True
+        logger.info("shutting down: draining %d generations (at most %.0f s)", self.gateway.core.active,
+                    self.gateway.config.shutdown_timeout)
+        await super().shutdown(sockets)
+
+
+def make_server(config: GatewayConfig, gateway: Gateway | None = None, log_level: str = "info") -> _Server:
+    gateway = gateway or Gateway(config)
+    app = build_app(gateway, config.grpc_port)
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(), lifespan="on",
+                        timeout_graceful_shutdown=max(config.shutdown_timeout, 0.1), access_log=config.log_requests,
+                        timeout_keep_alive=30)
+    return _Server(uv, gateway)
+
+
+def serve(config: GatewayConfig, log_level: str = "info") -> int:
+    server = make_server(config, log_level=log_level)
+    asyncio.run(server.serve())
+    return 0

@@ -1,0 +1,91 @@
+"""What chat and completions share: the served-model check, sampling params, output options, SSE framing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+
+from gateway.errors import BadRequest, GatewayError, ModelNotFound
+from gateway.outputs import OutputOptions
+from shared.sampling_params import SamplingParams
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def check_model(requested: str | None, served: Sequence[str]) -> str:
+    """The name to echo back; None means the first served name (as vLLM does)."""
+    if requested is None or requested == "":
+        return served[0]
+    if requested not in served:
+        raise ModelNotFound(f"The model `{requested}` does not exist.", param="model")
+    return requested
+
+
+def check_unsupported(req) -> None:
+    if req.logit_bias:
+        raise BadRequest("logit_bias is not supported by this server", param="logit_bias")
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    return tuple(s for s in dict.fromkeys(items) if s)  # an empty stop string would end every request at once
+
+
+def sampling_params(req, core, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The request's sampling fields as engine params; a bad value is a 400 naming the field."""
+    try:
+        return SamplingParams(
+            n=req.n if req.n is not None else 1,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop_token_ids=core.engine_stop_ids(req.stop_token_ids or (), req.ignore_eos),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            priority=req.priority,
+        )
+    except ValueError as e:
+        raise BadRequest.from_value_error(e) from None
+
+
+def output_options(req, logprobs: int | None) -> OutputOptions:
+    return OutputOptions(stop=stop_strings(req.stop), include_stop_str_in_output=req.include_stop_str_in_output,
+                         skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
+
+
+def sse(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
+
+
+def sse_error(err: GatewayError) -> str:
+    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream that always closes its upstream generation, even when the body never started
+    (client gone before the first byte): that is what aborts the sequences on the nodes."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()

@@ -1,0 +1,192 @@
+"""POST /v1/completions: one or more prompts (text or token ids), n choices each.
+
+Choice i of prompt p has index p * n + i, as in OpenAI's API. Every prompt is routed on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from gateway.core import GatewayCore, GenerateInput, Generation, merge, new_request_id
+from gateway.errors import BadRequest, GatewayError
+from gateway.outputs import Delta, LogprobEntry
+from gateway.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    PromptTokensDetails,
+    UsageInfo,
+)
+from gateway.serving_common import (
+    SSE_DONE,
+    SSEResponse,
+    check_model,
+    check_unsupported,
+    output_options,
+    sampling_params,
+    sse,
+    sse_error,
+)
+
+logger = logging.getLogger(__name__)
+MAX_PROMPTS = 64
+
+
+class CompletionServing:
+    def __init__(self, core: GatewayCore, served_names: list[str]) -> None:
+        self.core = core
+        self.served_names = served_names
+
+    async def create(self, req: CompletionRequest) -> CompletionResponse | SSEResponse:
+        model = check_model(req.model, self.served_names)
+        request_id = req.request_id or new_request_id("cmpl")
+        prompts = self._prompts(req)
+        inputs = [self._input(req, ids, f"{request_id}-p{i}") for i, ids in enumerate(prompts)]
+        gens = [self.core.generate(inp) for inp in inputs]
+        echo = [self._echo_text(req, p) for p in prompts]
+        state = _State(gens, req.n or 1, echo)
+        if req.stream:
+            return await _stream(state, request_id, model, req)
+        return await _collect(state, request_id, model)
+
+    # ------------------------------------------------------------------------------------- inputs
+
+    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
+        check_unsupported(req)
+        if req.suffix:
+            raise BadRequest("suffix is not supported by this server", param="suffix")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise BadRequest("best_of must equal n when set (no server-side ranking)", param="best_of")
+        if req.echo and req.logprobs is not None:
+            raise BadRequest("echo with logprobs is not supported (no prompt logprobs)", param="echo")
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [self.core.tokenizer.encode(p)]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        elif all(isinstance(x, str) for x in p):
+            prompts = [self.core.tokenizer.encode(x) for x in p]
+        else:
+            prompts = [list(x) for x in p]
+        if not prompts:
+            raise BadRequest("the prompt is empty", param="prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise BadRequest(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+        for ids in prompts:
+            self.core.check_prompt(ids, "prompt")
+        return prompts
+
+    def _input(self, req: CompletionRequest, prompt: list[int], request_id: str) -> GenerateInput:
+        max_tokens = self.core.fit_max_tokens(len(prompt), req.max_tokens, "prompt", "max_tokens")
+        params = sampling_params(req, self.core, max_tokens=max_tokens, logprobs=req.logprobs)
+        return GenerateInput(prompt, params, output_options(req, req.logprobs), request_id=request_id,
+                             cache_salt=req.cache_salt or "")
+
+    def _echo_text(self, req: CompletionRequest, prompt: list[int]) -> str:
+        if not req.echo:
+            return ""
+        if isinstance(req.prompt, str):
+            return req.prompt
+        return self.core.tokenizer.decode(prompt, skip_special_tokens=False)
+
+
+class _State:
+    """All prompts' generations, and each choice's logprobs and text offsets so far."""
+
+    def __init__(self, gens: list[Generation], n: int, echo: list[str]) -> None:
+        self.gens, self.n, self.echo = gens, n, echo
+        self.offsets: dict[int, int] = {}
+        self.logprobs: dict[int, CompletionLogprobs] = {}
+
+    def index(self, prompt_index: int, delta: Delta) -> int:
+        return prompt_index * self.n + delta.index
+
+    def logprobs_of(self, index: int, entries: list[LogprobEntry]) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        offset = self.offsets.get(index, 0)
+        for e in entries:
+            out.tokens.append(e.token)
+            out.token_logprobs.append(e.logprob)
+            out.top_logprobs.append(dict(e.top))
+            out.text_offset.append(offset)
+            offset += len(e.token)
+        self.offsets[index] = offset
+        return out
+
+    def usage(self) -> UsageInfo:
+        us = [g.usage for g in self.gens]
+        prompt, completion = sum(u.prompt_tokens for u in us), sum(u.completion_tokens for u in us)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(u.cached_tokens for u in us)))
+
+    def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        streams = [_tagged(i, g) for i, g in enumerate(self.gens)]
+        return streams[0] if len(streams) == 1 else merge(streams)
+
+
+async def _tagged(prompt_index: int, gen: Generation) -> AsyncIterator[tuple[int, Delta]]:
+    async with aclosing(gen.deltas()) as deltas:
+        async for delta in deltas:
+            yield prompt_index, delta
+
+
+async def _collect(state: _State, request_id: str, model: str) -> CompletionResponse:
+    want = state.gens[0].inp.options.logprobs is not None
+    entries: dict[int, list[LogprobEntry]] = {}
+    async with aclosing(state.deltas()) as deltas:
+        async for p, delta in deltas:
+            entries.setdefault(state.index(p, delta), []).extend(delta.logprobs)
+    choices = []
+    for p, gen in enumerate(state.gens):
+        for c in gen.choices:
+            i = p * state.n + c.index
+            lps = state.logprobs_of(i, entries.get(i, [])) if want else None
+            choices.append(CompletionChoice(index=i, text=state.echo[p] + c.text, logprobs=lps,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    return CompletionResponse(id=request_id, model=model, choices=choices, usage=state.usage())
+
+
+async def _stream(state: _State, request_id: str, model: str, req: CompletionRequest) -> SSEResponse:
+    deltas = state.deltas()
+    try:
+        first = await anext(deltas, None)
+    except BaseException:
+        await deltas.aclose()
+        raise
+    opts = req.stream_options
+    body = _events(state, deltas, first, request_id, model, bool(opts and opts.include_usage),
+                   bool(opts and opts.continuous_usage_stats))
+    return SSEResponse(body, on_close=deltas.aclose)
+
+
+async def _events(state: _State, deltas, first, request_id: str, model: str, include_usage: bool,
+                  continuous: bool) -> AsyncIterator[str]:
+    want = state.gens[0].inp.options.logprobs is not None
+    echoed: set[int] = set()
+    try:
+        item = first
+        while item is not None:
+            p, delta = item
+            i = state.index(p, delta)
+            text = delta.text
+            if i not in echoed:
+                echoed.add(i)
+                text = state.echo[p] + text
+            choice = CompletionChoice(index=i, text=text, finish_reason=delta.finish_reason,
+                                      stop_reason=delta.stop_reason,
+                                      logprobs=state.logprobs_of(i, delta.logprobs) if want else None)
+            yield sse(CompletionStreamResponse(id=request_id, model=model, choices=[choice],
+                                               usage=state.usage() if continuous else None))
+            item = await anext(deltas, None)
+    except GatewayError as e:
+        logger.warning("stream %s ended by an error: %s", request_id, e.message)
+        yield sse_error(e)
+    finally:
+        await deltas.aclose()
+    if include_usage:
+        yield sse(CompletionStreamResponse(id=request_id, model=model, choices=[], usage=state.usage()))
+    yield SSE_DONE

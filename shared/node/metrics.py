@@ -1,0 +1,150 @@
+"""Prometheus metrics of a node (vLLM names and meanings) and the HTTP endpoint serving /metrics and /health.
+
+Each node owns a CollectorRegistry of its own, so two nodes in one process (tests) never collide.
+Where a number is counted:
+- vllm:time_to_first_token_seconds: from the RPC's arrival to the first token, for prompts computed here
+  (local Generate, Prefill). A decode node admitting a hand-off got its first token from elsewhere.
+- vllm:prompt_tokens: prompts computed here; vllm:generation_tokens: tokens sampled here.
+- vllm:prefix_cache_*, vllm:num_preemptions: the scheduler's cumulative counters (reservations included).
+- kvrelay:kv_transfer_*: per finished transfer, direction "send" on prefill nodes, "recv" on decode nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class NodeMetrics:
+    def __init__(self, model_name: str, connector: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.connector = connector
+        m, reg = ["model_name"], self.registry
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", m, registry=reg)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", m, registry=reg)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", m, registry=reg)
+        self.queued_prefill = Gauge("kvrelay:queued_prefill_tokens", "Prompt tokens not computed yet", m,
+                                    registry=reg)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", m,
+                              buckets=_LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens", m,
+                             buckets=_ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish", m,
+                             buckets=_E2E_BUCKETS, registry=reg)
+        self.cache_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens", m, registry=reg)
+        self.cache_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens", m,
+                                     registry=reg)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative preemptions", m, registry=reg)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens computed", m, registry=reg)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", m, registry=reg)
+        self.success = Counter("vllm:request_success", "Finished requests", m + ["finished_reason"], registry=reg)
+        t = ["connector", "direction"]
+        self.transfer_bytes = Counter("kvrelay:kv_transfer_bytes", "KV bytes moved", t, registry=reg)
+        self.transfer_seconds = Histogram("kvrelay:kv_transfer_seconds", "KV transfer duration", t,
+                                          buckets=_TRANSFER_BUCKETS, registry=reg)
+        self.transfer_failures = Counter("kvrelay:kv_transfer_failures", "KV transfers that failed", t,
+                                         registry=reg)
+        self._last_stats: tuple[int, int, int] = (0, 0, 0)
+
+    # -- engine thread -------------------------------------------------------------------------------
+    def observe_stats(self, load, stats) -> None:
+        """After each engine iteration: gauges from the load snapshot (shared.async_engine.LoadSnapshot);
+        the scheduler's cumulative counters advance by their delta."""
+        name = self.model_name
+        self.running.labels(name).set(load.num_running)
+        self.waiting.labels(name).set(load.num_waiting)
+        self.kv_usage.labels(name).set(load.kv_cache_usage)
+        self.queued_prefill.labels(name).set(load.queued_prefill_tokens)
+        now = (stats.prefix_cache_hits, stats.prefix_cache_queries, stats.num_preemptions)
+        for counter, new, old in zip((self.cache_hits, self.cache_queries, self.preemptions), now, self._last_stats):
+            if new > old:
+                counter.labels(name).inc(new - old)
+        self._last_stats = now
+
+    def observe_first_token(self, seconds: float, num_prompt_tokens: int) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+
+    def observe_token(self, gap_seconds: float | None) -> None:
+        self.generation_tokens.labels(self.model_name).inc()
+        if gap_seconds is not None:
+            self.itl.labels(self.model_name).observe(gap_seconds)
+
+    def observe_finished(self, reason: str, seconds: float) -> None:
+        self.e2e.labels(self.model_name).observe(seconds)
+        self.success.labels(self.model_name, reason).inc()
+
+    # -- transfers (any thread) ----------------------------------------------------------------------
+    def observe_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
+        self.transfer_bytes.labels(self.connector, direction).inc(nbytes)
+        self.transfer_seconds.labels(self.connector, direction).observe(seconds)
+
+    def observe_transfer_failure(self, direction: str) -> None:
+        self.transfer_failures.labels(self.connector, direction).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    """GET /metrics (Prometheus text) and GET /health (JSON; 503 while draining or unhealthy)."""
+
+    def __init__(self, metrics: NodeMetrics, health: Callable[[], dict], host: str, port: int) -> None:
+        handler = _make_handler(metrics, health)
+        self._server = ThreadingHTTPServer((host, port), handler)
+        self._server.daemon_threads = True
+        self.host, self.port = host, self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kvrelay-metrics", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+        logger.info("metrics on http://%s/metrics (health: /health)", self.address)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _make_handler(metrics: NodeMetrics, health: Callable[[], dict]) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._reply(200, CONTENT_TYPE_LATEST, metrics.exposition())
+            elif path == "/health":
+                state = health()
+                body = json.dumps(state).encode()
+                self._reply(200 if state.get("healthy") and not state.get("draining") else 503,
+                            "application/json", body)
+            else:
+                self._reply(404, "text/plain", b"not found: try /metrics or /health\n")
+
+        def _reply(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt: str, *args) -> None:  # scrapes every few seconds would flood the log
+            logger.debug("metrics http: " + fmt, *args)
+
+    return Handler

@@ -1,0 +1,207 @@
+"""The Engine gRPC service, common to both roles: node info, health, load, local Generate, Abort.
+
+Role servers (prefill_node.server, decode_node.server) subclass NodeServer and fill in Prefill, Reserve and
+Generate with a hand-off; an RPC meant for the other role answers FAILED_PRECONDITION naming the role.
+Every handler turns engine errors into gRPC status codes at this edge: a bad request (ValueError) is
+INVALID_ARGUMENT with the engine's message, a draining node UNAVAILABLE, and only a bug is INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from kv_transfer.base import KVConnector, LayoutMismatchError, TransferError
+from shared.async_engine import AsyncEngine, EngineDead, EngineDraining
+from shared.config import dtype_name
+from shared.node import convert
+from shared.node.metrics import NodeMetrics
+from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
+from shared.scheduler_output import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+
+class RpcFailure(Exception):
+    """End the RPC with this status code and message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def transfer_failure(error: TransferError, what: str) -> RpcFailure:
+    """A refused layout is the caller's deployment mistake (FAILED_PRECONDITION); anything else may pass."""
+    code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(error, LayoutMismatchError) else grpc.StatusCode.UNAVAILABLE
+    return RpcFailure(code, f"{what}: {error}")
+
+
+def _status(error: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(error, RpcFailure):
+        return error.code, str(error)
+    if isinstance(error, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, (EngineDraining, EngineDead)):
+        return grpc.StatusCode.UNAVAILABLE, str(error)
+    logger.exception("RPC failed unexpectedly", exc_info=error)
+    return grpc.StatusCode.INTERNAL, f"internal error: {error!r}"
+
+
+def unary_rpc(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    async def wrapper(self: NodeServer, request, context: grpc.aio.ServicerContext):
+        try:
+            return await fn(self, request, context)
+        except Exception as e:  # noqa: BLE001 - mapped to a status code, bugs logged
+            await context.abort(*_status(e))
+
+    return wrapper
+
+
+def stream_rpc(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    async def wrapper(self: NodeServer, request, context: grpc.aio.ServicerContext):
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except Exception as e:  # noqa: BLE001 - mapped to a status code, bugs logged
+            await context.abort(*_status(e))
+
+    return wrapper
+
+
+@dataclass
+class NodeSettings:
+    node_id: str
+    role: str  # "prefill" | "decode"
+    served_model_name: str
+    connector_name: str
+    grpc_address: str = ""
+    metrics_address: str = ""
+    transfer_timeout: float = 30.0  # how long a Prefill waits for its transfer, a Generate for its KV
+    kv_lease_s: float = 30.0
+
+
+class NodeServer(pb_grpc.EngineServicer):
+    role = "node"
+
+    def __init__(
+        self, engine: AsyncEngine, connector: KVConnector, metrics: NodeMetrics, settings: NodeSettings,
+    ) -> None:
+        self.engine = engine
+        self.core = engine.core
+        self.connector = connector
+        self.metrics = metrics
+        self.settings = settings
+        # Transfer waits block a thread each for up to transfer_timeout: keep them off the default executor.
+        self.waits = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvrelay-wait")
+
+    # -- hooks for the roles ------------------------------------------------------------------------
+    def attach(self) -> None:
+        """Called once the engine and connector are up, before serving (the engine thread is not running)."""
+
+    def generate_handoff(self, request: pb.GenerateRequest, arrival: float) -> AsyncIterator[EngineCoreOutput]:
+        raise self.wrong_role("Generate with a hand-off")
+
+    def before_abort(self, request_id: str) -> None:
+        """Runs on the event loop before an Abort reaches the engine."""
+
+    def close(self) -> None:
+        self.waits.shutdown(wait=False, cancel_futures=True)
+
+    def wrong_role(self, what: str) -> RpcFailure:
+        other = "decode" if self.role == "prefill" else "prefill"
+        return RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{what} is served by {other} nodes; {self.settings.node_id} is a {self.role} node")
+
+    # -- info ---------------------------------------------------------------------------------------
+    def node_info(self) -> pb.NodeInfo:
+        s, core = self.settings, self.core
+        layout = self.connector.layout
+        return pb.NodeInfo(
+            node_id=s.node_id, role=self.role, model_id=core.info.model_id, block_size=layout.block_size,
+            dtype=dtype_name(core.info.dtype), max_model_len=core.max_model_len, vocab_size=core.vocab_size,
+            capacity_tokens=core.num_blocks * layout.block_size, layout=convert.layout_to_proto(layout),
+            connector=s.connector_name, kv_address=self.connector.address, grpc_address=s.grpc_address,
+            metrics_address=s.metrics_address,
+        )
+
+    def health(self) -> dict:
+        alive = self.engine.running
+        message = "draining" if self.engine.draining else ("ok" if alive else "engine thread stopped")
+        return {"healthy": alive, "draining": self.engine.draining, "message": message,
+                "node_id": self.settings.node_id, "role": self.role}
+
+    @unary_rpc
+    async def GetNodeInfo(self, request, context):  # noqa: N802 - gRPC method names
+        return self.node_info()
+
+    @unary_rpc
+    async def Health(self, request, context):  # noqa: N802
+        h = self.health()
+        return pb.HealthResponse(healthy=h["healthy"], draining=h["draining"], message=h["message"])
+
+    @unary_rpc
+    async def GetLoad(self, request, context):  # noqa: N802
+        load = self.engine.load()
+        return pb.Load(
+            num_waiting=load.num_waiting, num_running=load.num_running,
+            queued_prefill_tokens=load.queued_prefill_tokens, free_kv_blocks=load.free_kv_blocks,
+            total_kv_blocks=load.total_kv_blocks, kv_cache_usage=load.kv_cache_usage,
+        )
+
+    # -- requests -----------------------------------------------------------------------------------
+    @unary_rpc
+    async def Reserve(self, request, context):  # noqa: N802
+        raise self.wrong_role("Reserve")
+
+    @unary_rpc
+    async def Prefill(self, request, context):  # noqa: N802
+        raise self.wrong_role("Prefill")
+
+    @stream_rpc
+    async def Generate(self, request, context):  # noqa: N802
+        arrival = time.monotonic()
+        require_request_id(request.request_id)
+        if request.HasField("handoff"):
+            stream = self.generate_handoff(request, arrival)
+        else:
+            prompt, params = checked_prompt(request)
+            if params.n != 1:
+                raise ValueError("n: Generate streams one sequence (TokenChunk has no index); send n requests")
+            stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt, arrival)
+        num_output = 0
+        async for out in stream:
+            num_output += len(out.new_token_ids)
+            yield convert.chunk_from_output(out, num_output)
+
+    @unary_rpc
+    async def Abort(self, request, context):  # noqa: N802
+        require_request_id(request.request_id)
+        self.before_abort(request.request_id)
+        return pb.AbortResponse(aborted=await self.engine.abort(request.request_id))
+
+    # -- helpers ------------------------------------------------------------------------------------
+    async def blocking(self, fn: Callable, *args):
+        """Run a blocking connector call (transfer waits) on the wait pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.waits, fn, *args)
+
+
+def require_request_id(request_id: str) -> None:
+    if not request_id:
+        raise ValueError("request_id: must not be empty")
+
+
+def checked_prompt(request) -> tuple[list[int], object]:
+    """(prompt token ids, SamplingParams) of a Reserve / Prefill / Generate request; ValueError if bad."""
+    prompt = convert.prompt_ids(request.prompt_token_ids)
+    convert.check_token_ids("prompt_token_ids", prompt)
+    return prompt, convert.request_params(request)
