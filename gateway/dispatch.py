@@ -139,9 +139,14 @@ class Dispatcher:
         return result
 
     async def _continue(self, decode: Node, req: EngineRequest, handoff: PrefillResult) -> AsyncIterator[TokenChunk]:
+        skip = 1  # the decode node streams from the handed-off token on; the caller already has it
         try:
             async with aclosing(self.clients.get(decode.address).generate(req, handoff)) as stream:
                 async for chunk in stream:
+                    if skip:
+                        chunk, skip = _drop_first(chunk), 0
+                        if not chunk.token_ids and not chunk.finish_reason:
+                            continue
                     yield chunk
         except NodeRpcError as e:
             self._node_failed(decode, e)
@@ -224,3 +229,7 @@ class Dispatcher:
         """Let the abort calls already sent finish (shutdown)."""
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout_s)
+
+
+def _drop_first(chunk: TokenChunk) -> TokenChunk:
+    return replace(chunk, token_ids=chunk.token_ids[1:], logprobs=chunk.logprobs[1:])

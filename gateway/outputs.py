@@ -29,7 +29,7 @@ class LogprobEntry:
     token_id: int
     token: str
     logprob: float
-    top: tuple[tuple[str, float], ...]
+    top: tuple[tuple[int, str, float], ...]  # (token_id, token, logprob), most likely first
 
 
 @dataclass
@@ -123,5 +123,5 @@ class ChoiceOutput:
 
     def _entry(self, lp: TokenLogprob) -> LogprobEntry:
         k = self.options.logprobs or 0
-        top = tuple((self._texts.get(t), v) for t, v in lp.top[:k])
+        top = tuple((t, self._texts.get(t), v) for t, v in lp.top[:k])
         return LogprobEntry(lp.token_id, self._texts.get(lp.token_id), lp.logprob, top)

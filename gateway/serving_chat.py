@@ -95,9 +95,11 @@ def _message_dict(m) -> dict:
 
 
 def _logprobs(entries: list[LogprobEntry]) -> ChatLogprobs:
+    def top(e: LogprobEntry) -> list[TopLogprobEntry]:
+        return [TopLogprobEntry(token=t, logprob=v, bytes=list(t.encode())) for _, t, v in e.top]
+
     return ChatLogprobs(content=[
-        ChatLogprobEntry(token=e.token, logprob=e.logprob, bytes=list(e.token.encode()),
-                         top_logprobs=[TopLogprobEntry(token=t, logprob=v, bytes=list(t.encode())) for t, v in e.top])
+        ChatLogprobEntry(token=e.token, logprob=e.logprob, bytes=list(e.token.encode()), top_logprobs=top(e))
         for e in entries
     ])
 

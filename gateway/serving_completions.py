@@ -111,7 +111,7 @@ class _State:
         for e in entries:
             out.tokens.append(e.token)
             out.token_logprobs.append(e.logprob)
-            out.top_logprobs.append(dict(e.top))
+            out.top_logprobs.append({t: v for _, t, v in e.top})
             out.text_offset.append(offset)
             offset += len(e.token)
         self.offsets[index] = offset

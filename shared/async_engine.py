@@ -111,6 +111,9 @@ class AsyncEngine:
     def load(self) -> LoadSnapshot:
         return self._load
 
+    def stop_accepting(self) -> None:
+        self._draining = True
+
     async def shutdown(self, timeout: float) -> None:
         """Stop taking work; wait up to `timeout` for in-flight requests and leases; abort the rest."""
         self._draining = True
@@ -196,7 +199,12 @@ class AsyncEngine:
             return out
 
         first = await self._call_or_abort(run, request_id)
-        yield first
+        try:
+            yield first
+        except BaseException:  # the consumer left at the first token (GeneratorExit, cancellation)
+            if first.finish_reason is None:
+                self.abort_nowait(request_id)
+            raise
         if first.finish_reason is None:
             async for out in self._drain_stream(q, [request_id]):
                 yield out

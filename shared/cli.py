@@ -12,8 +12,12 @@ from shared.config import DEFAULT_BLOCK_SIZE
 DESCRIPTION = """kvrelay: disaggregated LLM serving (OpenAI gateway, prefill and decode pools, paged KV cache).
 
 Commands:
+  up         bring up a whole fleet on this machine (Redis, prefill and decode nodes, gateway)
+  gateway    the OpenAI-compatible gateway (HTTP) and its gRPC API
+  prefill    a prefill node
+  decode     a decode node
   generate   run the engine offline on a prompt and print the completion
-  bench      benchmarks (throughput of the engine vs Hugging Face transformers, KV transfer rates)
+  bench      benchmarks (engine throughput vs transformers, KV transfer, serving, routing, TTFT)
 """
 
 
@@ -149,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench(sub)
+    from shared.launcher import register as register_up
+
+    register_up(sub)
+    from shared.gateway_cli import register as register_gateway
+
+    register_gateway(sub)
     return parser
 
 

@@ -1,0 +1,141 @@
+"""Decode role: reservations, admission of transferred requests, token streaming.
+
+Reservation lifecycle (the transfer id is the request id):
+1. Reserve: the engine sets aside blocks under a lease and, on the engine thread, the connector starts
+   expecting a transfer into exactly those blocks; the id joins `_expected`.
+2. A prefill node writes the blocks layer by layer.
+3. Generate with a hand-off claims the id, waits for the transfer, admits the request with the first
+   token and streams the rest.
+4. If the lease runs out first, or Abort comes, the cleanup claims the id, the connector stops accepting
+   layers for it, and the blocks are freed. Whoever claims an id closes its transfer: the connector allows
+   one waiter per transfer.
+
+    python -m decode_node.server --model default --port 50062 --connector ucx
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+import grpc
+
+from kv_transfer.base import TransferError
+from shared.kv_cache_manager import cdiv
+from shared.node import convert
+from shared.node.server import (
+    NodeServer,
+    RpcFailure,
+    checked_prompt,
+    require_request_id,
+    transfer_failure,
+    unary_rpc,
+)
+from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeServer(NodeServer):
+    role = "decode"
+
+    def attach(self) -> None:
+        self._expected: set[str] = set()
+        self._lock = threading.Lock()
+        self.engine.on_expired = self._on_expired
+
+    # -- reservations ---------------------------------------------------------------------------------
+    @unary_rpc
+    async def Reserve(self, request, context):  # noqa: N802 - gRPC method names
+        rid = request.request_id
+        require_request_id(rid)
+        prompt, params = checked_prompt(request)
+        lease_s = request.lease_ms / 1000 if request.lease_ms else self.settings.kv_lease_s
+
+        def expect(res) -> None:  # engine thread: no layer can arrive before the blocks are named
+            self.connector.expect(rid, list(res.dst_block_ids))
+            with self._lock:
+                self._expected.add(rid)
+
+        res = await self.engine.reserve(rid, prompt, params, lease_s, request.cache_salt, on_reserved=expect)
+        if res is None:
+            load = self.engine.load()
+            need = cdiv(len(prompt), self.connector.layout.block_size)
+            raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"no room to reserve {rid!r}: the prompt needs up to {need} KV blocks, "
+                             f"{load.free_kv_blocks} of {load.total_kv_blocks} are free")
+        logger.debug("reserved %s: %d cached tokens, %d blocks to fill, lease %.1fs",
+                     rid, res.num_cached_tokens, len(res.dst_block_ids), lease_s)
+        expires_ms = int((time.time() + (res.deadline - time.monotonic())) * 1000)
+        return pb.ReserveResponse(
+            request_id=rid, node_id=self.settings.node_id, kv_address=self.connector.address,
+            num_cached_tokens=res.num_cached_tokens, dst_block_ids=list(res.dst_block_ids),
+            layout=convert.layout_to_proto(self.connector.layout), lease_expires_unix_ms=expires_ms,
+        )
+
+    def _claim(self, rid: str) -> bool:
+        with self._lock:
+            if rid not in self._expected:
+                return False
+            self._expected.discard(rid)
+            return True
+
+    def _forget_transfer(self, rid: str) -> None:
+        """Stop accepting layers for a reservation that will not be admitted (waiting 0 s closes it)."""
+        if not self._claim(rid):
+            return
+        try:
+            self.connector.wait_received(rid, 0)
+        except TransferError:
+            self.metrics.observe_transfer_failure("recv")
+
+    def _on_expired(self, ids: list[str]) -> None:  # engine thread
+        for rid in ids:
+            self._forget_transfer(rid)
+
+    def before_abort(self, request_id: str) -> None:
+        self._forget_transfer(request_id)  # first, so that no layer lands in blocks about to be freed
+
+    # -- hand-off -------------------------------------------------------------------------------------
+    async def generate_handoff(self, request: pb.GenerateRequest, arrival: float):
+        rid = request.request_id
+        if not self._claim(rid):
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"no reservation for {rid!r} on {self.settings.node_id} "
+                             "(never made, expired, aborted, or already admitted)")
+        admitted = False
+        try:
+            await self._wait_kv(rid)
+            handoff = request.handoff
+            logprobs = (convert.logprobs_from_proto(handoff.first_logprobs)
+                        if handoff.HasField("first_logprobs") else None)
+            stream = self.engine.admit_reserved(rid, handoff.first_token_id, logprobs, arrival)
+            try:
+                async for out in stream:
+                    admitted = True
+                    yield out
+            except KeyError as e:
+                raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(e.args[0])) from None
+        finally:
+            if not admitted:  # a bad first token, a failed transfer, a client gone: free the blocks now
+                self.engine.abort_nowait(rid)
+
+    async def _wait_kv(self, rid: str) -> None:
+        try:
+            result = await self.blocking(self.connector.wait_received, rid, self.settings.transfer_timeout)
+        except TransferError as e:
+            self.metrics.observe_transfer_failure("recv")
+            raise transfer_failure(e, f"the KV of {rid!r} did not arrive") from None
+        self.metrics.observe_transfer("recv", result.nbytes, result.seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shared.node_cli import main_for_role
+
+    return main_for_role("decode", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The gateway's gRPC API (kvrelay.gateway.v1.Gateway): the same generation and routing as the HTTP API.
+
+The request is turned into the attribute names of the OpenAI request models, so validation, sampling
+params and stop handling are literally the HTTP path's (serving_common). A cancelled call cancels the
+handler, which aborts its sequences on the nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from types import SimpleNamespace
+
+import grpc
+
+from gateway.core import GenerateInput, Generation, new_request_id
+from gateway.errors import BadRequest, GatewayError, Unauthorized
+from gateway.outputs import Delta, LogprobEntry
+from gateway.serving_common import check_model, check_unsupported, output_options, sampling_params
+from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as pb
+from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+           404: grpc.StatusCode.NOT_FOUND, 502: grpc.StatusCode.UNAVAILABLE, 503: grpc.StatusCode.UNAVAILABLE}
+_OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "seed", "max_tokens", "logprobs", "skip_special_tokens")
+
+
+def _fields(msg: pb.GenerateRequest) -> SimpleNamespace:
+    """The proto's sampling fields under the OpenAI request models' names (unset optionals are None)."""
+    p = msg.params
+    values = {name: getattr(p, name) if p.HasField(name) else None for name in _OPTIONAL}
+    values["skip_special_tokens"] = True if values["skip_special_tokens"] is None else values["skip_special_tokens"]
+    return SimpleNamespace(
+        **values, min_tokens=p.min_tokens, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        priority=p.priority, stop=list(p.stop), include_stop_str_in_output=p.include_stop_str_in_output,
+        logit_bias=None,
+    )
+
+
+class GatewayServicer(pb_grpc.GatewayServicer):
+    def __init__(self, gateway) -> None:
+        self.gateway = gateway
+        self.core = gateway.core
+
+    async def ListModels(self, request, context):
+        await self._auth(context)
+        return pb.ModelsResponse(models=self.gateway.served_names, max_model_len=self.core.max_model_len)
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        await self._auth(context)
+        try:
+            model = check_model(request.model or None, self.gateway.served_names)
+            gen = self.core.generate(self._input(request))
+        except GatewayError as e:
+            self.gateway.metrics.observe_request("client_error" if e.status < 500 else "no_capacity")
+            await context.abort(_STATUS.get(int(e.status), grpc.StatusCode.INTERNAL), e.message)
+        try:
+            async for msg in self._responses(gen, model, request.stream):
+                yield msg
+            self.gateway.metrics.observe_request("success")
+        except GatewayError as e:
+            self.gateway.metrics.observe_request("client_error" if e.status < 500 else "no_capacity")
+            await context.abort(_STATUS.get(int(e.status), grpc.StatusCode.INTERNAL), e.message)
+
+    async def _auth(self, context) -> None:
+        key = self.gateway.config.api_key
+        if not key:
+            return
+        meta = dict(context.invocation_metadata() or ())
+        scheme, _, token = str(meta.get("authorization", "")).partition(" ")
+        if scheme.lower() != "bearer" or token.strip() != key:
+            err = Unauthorized("missing or wrong API key in the 'authorization: Bearer <key>' metadata")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, err.message)
+
+    def _input(self, msg: pb.GenerateRequest) -> GenerateInput:
+        fields = _fields(msg)
+        check_unsupported(fields)
+        prompt = self._prompt(msg)
+        self.core.check_prompt(prompt, "prompt")
+        max_tokens = self.core.fit_max_tokens(len(prompt), fields.max_tokens, "prompt", "max_tokens")
+        params = sampling_params(fields, self.core, max_tokens=max_tokens, logprobs=fields.logprobs)
+        return GenerateInput(prompt, params, output_options(fields, fields.logprobs),
+                             request_id=msg.request_id or new_request_id("grpc"), cache_salt=msg.cache_salt)
+
+    def _prompt(self, msg: pb.GenerateRequest) -> list[int]:
+        kind = msg.WhichOneof("input")
+        tok = self.core.tokenizer
+        if kind == "prompt":
+            return tok.encode(msg.prompt)
+        if kind == "prompt_token_ids":
+            return list(msg.prompt_token_ids.ids)
+        if kind == "chat":
+            messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                        for m in msg.chat.messages]
+            add = msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True
+            try:
+                return tok.apply_chat_template(messages, add_generation_prompt=add)
+            except Exception as e:  # the template rejecting the conversation is the caller's input
+                raise BadRequest(f"the chat template could not render these messages: {e}", param="chat") from None
+        raise BadRequest("one of prompt, prompt_token_ids or chat is required", param="input")
+
+    async def _responses(self, gen: Generation, model: str, stream: bool) -> AsyncIterator[pb.GenerateResponse]:
+        rid = gen.request_id
+        async with aclosing(gen.deltas()) as deltas:
+            if stream:
+                async for delta in deltas:
+                    yield pb.GenerateResponse(request_id=rid, model=model, choices=[_delta(delta)])
+            else:
+                merged = {c.index: Delta(c.index) for c in gen.choices}
+                async for delta in deltas:
+                    _accumulate(merged[delta.index], delta)
+        u = gen.usage
+        usage = pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                         cached_tokens=u.cached_tokens)
+        choices = [] if stream else [_delta(merged[i]) for i in sorted(merged)]
+        yield pb.GenerateResponse(request_id=rid, model=model, choices=choices, usage=usage, finished=True)
+
+
+def _accumulate(into: Delta, delta: Delta) -> None:
+    into.text += delta.text
+    into.token_ids.extend(delta.token_ids)
+    into.logprobs.extend(delta.logprobs)
+    if delta.finish_reason:
+        into.finish_reason, into.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def _delta(d: Delta) -> pb.ChoiceDelta:
+    msg = pb.ChoiceDelta(index=d.index, text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason or "",
+                         logprobs=[_logprob(e) for e in d.logprobs])
+    if isinstance(d.stop_reason, str):
+        msg.stop_string = d.stop_reason
+    elif isinstance(d.stop_reason, int):
+        msg.stop_token_id = d.stop_reason
+    return msg
+
+
+def _logprob(e: LogprobEntry) -> pb.TokenLogprob:
+    top = [pb.TopLogprob(token_id=i, token=t, logprob=v) for i, t, v in e.top]
+    return pb.TokenLogprob(token_id=e.token_id, token=e.token, logprob=e.logprob, top=top)
+
+
+async def start_grpc_server(gateway, host: str, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_GatewayServicer_to_server(GatewayServicer(gateway), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the gRPC API to {host}:{port}")
+    await server.start()
+    gateway.grpc_port = bound
+    logger.info("gateway gRPC API on %s:%d", host, bound)
+    return server

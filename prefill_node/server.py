@@ -1,0 +1,181 @@
+"""Prefill role: compute prompts and hand their KV to decode nodes.
+
+Prefill lifecycle (the transfer id is the request id):
+1. Check the request against the reservation it names: decode layout, cached tokens, destination blocks.
+2. The engine computes the prompt (its own prefix cache first); as each layer of the last chunk is written
+   the runner enqueues the blocks the decode node lacks on the connector; the first token is sampled.
+3. Wait until the decode node acknowledged every layer; the blocks stay held meanwhile.
+4. Release the held blocks and answer with the first token and the transfer figures. A failed transfer
+   releases them too, aborts the request, and fails the RPC: UNAVAILABLE (peer unreachable, lost) or
+   FAILED_PRECONDITION (layout refused). A client that leaves mid-way gets its blocks released once the
+   transfer is over, in the background.
+
+    python -m prefill_node.server --model default --port 50061 --connector ucx
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+
+import grpc
+
+from kv_transfer.base import KVConnector, TransferError
+from shared.kv_cache_manager import cdiv
+from shared.node import convert
+from shared.node.server import (
+    NodeServer,
+    RpcFailure,
+    checked_prompt,
+    require_request_id,
+    transfer_failure,
+    unary_rpc,
+)
+from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+from shared.request import KVSendSpec
+from shared.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LastLayerClock:
+    """Stands in for the connector the runner sends through and notes when each transfer's last layer was
+    enqueued: from then until the ack is what a transfer adds on top of compute."""
+
+    def __init__(self, connector: KVConnector) -> None:
+        self._connector = connector
+        self._last_layer = connector.layout.num_layers - 1
+        self._enqueued: dict[str, float] = {}
+
+    def send_blocks(self, peer: str, transfer_id: str, layer: int, src: list[int], dst: list[int]) -> None:
+        self._connector.send_blocks(peer, transfer_id, layer, src, dst)
+        if layer == self._last_layer:
+            self._enqueued[transfer_id] = time.perf_counter()
+
+    def pop(self, transfer_id: str) -> float | None:
+        return self._enqueued.pop(transfer_id, None)
+
+    def __getattr__(self, name: str):
+        return getattr(self._connector, name)
+
+
+class PrefillServer(NodeServer):
+    role = "prefill"
+
+    def attach(self) -> None:
+        self.clock = LastLayerClock(self.connector)
+        self.core.runner.connector = self.clock
+        self._background: set[asyncio.Task] = set()
+
+    @unary_rpc
+    async def Prefill(self, request, context):  # noqa: N802 - gRPC method names
+        arrival, t0 = time.monotonic(), time.perf_counter()
+        rid = request.request_id
+        require_request_id(rid)
+        prompt, params = checked_prompt(request)
+        if params.n != 1:
+            raise ValueError("n: a prefill is for one sequence; reserve and prefill each of n separately")
+        spec = self._send_spec(request, len(prompt))
+        out = await self._compute(rid, prompt, params, spec, request.cache_salt, arrival)
+        prefill_s = time.perf_counter() - t0
+        result, last_layer_s = await self._finish_transfer(rid, request.decode_kv_address)
+        token = out.new_token_ids[0]
+        response = pb.PrefillResponse(
+            request_id=rid, first_token_id=token, num_cached_tokens=out.num_cached_tokens,
+            bytes_transferred=result.nbytes, transfer_seconds=result.seconds, prefill_seconds=prefill_s,
+            finish_reason=self._first_finish_reason(params, token, len(prompt)), last_layer_seconds=last_layer_s,
+        )
+        if out.logprobs is not None:
+            response.first_logprobs.CopyFrom(convert.logprobs_to_proto(out.logprobs))
+        return response
+
+    def _send_spec(self, request: pb.PrefillRequest, num_prompt: int) -> KVSendSpec:
+        layout = self.connector.layout
+        if request.HasField("decode_layout"):
+            theirs = convert.layout_from_proto(request.decode_layout)
+            refusal = layout.mismatch(theirs, "prefill", "decode")
+            if refusal is not None:
+                raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"decode node refused before computing: {refusal}")
+            if any(b >= theirs.num_blocks for b in request.dst_block_ids):
+                raise ValueError(f"dst_block_ids: beyond the decode node's {theirs.num_blocks} blocks")
+        scheme = f"{self.settings.connector_name}://"
+        if not request.decode_kv_address.startswith(scheme):
+            raise ValueError(f"decode_kv_address: {request.decode_kv_address!r} is not a {scheme}host:port address "
+                             "(take ReserveResponse.kv_address)")
+        bs, cached, dst = layout.block_size, request.decode_cached_tokens, tuple(request.dst_block_ids)
+        if cached % bs or cached >= num_prompt:
+            raise ValueError(f"decode_cached_tokens: {cached} must be a multiple of the block size {bs} and "
+                             f"less than the prompt's {num_prompt} tokens")
+        need = cdiv(num_prompt, bs) - cached // bs
+        if len(dst) != need:
+            raise ValueError(f"dst_block_ids: {len(dst)} given; the prompt's blocks after the decode node's "
+                             f"{cached} cached tokens are {need}")
+        if len(set(dst)) != len(dst):
+            raise ValueError("dst_block_ids: duplicate block ids")
+        return KVSendSpec(request.decode_kv_address, request.request_id, cached // bs, dst)
+
+    async def _compute(self, rid: str, prompt: list[int], params: SamplingParams, spec: KVSendSpec,
+                       salt: str, arrival: float):
+        try:
+            out = await self.engine.prefill(rid, prompt, params, spec, salt, arrival)
+        except asyncio.CancelledError:
+            self._settle_later(rid)  # the client left: the transfer may still read the blocks
+            raise
+        if not out.new_token_ids:
+            await self.engine.release_held(rid)
+            raise RpcFailure(grpc.StatusCode.ABORTED, f"request {rid!r} was aborted during its prefill")
+        return out
+
+    async def _finish_transfer(self, rid: str, peer: str):
+        try:
+            result = await self.blocking(self.connector.wait, rid, self.settings.transfer_timeout)
+        except asyncio.CancelledError:
+            self._settle_later(rid)
+            raise
+        except TransferError as e:
+            self.clock.pop(rid)
+            self.metrics.observe_transfer_failure("send")
+            await self.engine.release_held(rid)
+            await self.engine.abort(rid)
+            logger.warning("prefill %s: KV transfer to %s failed, blocks released: %s", rid, peer, e)
+            raise transfer_failure(e, f"KV transfer of {rid!r} to decode node {peer} failed") from None
+        done = time.perf_counter()
+        await self.engine.release_held(rid)
+        self.metrics.observe_transfer("send", result.nbytes, result.seconds)
+        enqueued = self.clock.pop(rid)
+        return result, (done - enqueued if enqueued is not None else 0.0)
+
+    def _settle_later(self, rid: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._settle(rid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _settle(self, rid: str) -> None:
+        try:
+            await self.blocking(self.connector.wait, rid, self.settings.transfer_timeout)
+        except TransferError:
+            pass  # never started, or failed: either way nothing reads the blocks any more
+        self.clock.pop(rid)
+        await self.engine.release_held(rid)
+
+    def _first_finish_reason(self, params: SamplingParams, token: int, num_prompt: int) -> str:
+        """Whether the first token already ends the request, by the rules the engine applies."""
+        if (params.max_tokens is not None and params.max_tokens <= 1) or num_prompt + 1 >= self.core.max_model_len:
+            return "length"
+        if params.min_tokens > 1:
+            return ""
+        if (token == self.core.info.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shared.node_cli import main_for_role
+
+    return main_for_role("prefill", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

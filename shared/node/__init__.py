@@ -1,0 +1,1 @@
+"""Pieces every node shares: gRPC servicer base, protobuf conversion, metrics, lifecycle, registration."""

@@ -1,0 +1,126 @@
+"""`kvrelay prefill` and `kvrelay decode`: run a node. Flags mirror vLLM's where they exist; each flag can
+also come from the environment as KVRELAY_<FLAG> (e.g. KVRELAY_PORT=50061, KVRELAY_ENABLE_PREFIX_CACHING=0);
+a flag on the command line wins over the environment.
+
+    kvrelay prefill --model default --port 50061 --connector ucx --num-threads 1
+    kvrelay decode  --model default --port 50062 --connector ucx --num-threads 1
+    python -m prefill_node.server ...   # the same, without the kvrelay entry point
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from shared.cli import add_engine_args
+
+ROLES = {
+    "prefill": ("computes prompts and hands their KV to decode nodes", 50061),
+    "decode": ("reserves KV blocks, admits transferred requests and streams tokens", 50062),
+}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def register(subparsers) -> None:
+    """Add `prefill` and `decode` to the `kvrelay` subcommands."""
+    for role, (what, _) in ROLES.items():
+        p = subparsers.add_parser(role, help=f"run a {role} node: {what}", description=__doc__,
+                                  formatter_class=_HelpFormatter)
+        add_node_args(p, role)
+        p.set_defaults(func=lambda args, role=role: run_node(args, role))
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
+    add_engine_args(p)
+    p.set_defaults(dtype="auto")
+    g = p.add_argument_group("node")
+    g.add_argument("--served-model-name", default=None, help="model name in metrics labels (default: the model id)")
+    g.add_argument("--host", default="127.0.0.1", help="interface of the gRPC server and metrics endpoint")
+    g.add_argument("--port", type=int, default=ROLES[role][1], help="gRPC port; 0 picks a free one")
+    g.add_argument("--node-id", default=None, help="name in the registry (default: <role>-<host>-<port>)")
+    g.add_argument("--metrics-port", type=int, default=0,
+                   help="HTTP port of /metrics and /health; 0 picks a free one (logged, and in GetNodeInfo)")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch CPU threads (default: the cores divided by --local-nodes; oversubscribed OpenMP "
+                        "threads slow every node down many times)")
+    g.add_argument("--local-nodes", type=int, default=1, help="nodes sharing this machine's cores")
+    g.add_argument("--seed", type=int, default=0, help="sampler seed for requests that bring none")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--ready-file", default=None,
+                   help="write a JSON file with the node's addresses once it serves (for launchers and tests)")
+    k = p.add_argument_group("KV transfer")
+    k.add_argument("--connector", choices=["ucx", "nccl", "local"], default="ucx",
+                   help="ucx (ucxx), nccl (torch.distributed; gloo on CPU), local (in-process tests only)")
+    k.add_argument("--kv-host", default=None, help="interface the connector listens on (default: --host)")
+    k.add_argument("--kv-port", type=int, default=0, help="connector port; 0 picks a free one")
+    k.add_argument("--ucx-transport", choices=["tcp", "shm", "auto"], default="tcp",
+                   help="ucx: tcp, shm (shared memory, same machine) or auto (UCX picks, CUDA included)")
+    k.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                   help="reserved or held KV blocks nobody claims within this time are freed")
+    k.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds one KV transfer may take")
+    k.add_argument("--kv-connect-timeout", type=float, default=5.0, help="seconds to reach a peer connector")
+    r = p.add_argument_group("registry")
+    r.add_argument("--redis-url", default=None,
+                   help="Redis of the block index and node registry (e.g. redis://host:6379/0, unix:///path); "
+                        "without it the node runs unregistered")
+    r.add_argument("--heartbeat-seconds", type=float, default=1.0, help="registry heartbeat (load) interval")
+    r.add_argument("--registry-ttl", type=float, default=5.0, help="seconds a registration outlives its last heartbeat")
+    apply_env_defaults(p)
+
+
+def apply_env_defaults(p: argparse.ArgumentParser) -> None:
+    """KVRELAY_<DEST> in the environment becomes the flag's default, and every help line names it."""
+    for action in p._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        env = "KVRELAY_" + action.dest.upper()
+        action.help = f"{action.help or ''} [env {env}]".strip()
+        raw = os.environ.get(env)
+        if raw is None:
+            continue
+        try:
+            value = _env_value(action, raw)
+        except ValueError as e:
+            p.error(f"{env}={raw!r}: {e}")
+        if action.choices is not None and value not in action.choices:
+            p.error(f"{env}={raw!r}: choose one of {', '.join(map(str, action.choices))}")
+        action.default = value
+
+
+def _env_value(action: argparse.Action, raw: str):
+    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+        low = raw.strip().lower()
+        if low not in _TRUE | _FALSE:
+            raise ValueError("expected 1/0, true/false, yes/no or on/off")
+        return low in _TRUE
+    return action.type(raw) if action.type is not None else raw
+
+
+def run_node(args: argparse.Namespace, role: str) -> int:
+    import asyncio
+
+    from shared.node.runtime import serve
+
+    return asyncio.run(serve(args, role))
+
+
+def main_for_role(role: str, argv: list[str] | None = None) -> int:
+    """`python -m prefill_node.server` / `python -m decode_node.server`."""
+    p = argparse.ArgumentParser(prog=f"kvrelay {role}", description=__doc__, formatter_class=_HelpFormatter)
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    add_node_args(p, role)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        return run_node(args, role)
+    except ValueError as e:
+        print(f"kvrelay {role}: error: {e}", file=sys.stderr)
+        return 2
