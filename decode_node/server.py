@@ -19,6 +19,7 @@ import logging
 import sys
 import threading
 import time
+from contextlib import aclosing
 
 import grpc
 
@@ -83,11 +84,13 @@ class DecodeServer(NodeServer):
             return True
 
     def _forget_transfer(self, rid: str) -> None:
-        """Stop accepting layers for a reservation that will not be admitted (waiting 0 s closes it)."""
-        if not self._claim(rid):
-            return
+        """Stop accepting layers for a reservation that will not be admitted."""
+        if self._claim(rid):
+            self._close_transfer(rid)
+
+    def _close_transfer(self, rid: str) -> None:
         try:
-            self.connector.wait_received(rid, 0)
+            self.connector.wait_received(rid, 0)  # waiting 0 s answers at once and forgets the transfer
         except TransferError:
             self.metrics.observe_transfer_failure("recv")
 
@@ -100,26 +103,31 @@ class DecodeServer(NodeServer):
 
     # -- hand-off -------------------------------------------------------------------------------------
     async def generate_handoff(self, request: pb.GenerateRequest, arrival: float):
-        rid = request.request_id
+        rid, handoff = request.request_id, request.handoff
         if not self._claim(rid):
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
                              f"no reservation for {rid!r} on {self.settings.node_id} "
                              "(never made, expired, aborted, or already admitted)")
-        admitted = False
+        waited = admitted = False
         try:
+            if not 0 <= handoff.first_token_id < self.core.vocab_size:
+                raise ValueError(f"first_token_id: {handoff.first_token_id} is outside the vocabulary "
+                                 f"[0, {self.core.vocab_size})")
+            waited = True  # the wait below closes the transfer whatever its outcome
             await self._wait_kv(rid)
-            handoff = request.handoff
             logprobs = (convert.logprobs_from_proto(handoff.first_logprobs)
                         if handoff.HasField("first_logprobs") else None)
-            stream = self.engine.admit_reserved(rid, handoff.first_token_id, logprobs, arrival)
             try:
-                async for out in stream:
-                    admitted = True
-                    yield out
+                async with aclosing(self.engine.admit_reserved(rid, handoff.first_token_id, logprobs, arrival)) as s:
+                    async for out in s:
+                        admitted = True
+                        yield out
             except KeyError as e:
                 raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(e.args[0])) from None
         finally:
-            if not admitted:  # a bad first token, a failed transfer, a client gone: free the blocks now
+            if not admitted:  # a bad hand-off, a failed transfer, a client gone: free the blocks now
+                if not waited:
+                    self._close_transfer(rid)
                 self.engine.abort_nowait(rid)
 
     async def _wait_kv(self, rid: str) -> None:

@@ -86,10 +86,10 @@ class GatewayCore:
     def fit_max_tokens(self, num_prompt: int, max_tokens: int | None, param: str, max_tokens_param: str) -> int:
         """The max_tokens the engines get: what was asked, or the room left; 400 when it cannot fit."""
         limit = self.max_model_len
+        if num_prompt >= limit:
+            raise BadRequest(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                             f"has {num_prompt} tokens, which leaves no room to generate.", param=param)
         if max_tokens is None:
-            if num_prompt >= limit:
-                raise BadRequest(f"This model's maximum context length is {limit} tokens. However, your prompt "
-                                 f"has {num_prompt} tokens, which leaves no room to generate.", param=param)
             return limit - num_prompt
         if num_prompt + max_tokens > limit:
             raise BadRequest(
@@ -132,18 +132,28 @@ class Generation:
         self._first: float | None = None
         self._last: dict[int, float] = {}
         self._itls: list[float] = []
+        self.traces: list[dict] = [{} for _ in range(n)]  # per choice: the nodes that served it
 
     @property
     def usage(self) -> Usage:
         cached = max((c.num_cached_tokens for c in self.choices), default=0)
         return Usage(len(self.inp.prompt_token_ids), sum(len(c.token_ids) for c in self.choices), cached)
 
+    def route_headers(self) -> dict[str, str]:
+        """Where the first choice ran, for callers and tests that check routing."""
+        trace = self.traces[0]
+        if "decode" not in trace:
+            return {}
+        return {"x-kvrelay-decode-node": trace["decode"], "x-kvrelay-prefill-node": trace["prefill"] or "local"}
+
     async def deltas(self) -> AsyncIterator[Delta]:
         self.core.active += 1
         try:
             decision = await self.core.router.route(self.inp.prompt_token_ids, self.inp.cache_salt)
             streams = [self._choice_stream(decision, i) for i in range(len(self.choices))]
-            source = streams[0] if len(streams) == 1 else merge(streams)
+            # Choice 0 first: once its prompt is computed, the other choices find it in the prefix caches
+            # instead of each computing (and reserving blocks for) the same prompt at once.
+            source = streams[0] if len(streams) == 1 else merge(streams, lead_first=True)
             async with aclosing(source):
                 async for index, chunk in source:
                     delta = self._consume(index, chunk)
@@ -158,7 +168,7 @@ class Generation:
         child = params.for_child(index) if params.n > 1 else params
         req = EngineRequest(f"{self.request_id}-{index}", self.inp.prompt_token_ids, child, self.inp.cache_salt)
         choice = self.choices[index]
-        async with aclosing(self.core.dispatcher.stream(decision, req)) as stream:
+        async with aclosing(self.core.dispatcher.stream(decision, req, self.traces[index])) as stream:
             async for chunk in stream:
                 yield index, chunk
                 if choice.finished:  # a stop string ended it: closing the stream aborts it on the node
@@ -188,23 +198,32 @@ class Generation:
                                 u.completion_tokens)
 
 
-async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
-    """Interleave several async iterators as their items arrive; the first error ends all of them."""
+async def merge(streams: list[AsyncIterator], lead_first: bool = False) -> AsyncIterator:
+    """Interleave several async iterators as their items arrive; the first error ends all of them.
+    lead_first: the others start once the first has produced an item (or ended)."""
     queue: asyncio.Queue = asyncio.Queue()
+    lead_done = asyncio.Event()
+    if not lead_first:
+        lead_done.set()
 
-    async def pump(stream) -> None:
+    async def pump(stream, lead: bool) -> None:
         try:
+            if not lead:
+                await lead_done.wait()
             async with aclosing(stream):
                 async for item in stream:
                     await queue.put(item)
+                    lead_done.set()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # handed to the consumer, which re-raises it
             await queue.put(e)
             return
+        finally:
+            lead_done.set()
         await queue.put(_DONE)
 
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    tasks = [asyncio.create_task(pump(s, i == 0)) for i, s in enumerate(streams)]
     try:
         remaining = len(tasks)
         while remaining:

@@ -10,9 +10,7 @@ is listed (in /health) but never routed to: its block hashes would mean nothing 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -38,6 +36,18 @@ class Node:
     healthy: bool = True
     draining: bool = False
     refused: str | None = None  # why this node may never be routed to (model or block size mismatch)
+    # Folded from `load` once, not per request (routing reads them for every node of every request).
+    queued_tokens: int = field(init=False, default=0)
+    active_seqs: int = field(init=False, default=0)
+    free_tokens: int | None = field(init=False, default=None)  # None: unknown
+
+    def __post_init__(self) -> None:
+        load = self.load
+        if load is not None:
+            object.__setattr__(self, "queued_tokens", load.queued_prefill_tokens)
+            object.__setattr__(self, "active_seqs", load.num_running + load.num_waiting)
+            if load.total_kv_blocks:
+                object.__setattr__(self, "free_tokens", load.free_kv_blocks * self.block_size)
 
     @property
     def routable(self) -> bool:
@@ -60,8 +70,7 @@ class DiscoveryConfig:
     static_decode: tuple[str, ...] = ()
     refresh_s: float = 0.5
     health_s: float = 2.0
-    down_s: float = 1.0  # a node whose call failed stays out at least this long
-    extra: dict = field(default_factory=dict)
+    probe_timeout_s: float = 1.0
 
 
 class Discovery:
@@ -73,7 +82,9 @@ class Discovery:
         self._static.update({a: _Static(a, "decode") for a in config.static_decode})
         self._registered: dict[str, Node] = {}
         self._infos: dict[str, NodeInfo] = {}  # by address: what GetNodeInfo said
-        self._down: dict[str, float] = {}  # node_id -> monotonic time it may come back
+        self._fetching: set[str] = set()
+        self._down: set[str] = set()  # failed a call; out until a health check passes
+        self._view: tuple[list[Node], dict[str, list[Node]]] | None = None  # (all, routable by role)
         self._warned: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self.registry_error: str | None = None
@@ -86,10 +97,10 @@ class Discovery:
                        asyncio.create_task(self._loop(self.check_static, self.config.health_s))]
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _loop(self, fn, interval: float) -> None:
         while True:
@@ -103,16 +114,30 @@ class Discovery:
 
     def nodes(self) -> list[Node]:
         """Every known node, routable or not, sorted by (role, node_id)."""
-        found = {n.node_id: n for n in self._registered.values()}
-        for s in self._static.values():
-            if s.node is not None:
-                found.setdefault(s.node.node_id, s.node)
-        now = time.monotonic()
-        out = [replace(n, healthy=False) if self._down.get(n.node_id, 0) > now else n for n in found.values()]
-        return sorted(out, key=lambda n: (n.role, n.node_id))
+        return self._views()[0]
 
     def routable(self, role: str) -> list[Node]:
-        return [n for n in self.nodes() if n.role == role and n.routable]
+        """The nodes of `role` that may take requests now (a cached list: do not modify)."""
+        return self._views()[1].get(role, [])
+
+    def _views(self) -> tuple[list[Node], dict[str, list[Node]]]:
+        # Rebuilt only when something changed: routing asks for every request.
+        if self._view is None:
+            found = {n.node_id: n for n in self._registered.values()}
+            for s in self._static.values():
+                if s.node is not None:
+                    found.setdefault(s.node.node_id, s.node)
+            nodes = sorted((replace(n, healthy=False) if n.node_id in self._down else n for n in found.values()),
+                           key=lambda n: (n.role, n.node_id))
+            by_role: dict[str, list[Node]] = {}
+            for n in nodes:
+                if n.routable:
+                    by_role.setdefault(n.role, []).append(n)
+            self._view = (nodes, by_role)
+        return self._view
+
+    def _changed(self) -> None:
+        self._view = None
 
     def unreachable_static(self) -> list[_Static]:
         return [s for s in self._static.values() if s.node is None]
@@ -128,9 +153,10 @@ class Discovery:
 
     def mark_failed(self, node_id: str, err: Exception) -> None:
         """Take a node out of rotation after a failed call; the next passing health check brings it back."""
-        if self._down.get(node_id, 0) <= time.monotonic():
-            logger.warning("node %s failed a call, out of rotation: %s", node_id, err)
-        self._down[node_id] = time.monotonic() + self.config.down_s
+        if node_id not in self._down:
+            logger.warning("node %s failed a call, out of rotation until a health check passes: %s", node_id, err)
+            self._down.add(node_id)
+            self._changed()
 
     # ------------------------------------------------------------------------------------- registry
 
@@ -138,21 +164,24 @@ class Discovery:
         if self.registry is None:
             return
         try:
-            rows = self.registry.live_nodes(self.config.model_id)
-            rows = await rows if inspect.isawaitable(rows) else rows
+            # A thread: the registry client is blocking, and a slow Redis must not stall the request loop.
+            rows = await asyncio.to_thread(self.registry.live_nodes, self.config.model_id)
         except Exception as e:  # Redis down: keep the last view rather than dropping every node
             if self.registry_error is None:
                 logger.warning("registry unreachable, keeping the last node list: %s", e)
             self.registry_error = str(e)
             return
         self.registry_error = None
+        self._tasks = [t for t in self._tasks if not t.done()]
         fresh: dict[str, Node] = {}
         for reg, load in rows:
             node = self._from_registration(reg, load)
             fresh[node.node_id] = node
-            if node.address not in self._infos:
-                asyncio.ensure_future(self._fetch_info(node.address))
+            if node.address not in self._infos and node.address not in self._fetching:
+                self._fetching.add(node.address)
+                self._tasks.append(asyncio.ensure_future(self._fetch_info(node.address)))
         self._registered = fresh
+        self._changed()
         await self._probe_down(n for n in fresh.values())
 
     def _from_registration(self, reg, load) -> Node:
@@ -167,25 +196,32 @@ class Discovery:
         return self._vet(node)
 
     async def _fetch_info(self, address: str) -> None:
+        """Context length and vocabulary, which registrations do not carry."""
         try:
             self._infos[address] = await self.clients.get(address).info()
         except NodeRpcError as e:
             logger.debug("GetNodeInfo %s: %s", address, e)
+        finally:
+            self._fetching.discard(address)
 
     async def _probe_down(self, nodes: Iterable[Node]) -> None:
-        now = time.monotonic()
-        probes = [self._probe(n) for n in nodes if self._down.get(n.node_id, 0) > now]
+        probes = [self._probe(n) for n in nodes if n.node_id in self._down]
         if probes:
             await asyncio.gather(*probes)
 
     async def _probe(self, node: Node) -> None:
         try:
-            health = await self.clients.get(node.address).health(timeout=self.config.down_s)
+            health = await self.clients.get(node.address).health(timeout=self.config.probe_timeout_s)
         except NodeRpcError:
             return
         if health.healthy:
-            self._down.pop(node.node_id, None)
-            logger.info("node %s passed its health check, back in rotation", node.node_id)
+            self._back(node.node_id)
+
+    def _back(self, node_id: str) -> None:
+        if node_id in self._down:
+            self._down.discard(node_id)
+            self._changed()
+            logger.info("node %s passed its health check, back in rotation", node_id)
 
     # --------------------------------------------------------------------------------------- static
 
@@ -206,11 +242,13 @@ class Discovery:
             s.error = str(e)
             if s.node is not None:
                 s.node = replace(s.node, healthy=False)
+                self._changed()
             return
         s.error = None
         s.node = replace(s.node, healthy=health.healthy, draining=health.draining, load=load)
+        self._changed()
         if health.healthy:
-            self._down.pop(s.node.node_id, None)
+            self._back(s.node.node_id)
 
     def _from_info(self, info: NodeInfo, s: _Static) -> Node:
         role = info.role or s.role

@@ -30,6 +30,7 @@ class _Holders:
     """Nodes that may hold state for the sequence right now (to abort on an early exit)."""
 
     nodes: dict[str, tuple[Node, str]]
+    trace: dict
 
     def add(self, node: Node, request_id: str) -> None:
         self.nodes[node.node_id] = (node, request_id)
@@ -48,8 +49,10 @@ class Dispatcher:
         self.lease_ms = lease_ms
         self._background: set[asyncio.Task] = set()
 
-    async def stream(self, decision: RouteDecision, req: EngineRequest) -> AsyncIterator[TokenChunk]:
-        holders = _Holders({})
+    async def stream(self, decision: RouteDecision, req: EngineRequest,
+                     trace: dict | None = None) -> AsyncIterator[TokenChunk]:
+        """The sequence's chunks; `trace` gets the nodes that actually served it ("prefill" None: local)."""
+        holders = _Holders({}, trace if trace is not None else {})
         finished = False
         try:
             if decision.local_prefill:
@@ -82,6 +85,7 @@ class Dispatcher:
                     yield chunk
             return
         self._observe(local=False, num_prompt=len(req.prompt_token_ids), num_cached=result.num_cached_tokens)
+        holders.trace.update(prefill=prefill.node_id, decode=decode.node_id)
         first = TokenChunk((result.first_token_id,),
                            (result.first_logprobs,) if result.first_logprobs is not None else (),
                            finish_reason=result.finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
@@ -165,6 +169,7 @@ class Dispatcher:
                     if first is None:
                         raise NodeFailure(f"decode node {node.node_id} ended the stream without output")
                     started = True
+                    holders.trace.update(prefill=None, decode=node.node_id)
                     self._observe(local=True, num_prompt=len(req.prompt_token_ids),
                                   num_cached=first.num_cached_tokens)
                     with self._track(node):

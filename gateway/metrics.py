@@ -63,10 +63,16 @@ class GatewayMetrics:
         self.request_generation_tokens = Histogram("kvrelay:request_generation_tokens",
                                                    "Generated tokens per request", m, buckets=_TOKEN_BUCKETS,
                                                    registry=r)
-        for outcome in OUTCOMES:
-            self.requests.labels(outcome)
-        for mode in ("disaggregated", "local"):
-            self.sequences.labels(mode)
+        # Labelled children resolved once: labels() takes a lock and builds a key on every call.
+        self._outcomes = {o: self.requests.labels(o) for o in OUTCOMES}
+        self._modes = {mode: self.sequences.labels(mode) for mode in ("disaggregated", "local")}
+        self._route = self.routing_seconds.labels(policy)
+        self._prompt, self._hits = self.prompt_tokens.labels(model_name), self.prefix_hit_tokens.labels(model_name)
+        self._ratio = self.prefix_hit_ratio.labels(model_name)
+        self._ttft, self._itl, self._e2e = (h.labels(model_name) for h in (self.ttft, self.itl, self.e2e))
+        self._req_prompt = self.request_prompt_tokens.labels(model_name)
+        self._req_gen = self.request_generation_tokens.labels(model_name)
+        self._inflight: dict[tuple[str, str], object] = {}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -74,16 +80,16 @@ class GatewayMetrics:
     # ------------------------------------------------------------------------------------- hooks
 
     def observe_route(self, decision) -> None:
-        self.routing_seconds.labels(self.policy).observe(decision.seconds)
+        self._route.observe(decision.seconds)
 
     def observe_prefix(self, num_prompt: int, num_cached: int) -> None:
-        self.prompt_tokens.labels(self.model_name).inc(num_prompt)
-        self.prefix_hit_tokens.labels(self.model_name).inc(num_cached)
+        self._prompt.inc(num_prompt)
+        self._hits.inc(num_cached)
         if num_prompt:
-            self.prefix_hit_ratio.labels(self.model_name).observe(num_cached / num_prompt)
+            self._ratio.observe(num_cached / num_prompt)
 
     def observe_mode(self, local: bool) -> None:
-        self.sequences.labels("local" if local else "disaggregated").inc()
+        self._modes["local" if local else "disaggregated"].inc()
 
     def observe_transfer(self, num_bytes: int, seconds: float) -> None:
         self.transfer_bytes.inc(num_bytes)
@@ -91,18 +97,19 @@ class GatewayMetrics:
             self.transfer_seconds.observe(seconds)
 
     def node_inflight(self, node_id: str, role: str, delta: int) -> None:
-        self.inflight.labels(node_id, role).inc(delta)
+        child = self._inflight.get((node_id, role))
+        if child is None:
+            child = self._inflight[(node_id, role)] = self.inflight.labels(node_id, role)
+        child.inc(delta)
 
     def observe_request(self, outcome: str) -> None:
-        self.requests.labels(outcome).inc()
+        self._outcomes[outcome].inc()
 
     def observe_latency(self, ttft: float | None, itls: list[float], e2e: float, prompt: int, generated: int) -> None:
-        name = self.model_name
         if ttft is not None:
-            self.ttft.labels(name).observe(ttft)
-        itl = self.itl.labels(name)
+            self._ttft.observe(ttft)
         for v in itls:
-            itl.observe(v)
-        self.e2e.labels(name).observe(e2e)
-        self.request_prompt_tokens.labels(name).observe(prompt)
-        self.request_generation_tokens.labels(name).observe(generated)
+            self._itl.observe(v)
+        self._e2e.observe(e2e)
+        self._req_prompt.observe(prompt)
+        self._req_gen.observe(generated)

@@ -25,11 +25,10 @@ logger = logging.getLogger(__name__)
 
 
 def open_index(redis_url: str, model_id: str):
-    """The block index and the node registry on one Redis (shared.index)."""
-    from shared.index import create_index
-    from shared.index.registry import Registry
+    """The block index and the node registry on one Redis (shared.index; 'memory' for in-process tests)."""
+    from shared.index import create_index, create_registry
 
-    return create_index(redis_url, model_id), Registry.from_url(redis_url)
+    return create_index(redis_url, model_id), create_registry(redis_url)
 
 
 class Gateway:

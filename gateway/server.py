@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import uvicorn
@@ -166,37 +166,28 @@ def _ops_routes(gateway: Gateway) -> APIRouter:
 
 async def _respond(gateway: Gateway, request: Request, work: Awaitable):
     """Run a request; a client that hangs up before the answer cancels it (and so aborts it on the nodes)."""
-    result = await _cancel_on_disconnect(request, work)
-    if result is None:
+    task = asyncio.current_task()
+    gone = asyncio.Event()
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, task, gone))
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        if not gone.is_set():
+            raise
+        task.uncancel()
         gateway.metrics.observe_request("cancelled")
         return Response(status_code=499)
-    gateway.metrics.observe_request("success")
-    if isinstance(result, Response):
-        return result  # a stream: it watches for disconnects itself
-    return Response(result.model_dump_json(exclude_none=True), media_type="application/json")
-
-
-async def _cancel_on_disconnect(request: Request, work: Awaitable):
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return None
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
+    gateway.metrics.observe_request("success")
+    return result  # a stream watches for disconnects itself
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+async def _cancel_on_disconnect(request: Request, task: asyncio.Task, gone: asyncio.Event) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+    task.cancel()
 
 
 # ---------------------------------------------------------------------------------------------- serve
@@ -206,6 +197,13 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
         super().__init__(config)
         self.gateway = gateway
+
+    @contextmanager
+    def capture_signals(self):
+        # uvicorn re-raises SIGTERM after its shutdown; a drained gateway exits 0, like the nodes.
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
 
     async def shutdown(self, sockets=None) -> None:
         # New requests on connections still open get 503 while the streams already running finish.
@@ -225,6 +223,6 @@ def make_server(config: GatewayConfig, gateway: Gateway | None = None, log_level
 
 
 def serve(config: GatewayConfig, log_level: str = "info") -> int:
-    server = make_server(config, log_level=log_level)
-    asyncio.run(server.serve())
+    # server.run() picks uvloop and httptools when installed (uvicorn[standard]): ~1 ms less per request.
+    make_server(config, log_level=log_level).run()
     return 0

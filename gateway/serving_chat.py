@@ -6,6 +6,8 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from starlette.responses import Response
+
 from gateway.core import GatewayCore, GenerateInput, Generation, new_request_id
 from gateway.errors import BadRequest, GatewayError
 from gateway.outputs import Delta, LogprobEntry
@@ -28,6 +30,7 @@ from gateway.serving_common import (
     SSEResponse,
     check_model,
     check_unsupported,
+    json_response,
     output_options,
     sampling_params,
     sse,
@@ -42,13 +45,13 @@ class ChatServing:
         self.core = core
         self.served_names = served_names
 
-    async def create(self, req: ChatCompletionRequest) -> ChatCompletionResponse | SSEResponse:
+    async def create(self, req: ChatCompletionRequest) -> Response:
         model = check_model(req.model, self.served_names)
         gen = self.core.generate(self._input(req))
         request_id = gen.request_id
         if req.stream:
             return await _stream(gen, request_id, model, req)
-        return await _collect(gen, request_id, model)
+        return json_response(await _collect(gen, request_id, model), gen.route_headers())
 
     def _input(self, req: ChatCompletionRequest) -> GenerateInput:
         check_unsupported(req)
@@ -136,7 +139,7 @@ async def _stream(gen: Generation, request_id: str, model: str, req: ChatComplet
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
     body = _events(gen, deltas, first, request_id, model, include_usage, continuous)
-    return SSEResponse(body, on_close=deltas.aclose)
+    return SSEResponse(body, on_close=deltas.aclose, headers=gen.route_headers())
 
 
 async def _events(gen: Generation, deltas: AsyncIterator[Delta], first: Delta | None, request_id: str, model: str,
@@ -144,8 +147,9 @@ async def _events(gen: Generation, deltas: AsyncIterator[Delta], first: Delta | 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         return sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=choices, usage=usage))
 
-    for c in gen.choices:
-        yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
+    # The role chunks go out with the first content, in one write.
+    pending = "".join(chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
+                      for c in gen.choices)
     try:
         delta = first
         while delta is not None:
@@ -153,7 +157,8 @@ async def _events(gen: Generation, deltas: AsyncIterator[Delta], first: Delta | 
                 index=delta.index, delta=DeltaMessage(content=delta.text),
                 logprobs=_logprobs(delta.logprobs) if delta.logprobs else None,
                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-            yield chunk([choice], _usage(gen) if continuous else None)
+            yield pending + chunk([choice], _usage(gen) if continuous else None)
+            pending = ""
             delta = await anext(deltas, None)
     except GatewayError as e:
         logger.warning("stream %s ended by an error: %s", request_id, e.message)
@@ -161,5 +166,5 @@ async def _events(gen: Generation, deltas: AsyncIterator[Delta], first: Delta | 
     finally:
         await deltas.aclose()
     if include_usage:
-        yield chunk([], _usage(gen))
-    yield SSE_DONE
+        pending += chunk([], _usage(gen))
+    yield pending + SSE_DONE

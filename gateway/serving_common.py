@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from pydantic import BaseModel
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from gateway.errors import BadRequest, GatewayError, ModelNotFound
 from gateway.outputs import OutputOptions
@@ -65,6 +66,10 @@ def output_options(req, logprobs: int | None) -> OutputOptions:
                          skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
 
 
+def json_response(model: BaseModel, headers: dict[str, str]) -> Response:
+    return Response(model.model_dump_json(exclude_none=True), media_type="application/json", headers=headers)
+
+
 def sse(model: BaseModel) -> str:
     return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
 
@@ -75,17 +80,41 @@ def sse_error(err: GatewayError) -> str:
 
 
 class SSEResponse(StreamingResponse):
-    """An event stream that always closes its upstream generation, even when the body never started
-    (client gone before the first byte): that is what aborts the sequences on the nodes."""
+    """An event stream that stops as soon as the client hangs up, and always closes its upstream generation,
+    even when the body never started: that is what aborts the sequences on the nodes.
+
+    Leaner than Starlette's: the disconnect watcher cancels this task directly (no task group per stream),
+    which keeps the first event a fraction of a millisecond closer to the first token."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
+        task = asyncio.current_task()
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+            task.cancel()
+
+        watcher = asyncio.create_task(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone.is_set():
+                raise
+            task.uncancel()  # we cancelled ourselves because the client left: a normal end
+        except OSError:
+            pass  # the client left while we were writing
         finally:
+            watcher.cancel()
             await self._on_close()

@@ -9,6 +9,8 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from starlette.responses import Response
+
 from gateway.core import GatewayCore, GenerateInput, Generation, merge, new_request_id
 from gateway.errors import BadRequest, GatewayError
 from gateway.outputs import Delta, LogprobEntry
@@ -26,6 +28,7 @@ from gateway.serving_common import (
     SSEResponse,
     check_model,
     check_unsupported,
+    json_response,
     output_options,
     sampling_params,
     sse,
@@ -41,7 +44,7 @@ class CompletionServing:
         self.core = core
         self.served_names = served_names
 
-    async def create(self, req: CompletionRequest) -> CompletionResponse | SSEResponse:
+    async def create(self, req: CompletionRequest) -> Response:
         model = check_model(req.model, self.served_names)
         request_id = req.request_id or new_request_id("cmpl")
         prompts = self._prompts(req)
@@ -51,7 +54,7 @@ class CompletionServing:
         state = _State(gens, req.n or 1, echo)
         if req.stream:
             return await _stream(state, request_id, model, req)
-        return await _collect(state, request_id, model)
+        return json_response(await _collect(state, request_id, model), state.gens[0].route_headers())
 
     # ------------------------------------------------------------------------------------- inputs
 
@@ -160,7 +163,7 @@ async def _stream(state: _State, request_id: str, model: str, req: CompletionReq
     opts = req.stream_options
     body = _events(state, deltas, first, request_id, model, bool(opts and opts.include_usage),
                    bool(opts and opts.continuous_usage_stats))
-    return SSEResponse(body, on_close=deltas.aclose)
+    return SSEResponse(body, on_close=deltas.aclose, headers=state.gens[0].route_headers())
 
 
 async def _events(state: _State, deltas, first, request_id: str, model: str, include_usage: bool,

@@ -97,7 +97,7 @@ class PrefillServer(NodeServer):
             theirs = convert.layout_from_proto(request.decode_layout)
             refusal = layout.mismatch(theirs, "prefill", "decode")
             if refusal is not None:
-                raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"decode node refused before computing: {refusal}")
+                raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"decode node's layout differs: {refusal}")
             if any(b >= theirs.num_blocks for b in request.dst_block_ids):
                 raise ValueError(f"dst_block_ids: beyond the decode node's {theirs.num_blocks} blocks")
         scheme = f"{self.settings.connector_name}://"

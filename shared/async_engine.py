@@ -18,11 +18,13 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -34,6 +36,7 @@ from shared.scheduler_output import EngineCoreOutput, Reservation
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_AnyFuture = asyncio.Future | concurrent.futures.Future
 _COMPUTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING)
 
 
@@ -137,14 +140,37 @@ class AsyncEngine:
         self._commands.put((fn, future))
         return await future
 
+    def call_blocking(self, fn: Callable[[EngineCore], T], timeout: float) -> T:
+        """From a thread other than the event loop's (e.g. the index publisher): like `call`, waiting."""
+        if not self._thread.is_alive():
+            raise EngineDead("the engine thread is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return future.result(timeout)
+
     async def generate(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str = "",
-        arrival: float | None = None,
+        arrival: float | None = None, kv_send: KVSendSpec | None = None,
     ) -> AsyncIterator[EngineCoreOutput]:
         """Stream a request's outputs (n > 1: the children's, interleaved, by child id). Leaving the loop
         early aborts what is unfinished. Raises ValueError for a bad request, EngineDraining when closing."""
-        async for out in self._submit(request_id, prompt, params, cache_salt, None, arrival):
-            yield out
+        self._check_accepting()
+        q: asyncio.Queue = asyncio.Queue()
+        arrival = time.monotonic() if arrival is None else arrival
+
+        def add(core: EngineCore) -> list[str]:
+            ids = core.add_request(request_id, prompt, params, arrival, cache_salt, kv_send)
+            parent = request_id if len(ids) > 1 else None
+            for rid in ids:
+                self._streams[rid] = _Stream(q, arrival, computes_prompt=True, parent=parent)
+            if parent is not None:
+                self._children[parent] = set(ids)
+            return ids
+
+        ids = await self._call_or_abort(add, request_id)
+        async with aclosing(self._drain_stream(q, ids)) as stream:
+            async for out in stream:
+                yield out
 
     async def prefill(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, kv_send: KVSendSpec,
@@ -152,12 +178,9 @@ class AsyncEngine:
     ) -> EngineCoreOutput:
         """Prefill role: compute the prompt, send its KV per `kv_send`, and return the first token's output
         (finish_reason "abort" and no token when it was aborted). Its blocks stay held: release_held()."""
-        stream = self._submit(request_id, prompt, params, cache_salt, kv_send, arrival)
-        try:
+        async with aclosing(self.generate(request_id, prompt, params, cache_salt, arrival, kv_send)) as stream:
             async for out in stream:
                 return out  # max_tokens is 1 for a kv_send request: the first output is the last
-        finally:
-            await stream.aclose()
         raise EngineDead(f"request {request_id!r} ended without output")
 
     async def reserve(
@@ -206,8 +229,9 @@ class AsyncEngine:
                 self.abort_nowait(request_id)
             raise
         if first.finish_reason is None:
-            async for out in self._drain_stream(q, [request_id]):
-                yield out
+            async with aclosing(self._drain_stream(q, [request_id])) as stream:
+                async for out in stream:
+                    yield out
 
     async def release_held(self, request_id: str) -> bool:
         return await self.call(lambda core: core.release_held(request_id))
@@ -224,27 +248,6 @@ class AsyncEngine:
     def _check_accepting(self) -> None:
         if self._draining:
             raise EngineDraining("the node is draining (shutting down) and takes no new requests")
-
-    async def _submit(
-        self, request_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str,
-        kv_send: KVSendSpec | None, arrival: float | None,
-    ) -> AsyncIterator[EngineCoreOutput]:
-        self._check_accepting()
-        q: asyncio.Queue = asyncio.Queue()
-        arrival = time.monotonic() if arrival is None else arrival
-
-        def add(core: EngineCore) -> list[str]:
-            ids = core.add_request(request_id, prompt, params, arrival, cache_salt, kv_send)
-            parent = request_id if len(ids) > 1 else None
-            for rid in ids:
-                self._streams[rid] = _Stream(q, arrival, computes_prompt=True, parent=parent)
-            if parent is not None:
-                self._children[parent] = set(ids)
-            return ids
-
-        ids = await self._call_or_abort(add, request_id)
-        async for out in self._drain_stream(q, ids):
-            yield out
 
     async def _call_or_abort(self, fn: Callable[[EngineCore], T], request_id: str) -> T:
         try:
@@ -305,14 +308,19 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _execute(self, fn: Callable[[EngineCore], Any], future: asyncio.Future | None) -> None:
+    def _execute(self, fn: Callable[[EngineCore], Any], future: _AnyFuture | None) -> None:
         try:
             result, error = fn(self.core), None
         except Exception as e:  # noqa: BLE001 - the caller gets it
             result, error = None, e
             if future is None:
                 logger.warning("engine command failed: %r", e)
-        if future is not None:
+        self._answer(future, result, error)
+
+    def _answer(self, future: _AnyFuture | None, result: Any, error: BaseException | None) -> None:
+        if isinstance(future, concurrent.futures.Future):
+            _resolve(future, result, error)
+        elif future is not None:
             self._post(_resolve, future, result, error)
 
     def _expire_leases(self) -> None:
@@ -408,8 +416,8 @@ class AsyncEngine:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if item is not None and item[1] is not None:
-                self._post(_resolve, item[1], None, error)
+            if item is not None:
+                self._answer(item[1], None, error)
         if batch:
             self._post(_deliver, batch)
 
@@ -434,7 +442,7 @@ class AsyncEngine:
                     logger.exception("publishing %d block events failed", len(events))
 
 
-def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+def _resolve(future: _AnyFuture, result: Any, error: BaseException | None) -> None:
     if future.done():  # the caller was cancelled meanwhile
         return
     if error is not None:

@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shared.gateway_cli import register as register_gateway
 
     register_gateway(sub)
+    from shared.node_cli import register as register_nodes
+
+    register_nodes(sub)
     return parser
 
 

@@ -269,7 +269,8 @@ def register(sub) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill nodes")
     p.add_argument("--decode", type=int, default=1, help="decode nodes")
     p.add_argument("--colocated", action="store_true", help="one engine that prefills and decodes (the baseline)")
-    p.add_argument("--connector", default="ucx", choices=["ucx", "nccl"], help="KV transfer connector between processes")
+    p.add_argument("--connector", default="ucx", choices=["ucx", "nccl"],
+                   help="KV transfer connector between processes")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded one")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (OpenAI API)")

@@ -76,7 +76,9 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def apply_env_defaults(p: argparse.ArgumentParser) -> None:
-    """KVRELAY_<DEST> in the environment becomes the flag's default, and every help line names it."""
+    """KVRELAY_<DEST> in the environment becomes the flag's default, and every help line names it. A bad
+    value is reported when the node starts (args.env_errors), not while `kvrelay` builds its parser."""
+    errors: list[str] = []
     for action in p._actions:
         if not action.option_strings or action.dest == "help":
             continue
@@ -88,10 +90,13 @@ def apply_env_defaults(p: argparse.ArgumentParser) -> None:
         try:
             value = _env_value(action, raw)
         except ValueError as e:
-            p.error(f"{env}={raw!r}: {e}")
+            errors.append(f"{env}={raw!r}: {e}")
+            continue
         if action.choices is not None and value not in action.choices:
-            p.error(f"{env}={raw!r}: choose one of {', '.join(map(str, action.choices))}")
+            errors.append(f"{env}={raw!r}: choose one of {', '.join(map(str, action.choices))}")
+            continue
         action.default = value
+    p.set_defaults(env_errors=errors)
 
 
 def _env_value(action: argparse.Action, raw: str):
@@ -108,6 +113,8 @@ def run_node(args: argparse.Namespace, role: str) -> int:
 
     from shared.node.runtime import serve
 
+    if getattr(args, "env_errors", None):
+        raise ValueError("bad environment: " + "; ".join(args.env_errors))
     return asyncio.run(serve(args, role))
 
 

@@ -28,3 +28,30 @@ def default_tokenizer(default_model_dir):
     from shared.tokenizer import Tokenizer
 
     return Tokenizer(default_model_dir)
+
+
+# ---------------------------------------------------------------- redis (block index, registry)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server on a unix socket for the whole run (shared/redis_server.py)."""
+    from shared.redis_server import start_redis
+
+    sock = tmp_path_factory.mktemp("redis") / "redis.sock"
+    with start_redis(sock) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """URL of the session redis-server, with its DB flushed before the test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushdb()
+        client.script_flush()
+    finally:
+        client.close()
+    return redis_server.url

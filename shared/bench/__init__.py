@@ -15,3 +15,5 @@ def register(subparsers) -> None:
     )
     throughput.add_arguments(p)
     p.set_defaults(func=throughput.run)
+    __import__("shared.bench.serve", fromlist=["register"]).register(subparsers)  # `bench serve`
+    __import__("shared.bench.ttft", fromlist=["register"]).register(subparsers)  # `bench ttft`

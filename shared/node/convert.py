@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kv_transfer.base import KVLayout
+from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from shared.sampler import TokenLogprobs
 from shared.sampling_params import SamplingParams
 from shared.scheduler_output import EngineCoreOutput
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 
 _INT32_MAX = 2**31 - 1
 

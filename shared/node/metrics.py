@@ -59,6 +59,14 @@ class NodeMetrics:
         self.transfer_failures = Counter("kvrelay:kv_transfer_failures", "KV transfers that failed", t,
                                          registry=reg)
         self._last_stats: tuple[int, int, int] = (0, 0, 0)
+        # Export every series from the start (at 0), as vLLM does: dashboards and rate() need them present.
+        for metric in (self.running, self.waiting, self.kv_usage, self.queued_prefill, self.ttft, self.itl,
+                       self.e2e, self.cache_hits, self.cache_queries, self.preemptions, self.prompt_tokens,
+                       self.generation_tokens):
+            metric.labels(model_name)
+        for metric in (self.transfer_bytes, self.transfer_seconds, self.transfer_failures):
+            for direction in ("send", "recv"):
+                metric.labels(connector, direction)
 
     # -- engine thread -------------------------------------------------------------------------------
     def observe_stats(self, load, stats) -> None:

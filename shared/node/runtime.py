@@ -73,6 +73,10 @@ def build_engine(args: argparse.Namespace) -> EngineCore:
 
 
 def build_connector(args: argparse.Namespace, core: EngineCore):
+    # Without Python futures, ucxx awaits every pending request by spinning its event loop (sleep(0)); the
+    # idle receive each connection keeps posted then holds the GIL most of the time and slows the engine
+    # thread and the gRPC loop many times over. With them a notifier thread completes the futures.
+    os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
     config = ConnectorConfig(
         name=args.connector, host=advertised(args.kv_host or args.host), port=args.kv_port,
         transport=args.ucx_transport, connect_timeout=args.kv_connect_timeout, transfer_timeout=args.transfer_timeout,
@@ -159,4 +163,8 @@ async def serve(args: argparse.Namespace, role: str) -> int:
         write_ready_file(args.ready_file, node)
     await stop.wait()
     await node.drain(args.shutdown_timeout)
+    # asyncio.run restores the default handlers on the way out: a late SIGTERM must not turn exit 0 into -15.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
     return 0

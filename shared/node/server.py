@@ -14,6 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -40,7 +41,8 @@ class RpcFailure(Exception):
 
 def transfer_failure(error: TransferError, what: str) -> RpcFailure:
     """A refused layout is the caller's deployment mistake (FAILED_PRECONDITION); anything else may pass."""
-    code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(error, LayoutMismatchError) else grpc.StatusCode.UNAVAILABLE
+    refused = isinstance(error, LayoutMismatchError)
+    code = grpc.StatusCode.FAILED_PRECONDITION if refused else grpc.StatusCode.UNAVAILABLE
     return RpcFailure(code, f"{what}: {error}")
 
 
@@ -70,8 +72,9 @@ def stream_rpc(fn: Callable) -> Callable:
     @functools.wraps(fn)
     async def wrapper(self: NodeServer, request, context: grpc.aio.ServicerContext):
         try:
-            async for item in fn(self, request, context):
-                yield item
+            async with aclosing(fn(self, request, context)) as stream:
+                async for item in stream:
+                    yield item
         except Exception as e:  # noqa: BLE001 - mapped to a status code, bugs logged
             await context.abort(*_status(e))
 
@@ -179,9 +182,10 @@ class NodeServer(pb_grpc.EngineServicer):
                 raise ValueError("n: Generate streams one sequence (TokenChunk has no index); send n requests")
             stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt, arrival)
         num_output = 0
-        async for out in stream:
-            num_output += len(out.new_token_ids)
-            yield convert.chunk_from_output(out, num_output)
+        async with aclosing(stream):
+            async for out in stream:
+                num_output += len(out.new_token_ids)
+                yield convert.chunk_from_output(out, num_output)
 
     @unary_rpc
     async def Abort(self, request, context):  # noqa: N802

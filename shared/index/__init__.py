@@ -1,0 +1,69 @@
+"""The block index and node registry (DESIGN.md, "Index (Redis)" and "Registry and load").
+
+    index = create_index("unix:///run/kvrelay/redis.sock?db=0", model_id)   # or redis://host:6379/0
+    index.lookup(prompt_block_hashes(...))          # {node_id: leading blocks held}, one round trip
+    publisher = IndexPublisher(index, node_id, snapshot_fn=...); publisher.submit(pool.drain_events())
+    registry = create_registry(url); registry.register(reg, ttl_s=10)
+    registry.start_heartbeat(reg, 10, load_fn, on_lapse=publisher.request_resync)
+
+Backends: "redis" (redis://, rediss://, unix:// URLs) and "memory" ("memory" or "memory://<name>"), an
+in-process store with the same semantics for unit tests; backends with the same memory name share it.
+"""
+
+from __future__ import annotations
+
+from shared.index.base import (
+    BlockIndex,
+    IndexUnavailable,
+    LiveNode,
+    NodeLoad,
+    NodeRegistration,
+    RegistryBackend,
+)
+from shared.index.publisher import IndexPublisher
+from shared.index.registry import Heartbeat
+
+__all__ = [
+    "BlockIndex",
+    "Heartbeat",
+    "IndexPublisher",
+    "IndexUnavailable",
+    "LiveNode",
+    "NodeLoad",
+    "NodeRegistration",
+    "RegistryBackend",
+    "backend_of",
+    "create_index",
+    "create_registry",
+]
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def backend_of(url_or_name: str) -> str:
+    """"redis" or "memory"; ValueError for anything else."""
+    if url_or_name.startswith(REDIS_SCHEMES):
+        return "redis"
+    if url_or_name == "memory" or url_or_name.startswith("memory://"):
+        return "memory"
+    raise ValueError(f"index: expected a redis://, rediss://, unix:// URL or 'memory', got {url_or_name!r}")
+
+
+def create_index(url_or_name: str, model_id: str, *, socket_timeout_s: float = 2.0) -> BlockIndex:
+    if backend_of(url_or_name) == "memory":
+        from shared.index.memory import MemoryIndex, get_store
+
+        return MemoryIndex(get_store(url_or_name), model_id)
+    from shared.index.redis_index import RedisIndex
+
+    return RedisIndex(url_or_name, model_id, socket_timeout_s=socket_timeout_s)
+
+
+def create_registry(url_or_name: str, *, socket_timeout_s: float = 2.0) -> RegistryBackend:
+    if backend_of(url_or_name) == "memory":
+        from shared.index.memory import MemoryRegistry, get_store
+
+        return MemoryRegistry(get_store(url_or_name))
+    from shared.index.registry import Registry
+
+    return Registry(url_or_name, socket_timeout_s=socket_timeout_s)

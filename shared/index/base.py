@@ -1,0 +1,165 @@
+"""The index and registry contracts shared by the Redis backend and the in-process memory backend.
+
+A `BlockIndex` answers "which nodes hold how long a prefix of these blocks" and takes each node's own
+STORED/EVICTED events. A `RegistryBackend` holds node registrations under leases, with their load.
+Both backends keep the same semantics; the memory one exists for unit tests of the callers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from shared.block_pool import BlockEvent
+
+if TYPE_CHECKING:
+    from shared.index.registry import Heartbeat
+
+Role = Literal["prefill", "decode", "colocated"]
+ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
+
+
+class IndexUnavailable(RuntimeError):
+    """The index store cannot be reached (Redis down, timeout). Callers route without cache hints."""
+
+
+@dataclass(frozen=True)
+class NodeRegistration:
+    node_id: str
+    role: Role
+    grpc_address: str
+    kv_address: str
+    connector: str
+    model_id: str
+    block_size: int
+    dtype: str
+    capacity_tokens: int
+    metrics_address: str = ""
+    started_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role: must be one of {ROLES}, got {self.role!r}")
+        if not self.node_id:
+            raise ValueError("node_id: must not be empty")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> NodeRegistration:
+        raw = json.loads(data)
+        # Fields added later by newer nodes must not break older readers.
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    num_waiting: int = 0
+    num_running: int = 0
+    queued_prefill_tokens: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    ts: float = field(default=0.0)  # wall-clock time.time() of the measurement
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> NodeLoad:
+        raw = json.loads(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+LiveNode = tuple[NodeRegistration, "NodeLoad | None"]
+
+
+HASH_LEN = 16
+
+
+def check_block_hashes(block_hashes: Sequence[bytes]) -> None:
+    if set(map(len, block_hashes)) - {HASH_LEN}:
+        raise ValueError(f"block hashes must be {HASH_LEN} bytes each")
+
+
+def role_matches(role: str, wanted: str | Collection[str] | None) -> bool:
+    if wanted is None:
+        return True
+    if isinstance(wanted, str):
+        return role == wanted
+    return role in wanted
+
+
+class BlockIndex(ABC):
+    """One model's block index. Thread-safe: the gateway looks up from many threads while a node's
+    publisher thread writes."""
+
+    model_id: str
+
+    @abstractmethod
+    def lookup(self, block_hashes: Sequence[bytes], nodes: Collection[str] | None = None) -> dict[str, int]:
+        """Number of leading blocks of `block_hashes` (a prompt's chained hashes, in order) each node holds,
+        counting up to its first missing block. Only nodes holding at least the first block appear (treat
+        others as 0); `nodes`, if given, restricts the answer to those ids. Raises IndexUnavailable."""
+
+    @abstractmethod
+    def apply(self, node_id: str, events: Sequence[BlockEvent]) -> bool:
+        """Apply one node's events in order (one round trip). Returns True when the node was not known to
+        the index before this call (first write, or its entries were purged meanwhile: resync)."""
+
+    @abstractmethod
+    def clear_node(self, node_id: str) -> None:
+        """Remove every entry of `node_id`. The node stays known while it is registered, else is forgotten."""
+
+    @abstractmethod
+    def known_nodes(self) -> set[str]:
+        """Node ids that have (or had, until purged) entries or a registration for this model."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+
+class RegistryBackend(ABC):
+    """Node leases and load. `model_id` namespaces everything, like the index."""
+
+    @abstractmethod
+    def register(self, reg: NodeRegistration, ttl_s: float, load: NodeLoad | None = None) -> bool:
+        """Write (or renew) the registration with a lease of `ttl_s`. Returns True when a live lease existed
+        already (a renewal, or a restart before the old lease lapsed), False when the lease was new or had
+        lapsed: a lapsed node may have been purged from the index and must resync."""
+
+    @abstractmethod
+    def deregister(self, node_id: str, model_id: str | None = None) -> None:
+        """Graceful shutdown: drop the registration and the node's index entries."""
+
+    @abstractmethod
+    def live_nodes(self, model_id: str, role: str | Collection[str] | None = None) -> list[LiveNode]:
+        """Registered nodes whose lease holds, with their last load (None before the first report)."""
+
+    @abstractmethod
+    def purge_dead_nodes(self, model_id: str) -> list[str]:
+        """Clear the index entries of known nodes whose lease lapsed. Returns the purged ids."""
+
+    def start_heartbeat(
+        self,
+        reg: NodeRegistration,
+        ttl_s: float,
+        load_fn: Callable[[], NodeLoad] | None = None,
+        *,
+        on_lapse: Callable[[], None] | None = None,
+        janitor_every: int = 3,
+    ) -> Heartbeat:
+        """Start a Heartbeat thread renewing `reg` (already registered) every ttl/3; stop() it on shutdown."""
+        from shared.index.registry import Heartbeat
+
+        return Heartbeat(self, reg, ttl_s, load_fn, on_lapse=on_lapse, janitor_every=janitor_every).start()
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
