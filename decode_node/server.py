@@ -38,12 +38,14 @@ from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+_LEASE_MARGIN_S = 0.1
+
 
 class DecodeServer(NodeServer):
     role = "decode"
 
     def attach(self) -> None:
-        self._expected: set[str] = set()
+        self._expected: dict[str, float] = {}  # request id -> lease deadline (monotonic)
         self._lock = threading.Lock()
         self.engine.on_expired = self._on_expired
 
@@ -58,7 +60,7 @@ class DecodeServer(NodeServer):
         def expect(res) -> None:  # engine thread: no layer can arrive before the blocks are named
             self.connector.expect(rid, list(res.dst_block_ids))
             with self._lock:
-                self._expected.add(rid)
+                self._expected[rid] = res.deadline
 
         res = await self.engine.reserve(rid, prompt, params, lease_s, request.cache_salt, on_reserved=expect)
         if res is None:
@@ -76,16 +78,14 @@ class DecodeServer(NodeServer):
             layout=convert.layout_to_proto(self.connector.layout), lease_expires_unix_ms=expires_ms,
         )
 
-    def _claim(self, rid: str) -> bool:
+    def _claim(self, rid: str) -> float | None:
+        """Take the reservation's transfer (its lease deadline), or None when someone else has."""
         with self._lock:
-            if rid not in self._expected:
-                return False
-            self._expected.discard(rid)
-            return True
+            return self._expected.pop(rid, None)
 
     def _forget_transfer(self, rid: str) -> None:
         """Stop accepting layers for a reservation that will not be admitted."""
-        if self._claim(rid):
+        if self._claim(rid) is not None:
             self._close_transfer(rid)
 
     def _close_transfer(self, rid: str) -> None:
@@ -104,7 +104,8 @@ class DecodeServer(NodeServer):
     # -- hand-off -------------------------------------------------------------------------------------
     async def generate_handoff(self, request: pb.GenerateRequest, arrival: float):
         rid, handoff = request.request_id, request.handoff
-        if not self._claim(rid):
+        deadline = self._claim(rid)
+        if deadline is None:
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
                              f"no reservation for {rid!r} on {self.settings.node_id} "
                              "(never made, expired, aborted, or already admitted)")
@@ -114,7 +115,7 @@ class DecodeServer(NodeServer):
                 raise ValueError(f"first_token_id: {handoff.first_token_id} is outside the vocabulary "
                                  f"[0, {self.core.vocab_size})")
             waited = True  # the wait below closes the transfer whatever its outcome
-            await self._wait_kv(rid)
+            await self._wait_kv(rid, deadline)
             logprobs = (convert.logprobs_from_proto(handoff.first_logprobs)
                         if handoff.HasField("first_logprobs") else None)
             try:
@@ -130,9 +131,12 @@ class DecodeServer(NodeServer):
                     self._close_transfer(rid)
                 self.engine.abort_nowait(rid)
 
-    async def _wait_kv(self, rid: str) -> None:
+    async def _wait_kv(self, rid: str, deadline: float) -> None:
+        # The KV may take as long as the lease allows (a Generate may come before the prefill is done), and
+        # the wait must close the transfer before the lease frees the blocks a late layer would land in.
+        timeout = max(0.0, deadline - time.monotonic() - _LEASE_MARGIN_S)
         try:
-            result = await self.blocking(self.connector.wait_received, rid, self.settings.transfer_timeout)
+            result = await self.blocking(self.connector.wait_received, rid, timeout)
         except TransferError as e:
             self.metrics.observe_transfer_failure("recv")
             raise transfer_failure(e, f"the KV of {rid!r} did not arrive") from None

@@ -216,7 +216,7 @@ class _Server(uvicorn.Server):
 def make_server(config: GatewayConfig, gateway: Gateway | None = None, log_level: str = "info") -> _Server:
     gateway = gateway or Gateway(config)
     app = build_app(gateway, config.grpc_port)
-    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(), lifespan="on",
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(), lifespan="on", loop=__import__("os").environ.get("GWLOOP", "auto"),
                         timeout_graceful_shutdown=max(config.shutdown_timeout, 0.1), access_log=config.log_requests,
                         timeout_keep_alive=30)
     return _Server(uv, gateway)

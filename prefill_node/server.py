@@ -23,6 +23,7 @@ import time
 import grpc
 
 from kv_transfer.base import KVConnector, TransferError
+from shared.async_engine import EngineDead
 from shared.kv_cache_manager import cdiv
 from shared.node import convert
 from shared.node.server import (
@@ -68,6 +69,10 @@ class PrefillServer(NodeServer):
         self.clock = LastLayerClock(self.connector)
         self.core.runner.connector = self.clock
         self._background: set[asyncio.Task] = set()
+        # Request ids whose transfer is not settled yet: the connector keys transfers by id, and a second
+        # transfer under the same id would fail inside the engine step, taking other requests with it.
+        self._inflight: set[str] = set()
+        self._settling: set[str] = set()  # in flight still: a client left, its transfer is being waited out
 
     @unary_rpc
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method names
@@ -78,9 +83,16 @@ class PrefillServer(NodeServer):
         if params.n != 1:
             raise ValueError("n: a prefill is for one sequence; reserve and prefill each of n separately")
         spec = self._send_spec(request, len(prompt))
-        out = await self._compute(rid, prompt, params, spec, request.cache_salt, arrival)
-        prefill_s = time.perf_counter() - t0
-        result, last_layer_s = await self._finish_transfer(rid, request.decode_kv_address)
+        if rid in self._inflight:
+            raise ValueError(f"request_id: {rid!r} is already being prefilled on this node")
+        self._inflight.add(rid)
+        try:
+            out = await self._compute(rid, prompt, params, spec, request.cache_salt, arrival)
+            prefill_s = time.perf_counter() - t0
+            result, last_layer_s = await self._finish_transfer(rid, request.decode_kv_address)
+        finally:
+            if rid not in self._settling:  # else _settle lets the id go once the transfer is over
+                self._inflight.discard(rid)
         token = out.new_token_ids[0]
         response = pb.PrefillResponse(
             request_id=rid, first_token_id=token, num_cached_tokens=out.num_cached_tokens,
@@ -148,17 +160,27 @@ class PrefillServer(NodeServer):
         return result, (done - enqueued if enqueued is not None else 0.0)
 
     def _settle_later(self, rid: str) -> None:
+        self._settling.add(rid)
         task = asyncio.get_running_loop().create_task(self._settle(rid))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def _settle(self, rid: str) -> None:
+        # A barrier first: the step running when the client left may have started the send, and only once it
+        # is over does the connector know the transfer (the abort queued before the barrier ran, too).
         try:
-            await self.blocking(self.connector.wait, rid, self.settings.transfer_timeout)
-        except TransferError:
-            pass  # never started, or failed: either way nothing reads the blocks any more
-        self.clock.pop(rid)
-        await self.engine.release_held(rid)
+            await self.engine.call(lambda core: None)
+            try:
+                await self.blocking(self.connector.wait, rid, self.settings.transfer_timeout)
+            except TransferError:
+                pass  # never started, or failed: either way nothing reads the blocks any more
+            await self.engine.release_held(rid)
+        except EngineDead:
+            pass  # nothing to release any more
+        finally:
+            self.clock.pop(rid)
+            self._settling.discard(rid)
+            self._inflight.discard(rid)
 
     def _first_finish_reason(self, params: SamplingParams, token: int, num_prompt: int) -> str:
         """Whether the first token already ends the request, by the rules the engine applies."""

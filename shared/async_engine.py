@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from shared.engine import EngineCore
-from shared.request import KVSendSpec, RequestStatus
+from shared.node.load import COMPUTING, LoadSnapshot
+from shared.request import KVSendSpec
 from shared.sampling_params import SamplingParams
 from shared.scheduler_output import EngineCoreOutput, Reservation
 
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _AnyFuture = asyncio.Future | concurrent.futures.Future
-_COMPUTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING)
 
 
 class EngineDraining(RuntimeError):
@@ -46,22 +46,6 @@ class EngineDraining(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine thread is gone; nothing more will be computed."""
-
-
-@dataclass(frozen=True)
-class LoadSnapshot:
-    num_waiting: int = 0
-    num_running: int = 0
-    num_reserved: int = 0  # decode role: reservations waiting for their KV
-    num_held: int = 0  # prefill role: finished requests whose blocks a transfer still reads
-    queued_prefill_tokens: int = 0
-    free_kv_blocks: int = 0
-    total_kv_blocks: int = 0
-    kv_cache_usage: float = 0.0
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.num_waiting or self.num_running or self.num_reserved or self.num_held)
 
 
 @dataclass
@@ -96,7 +80,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
         self._stop = False
         self._draining = False
-        self._load = LoadSnapshot(total_kv_blocks=core.num_blocks, free_kv_blocks=core.kv.pool.num_free_blocks)
+        self._load = LoadSnapshot.of(core)
 
     # -- control --------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -134,19 +118,17 @@ class AsyncEngine:
     # -- requests -------------------------------------------------------------------------------------
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
         """Run fn(core) on the engine thread between steps and return its result (or raise its error)."""
-        if not self._thread.is_alive():
-            raise EngineDead("the engine thread is not running")
-        future = self._loop.create_future()
-        self._commands.put((fn, future))
-        return await future
+        return await self._enqueue(fn, self._loop.create_future())
 
     def call_blocking(self, fn: Callable[[EngineCore], T], timeout: float) -> T:
         """From a thread other than the event loop's (e.g. the index publisher): like `call`, waiting."""
+        return self._enqueue(fn, concurrent.futures.Future()).result(timeout)
+
+    def _enqueue(self, fn: Callable[[EngineCore], T], future: _AnyFuture) -> _AnyFuture:
         if not self._thread.is_alive():
             raise EngineDead("the engine thread is not running")
-        future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
-        return future.result(timeout)
+        return future
 
     async def generate(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str = "",
@@ -353,14 +335,8 @@ class AsyncEngine:
             self._post(_deliver, batch)
 
     def _observe(self, stream: _Stream, out: EngineCoreOutput, now: float) -> None:
-        m = self.metrics
-        if m is not None:
-            if stream.last_token_at is None and stream.computes_prompt:
-                m.observe_first_token(now - stream.arrival, out.num_prompt_tokens)
-            gap = None if stream.last_token_at is None else now - stream.last_token_at
-            m.observe_token(gap)
-            if out.finish_reason is not None:
-                m.observe_finished(out.finish_reason, now - stream.arrival)
+        if self.metrics is not None:
+            self.metrics.observe_output(out, now - stream.arrival, stream.last_token_at, now, stream.computes_prompt)
         stream.last_token_at = now
 
     def _end_stream(self, rid: str) -> _Stream | None:
@@ -393,12 +369,9 @@ class AsyncEngine:
         return bool(done)
 
     def _abort_computing(self, error: BaseException) -> None:
-        sched = self.core.scheduler
-        ids = [rid for rid, r in sched.requests.items() if r.status in _COMPUTING]
+        ids = [rid for rid, r in self.core.scheduler.requests.items() if r.status in COMPUTING]
         self.core.abort(ids)
-        batch = [(s.queue, error) for rid in ids if (s := self._end_stream(rid)) is not None]
-        if batch:
-            self._post(_deliver, batch)
+        self._post(_deliver, [(s.queue, error) for rid in ids if (s := self._end_stream(rid)) is not None])
 
     def _abort_everything(self, core: EngineCore) -> int:
         ids = list(core.scheduler.requests)
@@ -409,30 +382,18 @@ class AsyncEngine:
         return len(ids)
 
     def _fail_everyone(self, error: BaseException) -> None:
-        batch = [(s.queue, error) for s in self._streams.values()]
+        self._post(_deliver, [(s.queue, error) for s in self._streams.values()])
         self._streams.clear()
-        while True:
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        while not self._commands.empty():
+            item = self._commands.get_nowait()
             if item is not None:
                 self._answer(item[1], None, error)
-        if batch:
-            self._post(_deliver, batch)
 
     def _after_iteration(self) -> None:
-        core = self.core
-        sched, pool = core.scheduler, core.kv.pool
-        queued = sum(r.num_prompt_tokens - r.num_computed_tokens for r in sched.requests.values()
-                     if r.status in _COMPUTING and r.num_computed_tokens < r.num_prompt_tokens)
-        self._load = LoadSnapshot(
-            num_waiting=len(sched.waiting), num_running=len(sched.running), num_reserved=len(sched.reserved),
-            num_held=len(sched.held), queued_prefill_tokens=queued, free_kv_blocks=pool.num_free_blocks,
-            total_kv_blocks=pool.num_blocks, kv_cache_usage=pool.usage(),
-        )
+        pool = self.core.kv.pool
+        self._load = LoadSnapshot.of(self.core)
         if self.metrics is not None:
-            self.metrics.observe_stats(self._load, sched.stats)
+            self.metrics.observe_stats(self._load, self.core.scheduler.stats)
         if self.on_block_events is not None and pool.record_events:
             events = pool.drain_events()
             if events:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported lazily: `kvrelay --help` should not pay for it
+    import torch
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3  # bytes, CPU
@@ -20,22 +22,24 @@ class SchedulingPolicy(str, enum.Enum):
 
 
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     try:
-        return _DTYPES[name.lower()]
+        return getattr(torch, _DTYPES[name.lower()])
     except KeyError:
         raise ValueError(f"dtype: unknown dtype {name!r}; choose one of {sorted(set(_DTYPES))}") from None
 

@@ -62,8 +62,9 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     k.add_argument("--kv-port", type=int, default=0, help="connector port; 0 picks a free one")
     k.add_argument("--ucx-transport", choices=["tcp", "shm", "auto"], default="tcp",
                    help="ucx: tcp, shm (shared memory, same machine) or auto (UCX picks, CUDA included)")
-    k.add_argument("--kv-lease-seconds", type=float, default=30.0,
-                   help="reserved or held KV blocks nobody claims within this time are freed")
+    k.add_argument("--kv-lease-seconds", type=float, default=120.0,
+                   help="reserved or held KV blocks nobody claims within this time are freed; must outlast the "
+                        "longest prefill (tens of seconds for a 2k-token prompt on one CPU thread)")
     k.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds one KV transfer may take")
     k.add_argument("--kv-connect-timeout", type=float, default=5.0, help="seconds to reach a peer connector")
     r = p.add_argument_group("registry")

@@ -854,9 +854,13 @@ def test_dashboard_structure():
     panels = dashboard_panels(dash)
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
+    cells: set[tuple[int, int]] = set()
     for p in panels:
         pos = p["gridPos"]
         assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, p["title"]
+        area = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])}
+        assert not area & cells, f"panel {p['title']!r} overlaps another"
+        cells |= area
         if p["type"] == "row":
             continue
         assert p["datasource"]["uid"] == "${datasource}", p["title"]

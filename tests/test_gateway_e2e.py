@@ -20,6 +20,7 @@ import pytest
 
 from gateway.config import GatewayConfig
 from gateway.server import make_server
+from shared.hashing import prompt_block_hashes
 from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as gpb
 from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as gpb_grpc
 from tests.helpers_models import tiny_config
@@ -276,6 +277,71 @@ def test_disconnect_frees_blocks(fleet):
     assert not fleet.gw.gateway.router.inflight.seqs
 
 
+# ------------------------------------------------------------------------------------------------ routing
+
+
+def _tenant_system(t: int) -> str:
+    return f"You are the assistant of tenant {t}. " + " ".join(f"Rule {t}.{i}: be exact and kind." for i in range(24))
+
+
+def _tenant_chat(t: int, question: str) -> list[dict]:
+    return [{"role": "system", "content": _tenant_system(t)}, {"role": "user", "content": question}]
+
+
+def test_cache_aware_routing_follows_prefixes(fleet, client):
+    """4 tenants with long system prompts over 3 prefill + 2 decode nodes: after a tenant's first request,
+    its requests land on the nodes holding its prefix and hit their caches."""
+    gw = fleet.gw.gateway
+    tok = gw.tokenizer
+    before = _metric(fleet.gw, "kvrelay:prefix_hit_tokens_total")
+    homes = {}
+    for t in range(4):
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=_tenant_chat(t, "Hi!"),
+                                                                max_tokens=2)
+        homes[t] = (raw.headers["x-kvrelay-prefill-node"], raw.headers["x-kvrelay-decode-node"])
+        system_ids = tok.apply_chat_template(_tenant_chat(t, "")[:1], add_generation_prompt=False)
+        hashes = prompt_block_hashes(system_ids, gw.model_id, gw.config.block_size)
+        wait_for(lambda h=hashes, nodes=homes[t]: all(gw.router.index.lookup(h).get(n, 0) == len(h) for n in nodes),
+                 15, f"tenant {t}'s prefix published by {homes[t]}")
+    assert all(p != "local" for p, _ in homes.values())
+    assert len({p for p, _ in homes.values()}) >= 2, homes  # cold tenants spread over the prefill nodes
+    system_tokens = {t: len(tok.apply_chat_template(_tenant_chat(t, "")[:1], add_generation_prompt=False))
+                     for t in homes}
+    for question in ("What is two plus two?", "Name a color.", "Why is the sky blue?"):
+        for t in range(4):
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=_tenant_chat(t, question), max_tokens=2)
+            assert (raw.headers["x-kvrelay-prefill-node"], raw.headers["x-kvrelay-decode-node"]) == homes[t]
+            cached = raw.parse().usage.prompt_tokens_details.cached_tokens
+            assert cached >= system_tokens[t] // 16 * 16 - 16, (t, cached, system_tokens[t])
+    hits = _metric(fleet.gw, "kvrelay:prefix_hit_tokens_total") - before
+    assert hits >= 12 * (min(system_tokens.values()) - 32)
+
+
+def test_replicas_route_alike(fleet):
+    """A second gateway on the same Redis makes the same decisions (no gateway-local randomness)."""
+    other = fleet.gateway(api_key=API_KEY, local_prefill_threshold=8)
+    try:
+        a, b = fleet.gw.gateway, other.gateway
+        for t in range(6):
+            prompt = a.tokenizer.apply_chat_template(_tenant_chat(t, f"question {t}"))
+            hashes = prompt_block_hashes(prompt, a.model_id, a.config.block_size)
+            hits = a.router.index.lookup(hashes)
+            da, db = (g.router.decide(prompt, hashes, hits, g.discovery.routable("prefill"),
+                                      g.discovery.routable("decode")) for g in (a, b))
+            ids = [(d.prefill.node_id if d.prefill else None, d.decode.node_id) for d in (da, db)]
+            assert ids[0] == ids[1]
+    finally:
+        other.close()
+
+
+def _metric(gw: GatewayThread, name: str) -> float:
+    for line in httpx.get(gw.url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rpartition(" ")[2])
+    return 0.0
+
+
 # ------------------------------------------------------------------------------------------- schemathesis
 
 
@@ -360,3 +426,20 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+# ----------------------------------------------------------------------------------- node failure (last)
+
+
+def test_decode_node_crash_is_routed_around(fleet, client):
+    """SIGKILL a decode node: requests keep succeeding on the other one, and once its lease lapses the
+    node is gone from the gateway's view."""
+    victim = next(n for n in fleet.nodes if n.info.get("node_id") == "decode-1")
+    victim.kill()
+    for i in range(6):
+        raw = client.completions.with_raw_response.create(model=MODEL, prompt=f"After the crash {i}: " + "x " * 40,
+                                                          max_tokens=2)
+        assert raw.headers["x-kvrelay-decode-node"] == "decode-0"
+    gw = fleet.gw.gateway
+    wait_for(lambda: all(n.node_id != "decode-1" for n in gw.discovery.nodes()), 20, "the lapsed lease to drop")
+    assert httpx.get(fleet.gw.url + "/health").json()["decode_nodes"] == 1

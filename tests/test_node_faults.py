@@ -212,6 +212,19 @@ def test_reservation_nobody_fills_expires(nodes):
 
 
 @pytest.mark.timeout(60)
+def test_prefill_client_gone_frees_blocks(nodes):
+    P, D = nodes["P"], nodes["D"]
+    prompt = [(3 * i + 2) % 500 for i in range(200)]
+    res = reserve(D, "gone", prompt, GREEDY)
+    error = rpc_error(P.stub().Prefill, prefill_request("gone", prompt, GREEDY, res), timeout=0.02)
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: all_blocks_free(P), 10, "the prefill node to release what the abandoned request held")
+    D.stub().Abort(pb.AbortRequest(request_id="gone"), timeout=5)  # what a gateway does after a failed Prefill
+    wait_for(lambda: all_blocks_free(D), 5, "the decode node to free the reservation")
+    assert len(disaggregated(P, D, "gone", prompt, GREEDY).tokens) == 4  # the id is free for reuse
+
+
+@pytest.mark.timeout(60)
 def test_prefill_killed_after_reservation(nodes):
     P, D = nodes["P"], nodes["D"]
     prompt = [(3 * i + 7) % 500 for i in range(200)]  # 4 chunks: the kill lands while it computes

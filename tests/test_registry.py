@@ -137,13 +137,13 @@ def test_purge_skips_a_node_that_came_back(registry, index):
 
 def test_heartbeat_renews_and_publishes_load(registry):
     counter = itertools.count(1)
-    registry.register(reg("p0"), ttl_s=0.5)
-    hb = registry.start_heartbeat(reg("p0"), 0.5, lambda: NodeLoad(num_running=next(counter), total_kv_blocks=8))
+    registry.register(reg("p0"), ttl_s=0.8)
+    hb = registry.start_heartbeat(reg("p0"), 0.8, lambda: NodeLoad(num_running=next(counter), total_kv_blocks=8))
     try:
-        time.sleep(1.2)  # over twice the TTL
+        time.sleep(1.8)  # over twice the TTL
         assert live_ids(registry) == ["p0"]
         assert hb.num_beats >= 3 and hb.num_lapses == 0
-        (_, load), = registry.live_nodes(MODEL)
+        ((_, load),) = registry.live_nodes(MODEL)
         assert load is not None and load.num_running >= 3 and load.total_kv_blocks == 8 and load.ts > 0
     finally:
         hb.stop()

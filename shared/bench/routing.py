@@ -196,21 +196,27 @@ async def _run_load(gw, systems, order, questions, args, salt: str) -> dict:
                     r.raise_for_status()
                     key = f"{r.headers.get('x-kvrelay-prefill-node')}->{r.headers.get('x-kvrelay-decode-node')}"
                     nodes[key] = nodes.get(key, 0) + 1
-                    async for line in r.aiter_lines():
+                    lines = r.aiter_lines()
+                    async for line in lines:
                         if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
                             ttfts.append(time.perf_counter() - t0)
                             break
-                    async for _ in r.aiter_lines():
+                    async for _ in lines:
                         pass
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(t, q) for t, q in zip(order, questions)))
         wall = time.perf_counter() - t0
     after = gw.scrape()
-    hits = after["kvrelay:prefix_hit_tokens_total"] - before.get("kvrelay:prefix_hit_tokens_total", 0)
-    prompt = after["kvrelay:prompt_tokens_total"] - before.get("kvrelay:prompt_tokens_total", 0)
+    hits = _total(after, "kvrelay:prefix_hit_tokens_total") - _total(before, "kvrelay:prefix_hit_tokens_total")
+    prompt = _total(after, "kvrelay:prompt_tokens_total") - _total(before, "kvrelay:prompt_tokens_total")
     return {"prefix_hit_ratio": round(hits / prompt, 4) if prompt else 0.0, "ttft_ms": percentiles(ttfts),
             "requests": len(order), "wall_s": round(wall, 2), "nodes": dict(sorted(nodes.items()))}
+
+
+def _total(samples: dict[str, float], name: str) -> float:
+    """A metric summed over its label sets."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
 
 
 # ------------------------------------------------------------------------------------------- overhead

@@ -8,11 +8,13 @@ fresh random prompt (no prefix-cache hit anywhere):
 - disaggregated, gateway-less: Reserve on the decode node, then Prefill on the prefill node; TTFT = until
   the Prefill response, which carries the first token (a gateway streams it at once). Generate with the
   hand-off then completes the request.
-Reported, as medians: both TTFTs; the compute time of each (prefill node: PrefillResponse.prefill_seconds;
-colocated: the decode node's own vllm:time_to_first_token_seconds for that request); the last layer's
-transfer (its send enqueued -> acked); and what disaggregation adds beyond compute:
-added = (TTFT_disagg - compute_disagg) - (TTFT_colocated - compute_colocated), against the target
-added <= last layer transfer + 5 ms. Raw TTFT differences are noisy on a shared machine; `added` is not.
+Reported, as medians: both TTFTs and their paired difference; the compute time of each (prefill node:
+PrefillResponse.prefill_seconds; colocated: the decode node's own vllm:time_to_first_token_seconds for that
+request); the last layer's transfer (its send enqueued -> acked); and what disaggregation adds beyond
+compute: added = (TTFT_disagg - compute_disagg) - (TTFT_colocated - compute_colocated), against the target
+added <= last layer transfer + 5 ms (`meets_target`; `raw_meets_target` holds the raw difference to it).
+Raw differences also carry compute noise and any slowdown of the prefill's forward by the sends running
+beside it (`prefill_compute_slowdown`): on one machine the receiving node shares the cores.
 
     python -m shared.bench.ttft                      # default model, 512 and 2048 tokens, tcp and shm
     python -m shared.bench.ttft --prompt-lens 512 --transports tcp --repetitions 2
@@ -136,17 +138,17 @@ def run_transport(args: argparse.Namespace, transport: str, lengths: list[int], 
 
 def summarize(transport: str, prompt_tokens: int, runs: dict[str, list[dict]]) -> dict:
     med = lambda way, key: statistics.median(r[key] for r in runs[way])  # noqa: E731
-    added = statistics.median(
-        (d["ttft_s"] - d["compute_s"]) - (c["ttft_s"] - c["compute_s"])
-        for c, d in zip(runs["colocated"], runs["disaggregated"])
-    )
+    pairs = list(zip(runs["colocated"], runs["disaggregated"]))
+    added = statistics.median((d["ttft_s"] - d["compute_s"]) - (c["ttft_s"] - c["compute_s"]) for c, d in pairs)
+    raw = statistics.median(d["ttft_s"] - c["ttft_s"] for c, d in pairs)
     last_layer = med("disaggregated", "last_layer_s")
     return {
         "transport": transport,
         "prompt_tokens": prompt_tokens,
         "colocated_ttft_s": med("colocated", "ttft_s"),
         "disaggregated_ttft_s": med("disaggregated", "ttft_s"),
-        "ttft_difference_s": med("disaggregated", "ttft_s") - med("colocated", "ttft_s"),
+        "ttft_difference_s": raw,  # median of the paired (back-to-back) differences
+        "prefill_compute_slowdown": med("disaggregated", "compute_s") / med("colocated", "compute_s") - 1,
         "colocated_compute_s": med("colocated", "compute_s"),
         "prefill_compute_s": med("disaggregated", "compute_s"),
         "reserve_rpc_s": med("disaggregated", "reserve_s"),
@@ -157,6 +159,7 @@ def summarize(transport: str, prompt_tokens: int, runs: dict[str, list[dict]]) -
         "target_s": last_layer + TARGET_SLACK_S,
         "target_margin_s": last_layer + TARGET_SLACK_S - added,
         "meets_target": added <= last_layer + TARGET_SLACK_S,
+        "raw_meets_target": raw <= last_layer + TARGET_SLACK_S,
         "runs": runs,
     }
 

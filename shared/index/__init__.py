@@ -41,7 +41,7 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def backend_of(url_or_name: str) -> str:
-    """"redis" or "memory"; ValueError for anything else."""
+    """The backend of a URL or name: "redis" or "memory"; ValueError for anything else."""
     if url_or_name.startswith(REDIS_SCHEMES):
         return "redis"
     if url_or_name == "memory" or url_or_name.startswith("memory://"):

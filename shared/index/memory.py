@@ -163,7 +163,8 @@ class MemoryRegistry(RegistryBackend):
             return existed
 
     def deregister(self, node_id: str, model_id: str | None = None) -> None:
-        model_id = model_id or self._models.pop(node_id, None)
+        remembered = self._models.pop(node_id, None)
+        model_id = model_id or remembered
         if model_id is None:
             raise KeyError(f"deregister: unknown model of node {node_id!r}; pass model_id")
         with self.store.lock:

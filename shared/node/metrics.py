@@ -70,7 +70,7 @@ class NodeMetrics:
 
     # -- engine thread -------------------------------------------------------------------------------
     def observe_stats(self, load, stats) -> None:
-        """After each engine iteration: gauges from the load snapshot (shared.async_engine.LoadSnapshot);
+        """After each engine iteration: gauges from the load snapshot (shared.node.load.LoadSnapshot);
         the scheduler's cumulative counters advance by their delta."""
         name = self.model_name
         self.running.labels(name).set(load.num_running)
@@ -82,6 +82,15 @@ class NodeMetrics:
             if new > old:
                 counter.labels(name).inc(new - old)
         self._last_stats = now
+
+    def observe_output(self, out, since_arrival: float, last_token_at: float | None, now: float,
+                       computes_prompt: bool) -> None:
+        """One engine output (shared.scheduler_output.EngineCoreOutput) of a request this node serves."""
+        if last_token_at is None and computes_prompt:
+            self.observe_first_token(since_arrival, out.num_prompt_tokens)
+        self.observe_token(None if last_token_at is None else now - last_token_at)
+        if out.finish_reason is not None:
+            self.observe_finished(out.finish_reason, since_arrival)
 
     def observe_first_token(self, seconds: float, num_prompt_tokens: int) -> None:
         self.ttft.labels(self.model_name).observe(seconds)

@@ -127,7 +127,11 @@ async def start_node(args: argparse.Namespace, role: str) -> Node:
     servicer.attach()
     grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
     pb_grpc.add_EngineServicer_to_server(servicer, grpc_server)
-    port = grpc_server.add_insecure_port(f"{args.host}:{args.port}")
+    try:
+        port = grpc_server.add_insecure_port(f"{args.host}:{args.port}")
+    except RuntimeError as e:
+        connector.close()
+        raise ValueError(f"port: cannot listen on {args.host}:{args.port} ({e})") from None
     host = advertised(args.host)
     settings.grpc_address = f"{host}:{port}"
     settings.node_id = args.node_id or f"{role}-{host}-{port}"

@@ -26,6 +26,7 @@ from shared.node import convert
 from shared.node.metrics import NodeMetrics
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
+from shared.sampling_params import SamplingParams
 from shared.scheduler_output import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class NodeSettings:
     connector_name: str
     grpc_address: str = ""
     metrics_address: str = ""
-    transfer_timeout: float = 30.0  # how long a Prefill waits for its transfer, a Generate for its KV
+    transfer_timeout: float = 30.0  # how long a Prefill waits for its acks once the first token is out
     kv_lease_s: float = 30.0
 
 
@@ -104,7 +105,7 @@ class NodeServer(pb_grpc.EngineServicer):
         self.connector = connector
         self.metrics = metrics
         self.settings = settings
-        # Transfer waits block a thread each for up to transfer_timeout: keep them off the default executor.
+        # Transfer waits block a thread each (up to a lease): keep them off the default executor.
         self.waits = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvrelay-wait")
 
     # -- hooks for the roles ------------------------------------------------------------------------
@@ -204,7 +205,7 @@ def require_request_id(request_id: str) -> None:
         raise ValueError("request_id: must not be empty")
 
 
-def checked_prompt(request) -> tuple[list[int], object]:
+def checked_prompt(request) -> tuple[list[int], SamplingParams]:
     """(prompt token ids, SamplingParams) of a Reserve / Prefill / Generate request; ValueError if bad."""
     prompt = convert.prompt_ids(request.prompt_token_ids)
     convert.check_token_ids("prompt_token_ids", prompt)
