@@ -9,13 +9,14 @@ aborts those sequences on the nodes.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -77,6 +78,7 @@ def build_app(gateway: Gateway, grpc_port: int | None = None) -> FastAPI:
                   description="OpenAI-compatible API over disaggregated prefill and decode pools")
     app.state.gateway = gateway
     _install_error_handlers(app, gateway)
+    app.add_middleware(_ApiKeyMiddleware, gateway=gateway)
     app.include_router(_openai_routes(gateway))
     app.include_router(_ops_routes(gateway))
     return app
@@ -106,22 +108,30 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
-def _auth(gateway: Gateway):
-    key = gateway.config.api_key
+class _ApiKeyMiddleware:
+    """401 for /v1 without 'Authorization: Bearer <key>', before the body is even parsed (so a caller without
+    the key learns nothing about the API). Plain ASGI: no per-request cost beyond the header check."""
 
-    async def check(request: Request) -> None:
-        if not key:
+    def __init__(self, app, gateway: Gateway) -> None:
+        self.app, self.gateway = app, gateway
+        self.key = (gateway.config.api_key or "").encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.key and scope["type"] == "http" and scope["path"].startswith("/v1/") and not self._ok(scope):
+            self.gateway.metrics.observe_request("unauthorized")
+            err = Unauthorized("Incorrect or missing API key; send it as 'Authorization: Bearer <key>'")
+            await error_response(401, err.message, err.type, None, err.code)(scope, receive, send)
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != key:
-            raise Unauthorized("Incorrect or missing API key; send it as 'Authorization: Bearer <key>'")
+        await self.app(scope, receive, send)
 
-    return check
+    def _ok(self, scope) -> bool:
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
 def _openai_routes(gateway: Gateway) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_auth(gateway))])
+    router = APIRouter(prefix="/v1")
 
     @router.get("/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
@@ -216,7 +226,7 @@ class _Server(uvicorn.Server):
 def make_server(config: GatewayConfig, gateway: Gateway | None = None, log_level: str = "info") -> _Server:
     gateway = gateway or Gateway(config)
     app = build_app(gateway, config.grpc_port)
-    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(), lifespan="on", loop=__import__("os").environ.get("GWLOOP", "auto"),
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(), lifespan="on",
                         timeout_graceful_shutdown=max(config.shutdown_timeout, 0.1), access_log=config.log_requests,
                         timeout_keep_alive=30)
     return _Server(uv, gateway)

@@ -385,47 +385,24 @@ def test_schemathesis_no_server_errors(schema_gateway, mode):
 # ------------------------------------------------------------------------------------------- shutdown
 
 
-def test_sigterm_drains_streams(fleet, tmp_path):
+def test_sigterm_drains_streams(fleet):
     """`kvrelay gateway` as a process: SIGTERM lets the open stream finish, refuses new work, exits 0."""
-    import os
     import signal
-    import socket
-    import subprocess
-    import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from gateway.launch import GatewayProcess
+
     nodes = [a for n in fleet.nodes for a in (f"--{n.role}", n.address)]
-    log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "gateway", "--model", fleet.model, "--port",
-                             str(port), "--shutdown-timeout", "20", "--startup-timeout", "30", *nodes],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _healthy(url), 90, "gateway process ready", interval=0.2)
+    with GatewayProcess(["--model", fleet.model, "--shutdown-timeout", "20", *nodes], num_nodes=5) as gw:
         body = {"model": MODEL, "prompt": "Drain me", "max_tokens": 200, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data:"))
-            proc.send_signal(signal.SIGTERM)
+            gw.proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
-        assert proc.wait(30) == 0
+        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2], gw.log_tail()
+        assert gw.proc.wait(30) == 0, gw.log_tail()
         with pytest.raises(httpx.ConnectError):
-            httpx.get(url + "/health")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        log.close()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+            httpx.get(gw.url + "/health")
 
 
 # ----------------------------------------------------------------------------------- node failure (last)
