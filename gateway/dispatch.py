@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import ExitStack, aclosing
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from gateway.discovery import Discovery, Node
@@ -56,7 +56,8 @@ class Dispatcher:
         finished = False
         try:
             if decision.local_prefill:
-                source = self._local([decision.decode, *decision.decode_fallbacks], req, holders)
+                nodes = [decision.decode, *decision.decode_fallbacks]
+                source = self._local(nodes, req, holders, decision.decode_cached_tokens)
             else:
                 source = self._disaggregated(decision, req, holders)
             async with aclosing(source):
@@ -80,11 +81,10 @@ class Dispatcher:
             holders.remove(decode)
             await self._abort(decode, req.request_id)
             local = replace(req, request_id=f"{req.request_id}.local")
-            async with aclosing(self._local([decode], local, holders)) as stream:
+            async with aclosing(self._local([decode], local, holders, reservation.num_cached_tokens)) as stream:
                 async for chunk in stream:
                     yield chunk
             return
-        self._observe(local=False, num_prompt=len(req.prompt_token_ids), num_cached=result.num_cached_tokens)
         holders.trace.update(prefill=prefill.node_id, decode=decode.node_id)
         first = TokenChunk((result.first_token_id,),
                            (result.first_logprobs,) if result.first_logprobs is not None else (),
@@ -93,9 +93,12 @@ class Dispatcher:
         if result.finish_reason:  # the first token ended it: the reservation is not needed
             holders.remove(decode)
             self._spawn(self._abort(decode, req.request_id))
+        try:
             yield first
+        finally:  # bookkeeping after the first token has gone out, not before
+            self._observe(local=False, num_prompt=len(req.prompt_token_ids), num_cached=result.num_cached_tokens)
+        if result.finish_reason:
             return
-        yield first
         with self._track(decode):
             async with aclosing(self._continue(decode, req, result)) as stream:
                 async for chunk in stream:
@@ -158,22 +161,26 @@ class Dispatcher:
 
     # ---------------------------------------------------------------------------------------- local
 
-    async def _local(self, nodes: list[Node], req: EngineRequest, holders: _Holders) -> AsyncIterator[TokenChunk]:
+    async def _local(self, nodes: list[Node], req: EngineRequest, holders: _Holders,
+                     cached: int = 0) -> AsyncIterator[TokenChunk]:
+        """`cached`: the prompt tokens routing expects the node to hold (the rest is its prefill work)."""
+        num_prompt = len(req.prompt_token_ids)
         for node in nodes:
             holders.add(node, req.request_id)
             started = False
             try:
                 async with aclosing(self.clients.get(node.address).generate(req)) as stream:
-                    with self._track(node), self.router.track_prefill(node.node_id, len(req.prompt_token_ids)):
-                        first = await anext(stream, None)
-                    if first is None:
-                        raise NodeFailure(f"decode node {node.node_id} ended the stream without output")
-                    started = True
-                    holders.trace.update(prefill=None, decode=node.node_id)
-                    self._observe(local=True, num_prompt=len(req.prompt_token_ids),
-                                  num_cached=first.num_cached_tokens)
                     with self._track(node):
-                        yield first
+                        with self.router.track_prefill(node.node_id, num_prompt - cached):
+                            first = await anext(stream, None)
+                        if first is None:
+                            raise NodeFailure(f"decode node {node.node_id} ended the stream without output")
+                        started = True
+                        holders.trace.update(prefill=None, decode=node.node_id)
+                        try:
+                            yield first
+                        finally:  # bookkeeping after the first token has gone out, not before
+                            self._observe(local=True, num_prompt=num_prompt, num_cached=first.num_cached_tokens)
                         async for chunk in stream:
                             yield chunk
                 return
@@ -191,13 +198,8 @@ class Dispatcher:
 
     # -------------------------------------------------------------------------------------- helpers
 
-    def _track(self, node: Node) -> ExitStack:
-        stack = ExitStack()
-        stack.enter_context(self.router.track_sequence(node.node_id))
-        if self.metrics is not None:
-            self.metrics.node_inflight(node.node_id, node.role, 1)
-            stack.callback(self.metrics.node_inflight, node.node_id, node.role, -1)
-        return stack
+    def _track(self, node: Node) -> _Tracked:
+        return _Tracked(self.router.track_sequence(node.node_id), self.metrics, node)
 
     def _observe(self, local: bool, num_prompt: int, num_cached: int) -> None:
         if self.metrics is not None:
@@ -234,6 +236,26 @@ class Dispatcher:
         """Let the abort calls already sent finish (shutdown)."""
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout_s)
+
+
+class _Tracked:
+    """A sequence on a node: the router's in-flight count and the per-node gauge."""
+
+    __slots__ = ("count", "metrics", "node")
+
+    def __init__(self, count, metrics, node: Node) -> None:
+        self.count, self.metrics, self.node = count, metrics, node
+
+    def __enter__(self) -> _Tracked:
+        self.count.__enter__()
+        if self.metrics is not None:
+            self.metrics.node_inflight(self.node.node_id, self.node.role, 1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.count.__exit__()
+        if self.metrics is not None:
+            self.metrics.node_inflight(self.node.node_id, self.node.role, -1)
 
 
 def _drop_first(chunk: TokenChunk) -> TokenChunk:

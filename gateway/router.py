@@ -13,7 +13,6 @@ import inspect
 import logging
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import xxhash
@@ -44,24 +43,33 @@ class RouteDecision:
         return self.prefill is None
 
 
+class Count:
+    """Adds `amount` to counts[key] while entered. A class rather than @contextmanager: it runs several times
+    per request, on the way to the first token."""
+
+    __slots__ = ("counts", "key", "amount")
+
+    def __init__(self, counts: dict[str, int], key: str, amount: int) -> None:
+        self.counts, self.key, self.amount = counts, key, amount
+
+    def __enter__(self) -> Count:
+        self.counts[self.key] = self.counts.get(self.key, 0) + self.amount
+        return self
+
+    def __exit__(self, *exc) -> None:
+        left = self.counts[self.key] - self.amount
+        if left:
+            self.counts[self.key] = left
+        else:
+            del self.counts[self.key]
+
+
 @dataclass
 class InFlight:
     """This gateway's own work per node; the published load lags by a heartbeat."""
 
     seqs: dict[str, int] = field(default_factory=dict)
     prefill_tokens: dict[str, int] = field(default_factory=dict)
-
-    @contextmanager
-    def track(self, counts: dict[str, int], node_id: str, amount: int):
-        counts[node_id] = counts.get(node_id, 0) + amount
-        try:
-            yield
-        finally:
-            left = counts[node_id] - amount
-            if left:
-                counts[node_id] = left
-            else:
-                del counts[node_id]
 
 
 class Router:
@@ -136,11 +144,11 @@ class Router:
 
     # ----------------------------------------------------------------------------------- in-flight
 
-    def track_sequence(self, node_id: str):
-        return self.inflight.track(self.inflight.seqs, node_id, 1)
+    def track_sequence(self, node_id: str) -> Count:
+        return Count(self.inflight.seqs, node_id, 1)
 
-    def track_prefill(self, node_id: str, num_tokens: int):
-        return self.inflight.track(self.inflight.prefill_tokens, node_id, num_tokens)
+    def track_prefill(self, node_id: str, num_tokens: int) -> Count:
+        return Count(self.inflight.prefill_tokens, node_id, num_tokens)
 
 
 def _affinity_key(prompt_token_ids: Sequence[int], hashes: list[bytes]) -> bytes:

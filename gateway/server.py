@@ -19,7 +19,9 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, Unauthorized
@@ -81,6 +83,7 @@ def build_app(gateway: Gateway, grpc_port: int | None = None) -> FastAPI:
     app.add_middleware(_ApiKeyMiddleware, gateway=gateway)
     app.include_router(_openai_routes(gateway))
     app.include_router(_ops_routes(gateway))
+    app.router.routes[0:0] = _fast_routes(gateway)
     return app
 
 
@@ -149,6 +152,30 @@ def _openai_routes(gateway: Gateway) -> APIRouter:
         return await _respond(gateway, request, gateway.completions.create(body))
 
     return router
+
+
+def _fast_routes(gateway: Gateway) -> list[Route]:
+    """The generation endpoints again, as plain Starlette routes matched before FastAPI's (which stay for the
+    OpenAPI schema and docs): FastAPI's request machinery costs ~0.1 ms, a real share of the gateway's TTFT.
+    Same models, same validation, same 400s."""
+
+    async def chat(request: Request):
+        body = _parse(ChatCompletionRequest, await request.body())
+        return await _respond(gateway, request, gateway.chat.create(body))
+
+    async def completions(request: Request):
+        body = _parse(CompletionRequest, await request.body())
+        return await _respond(gateway, request, gateway.completions.create(body))
+
+    return [Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"])]
+
+
+def _parse(model, raw: bytes):
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
 
 
 def _ops_routes(gateway: Gateway) -> APIRouter:

@@ -163,6 +163,9 @@ async def _events(gen: Generation, deltas: AsyncIterator[Delta], first: Delta | 
     except GatewayError as e:
         logger.warning("stream %s ended by an error: %s", request_id, e.message)
         yield sse_error(e)
+    except Exception:  # headers are out: the client can only learn of it in the stream
+        logger.exception("stream %s failed", request_id)
+        yield sse_error(GatewayError("internal error while streaming"))
     finally:
         await deltas.aclose()
     if include_usage:

@@ -188,6 +188,9 @@ async def _events(state: _State, deltas, first, request_id: str, model: str, inc
     except GatewayError as e:
         logger.warning("stream %s ended by an error: %s", request_id, e.message)
         yield sse_error(e)
+    except Exception:  # headers are out: the client can only learn of it in the stream
+        logger.exception("stream %s failed", request_id)
+        yield sse_error(GatewayError("internal error while streaming"))
     finally:
         await deltas.aclose()
     if include_usage:

@@ -1,4 +1,4 @@
-"""Benchmarks. `register(subparsers)` adds `throughput` to the `kvrelay bench` subcommands."""
+"""Benchmarks: `register(subparsers)` adds throughput, serve, ttft and routing to `kvrelay bench`."""
 
 from __future__ import annotations
 
@@ -17,3 +17,9 @@ def register(subparsers) -> None:
     p.set_defaults(func=throughput.run)
     __import__("shared.bench.serve", fromlist=["register"]).register(subparsers)  # `bench serve`
     __import__("shared.bench.ttft", fromlist=["register"]).register(subparsers)  # `bench ttft`
+    from shared.bench import routing
+
+    r = subparsers.add_parser("routing", help="routing decision time, cache_aware vs round_robin, gateway overhead",
+                              description=routing.__doc__, formatter_class=routing.argparse.RawDescriptionHelpFormatter)
+    routing.add_arguments(r)
+    r.set_defaults(func=routing.run)
