@@ -238,7 +238,9 @@ def run_up(args: argparse.Namespace) -> int:
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
+    # Both explicitly: a launcher started from a non-interactive shell's background job inherits SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         fleet.start()
         fleet.wait_ready(args.ready_timeout)
