@@ -5,6 +5,8 @@ blocks -> decode.Generate(handoff). If the prefill or the transfer fails, the re
 decode node prefills the sequence itself: a failed hand-off costs latency, never the request.
 Local: decode.Generate without a hand-off (next decode node when one is down before any token).
 
+A node that aborts the sequence itself (its shutdown timeout passed) ends the stream with a NodeFailure: the
+client gets an error, not a truncated answer that looks finished.
 Leaving the stream early (client gone, stop string, shutdown) aborts the sequence on every node that holds
 it, from a task the cancellation cannot reach, so its KV blocks are freed.
 """
@@ -62,6 +64,10 @@ class Dispatcher:
                 source = self._disaggregated(decision, req, holders)
             async with aclosing(source):
                 async for chunk in source:
+                    if chunk.finish_reason == "abort":  # the gateway never reads past its own aborts
+                        finished = True  # nothing is left to abort: the node has dropped the sequence
+                        raise NodeFailure("the node serving this request stopped before it finished "
+                                          "(it was shut down); retry the request", code="node_stopped")
                     finished = bool(chunk.finish_reason)
                     yield chunk
                     if finished:

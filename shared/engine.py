@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from shared.block_pool import BlockPool
 from shared.config import EngineConfig
@@ -123,6 +124,9 @@ class EngineCore:
     def _make_request(
         self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str
     ) -> Request:
+        extra = [t for t in self.info.extra_eos_token_ids if t not in params.stop_token_ids]
+        if extra and not params.ignore_eos:
+            params = replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
         req = Request(rid, prompt, params, eos_token_id=self.info.eos_token_id, cache_salt=salt)
         if arrival is not None:
             req.arrival_time = arrival

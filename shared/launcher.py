@@ -85,7 +85,7 @@ def plan_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
             children.append(Child(f"{role}-{i}", argv))
     gateway = _kvrelay("gateway", "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
                        "--redis-url", redis_url, "--model", args.model,
-                       "--shutdown-timeout", str(args.shutdown_timeout))
+                       "--shutdown-timeout", str(args.shutdown_timeout), "--routing-policy", args.routing_policy)
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
     if args.api_key:
@@ -133,12 +133,18 @@ class Fleet:
             try:
                 health = httpx.get(f"{url}/health", timeout=2)
                 models = httpx.get(f"{url}/v1/models", timeout=2, headers=headers)
-                if health.status_code == 200 and models.status_code == 200 and models.json().get("data"):
+                if health.status_code == 200 and models.status_code == 200 and models.json().get("data") \
+                        and self._all_nodes_routable(health.json()):
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"the fleet was not healthy within {timeout_s:.0f}s; logs in {self.log_dir}")
+
+    def _all_nodes_routable(self, health: dict) -> bool:
+        """The gateway answers before the nodes have loaded the model; ready means it routes to all of them."""
+        prefill, decode = (0, 1) if self.args.colocated else (self.args.prefill, self.args.decode)
+        return health.get("prefill_nodes", 0) >= prefill and health.get("decode_nodes", 0) >= decode
 
     def _check_children(self, restart: bool) -> None:
         for child in self.children:
@@ -273,6 +279,8 @@ def register(sub) -> None:
     p.add_argument("--colocated", action="store_true", help="one engine that prefills and decodes (the baseline)")
     p.add_argument("--connector", default="ucx", choices=["ucx", "nccl"],
                    help="KV transfer connector between processes")
+    p.add_argument("--routing-policy", default="cache_aware", choices=["cache_aware", "round_robin", "least_loaded"],
+                   help="how the gateway picks prefill and decode nodes")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded one")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (OpenAI API)")

@@ -21,6 +21,9 @@ class ModelInfo:
     eos_token_id: int | None
     max_position_embeddings: int
     architecture: str
+    # generation_config may list more end tokens than the one eos (Llama 3 instruct: <|eot_id|>); like vLLM,
+    # the engine stops on them as stop tokens unless ignore_eos.
+    extra_eos_token_ids: tuple[int, ...] = ()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -47,27 +50,28 @@ def load_model_info(config: ModelConfig) -> ModelInfo:
     with open(os.path.join(resolved.path, "config.json")) as f:
         hf = json.load(f)
     device = resolve_device(config.device)
-    eos = _eos_token_id(resolved.path, hf)
+    eos_ids = _eos_token_ids(resolved.path, hf)
     return ModelInfo(
         path=resolved.path,
         model_id=resolved.model_id,
         device=device,
         dtype=resolve_dtype(config.dtype, device),
-        eos_token_id=eos,
+        eos_token_id=eos_ids[0] if eos_ids else None,
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         architecture=(hf.get("architectures") or ["?"])[0],
+        extra_eos_token_ids=eos_ids[1:],
     )
 
 
-def _eos_token_id(path: str, hf: dict) -> int | None:
+def _eos_token_ids(path: str, hf: dict) -> tuple[int, ...]:
+    """The end tokens, generation_config's first; its list wins over config.json's."""
     gen_path = os.path.join(path, "generation_config.json")
     eos = hf.get("eos_token_id")
     if os.path.exists(gen_path):
         with open(gen_path) as f:
             eos = json.load(f).get("eos_token_id", eos)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    return tuple(dict.fromkeys(int(t) for t in ids))
 
 
 def _cpu_has_native_bf16() -> bool:

@@ -62,7 +62,8 @@ class FakeServer:
         yield _sse({"choices": [{"index": 0, "delta": {}, "text": "", "finish_reason": "length"}]})
         if self.usage and (body.get("stream_options") or {}).get("include_usage"):
             yield _sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": len(pieces),
-                                                 "total_tokens": 7 + len(pieces)}})
+                                                 "total_tokens": 7 + len(pieces),
+                                                 "prompt_tokens_details": {"cached_tokens": 2}}})
         yield "data: [DONE]\n\n"
 
 
@@ -163,6 +164,7 @@ def test_counts_warmup_default_model_json_and_plots(fake, tmp_path, capsys):
     assert r["num_requests"] == r["completed"] == 12 and r["failed"] == 0
     assert sorted(q["index"] for q in r["requests"]) == list(range(12))
     assert all(q["start_s"] >= 0 and q["usage_from_server"] and q["completion_tokens"] == 5 for q in r["requests"])
+    assert r["total_cached_tokens"] == 24 and r["prefix_hit_ratio"] == 2 / 7
     # warmup text comes from another seed: the measured prompts are those of a run without warmup
     measured = iter_sessions(DatasetSpec(seed=0, min_output=5, max_output=5), TextSource())
     assert sorted(user_texts(fake.bodies[3:])) == sorted(next(measured).turns[0].user for _ in range(12))

@@ -9,6 +9,7 @@ model's tokenizer, so text round-trips); gateways run in this process on their o
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import threading
 from pathlib import Path
@@ -401,6 +402,32 @@ def test_sigterm_drains_streams(fleet):
         assert gw.proc.wait(30) == 0, gw.log_tail()
         with pytest.raises(httpx.ConnectError):
             httpx.get(gw.url + "/health")
+
+
+def test_node_shutdown_timeout_ends_the_stream_with_a_clean_error(fleet):
+    """SIGTERM to a decode node whose --shutdown-timeout passes mid-stream: the client gets an error event
+    (not a truncated answer that looks finished), and the node aborts the sequence and exits 0."""
+    (node,) = start_nodes([("decode", tiny_args(fleet.model, "ucx", "--node-id", "decode-short",
+                                                "--shutdown-timeout", "0.5", blocks=160))])
+    gw = GatewayThread(model=fleet.model, decode=(node.address,))
+    try:
+        body = {"model": MODEL, "prompt": "Stop me", "max_tokens": 1900, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", gw.url + "/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            node.terminate()
+            rest = [line for line in lines if line]
+        errors = [json.loads(line.removeprefix("data: "))["error"] for line in rest if line.startswith('data: {"error"')]
+        assert len(errors) == 1, rest[-3:]
+        error = errors[0]
+        assert error["code"] == "node_stopped" and error["type"] == "upstream_error", rest[-3:]
+        assert not any('"finish_reason":"length"' in line for line in rest)
+        assert node.stop(30) == 0, node.log_tail()
+        assert "aborted 1 requests still in flight" in node.log_tail(80)
+    finally:
+        gw.close()
+        stop_nodes([node])
 
 
 # ----------------------------------------------------------------------------------- node failure (last)

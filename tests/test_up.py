@@ -49,6 +49,10 @@ def test_up_serves_chat_and_stops_cleanly(default_model_dir, tmp_path):
         assert url == f"http://127.0.0.1:{port}/v1"
         children = _descendants(proc.pid)
         assert len(children) >= 4  # redis, prefill, decode, gateway
+        import httpx
+
+        health = httpx.get(url.removesuffix("/v1") + "/health", timeout=5).json()
+        assert health["prefill_nodes"] == 1 and health["decode_nodes"] == 1  # ready means routable, at once
 
         from openai import OpenAI
 

@@ -229,6 +229,7 @@ class Client:
         if usage:
             rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             rec.completion_tokens = int(usage.get("completion_tokens") or 0)
+            rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
             rec.usage_from_server = True
         text = "".join(_content(c, self.args.endpoint) for c in event.get("choices") or [])
         if not text:

@@ -23,7 +23,7 @@ LATENCIES = (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 # (metric path in the result, which direction is better)
 COMPARE_METRICS = (
     ("request_throughput", "higher"), ("output_throughput", "higher"), ("total_token_throughput", "higher"),
-    ("goodput.request_rate", "higher"), ("goodput.fraction", "higher"),
+    ("goodput.request_rate", "higher"), ("goodput.fraction", "higher"), ("prefix_hit_ratio", "higher"),
     *((f"{m}.p{p}", "lower") for m in ("ttft_ms", "itl_ms", "e2e_ms", "tpot_ms") for p in PERCENTILES),
 )
 
@@ -45,6 +45,7 @@ class RequestRecord:
     chunk_times_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, where the server reports it
     usage_from_server: bool = False
     text: str = ""
 
@@ -111,6 +112,8 @@ def build_result(label: str, config: dict, records: Sequence, slos: dict) -> dic
         "errors": dict(Counter(r.error[:200] for r in records if not r.success).most_common(10)),
         "requests_without_usage": sum(not r.usage_from_server for r in ok),
         "duration_s": duration, "total_input_tokens": prompt, "total_output_tokens": completion,
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
+        "prefix_hit_ratio": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         "request_throughput": rate(len(ok)), "output_throughput": rate(completion),
         "total_token_throughput": rate(prompt + completion),
         "ttft_ms": distribution([r.ttft_s for r in ok]),

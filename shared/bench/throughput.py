@@ -297,6 +297,8 @@ def run(args: argparse.Namespace) -> int:
     del engine
     gc.collect()
     if args.baseline == "hf":
+        add_ceiling(result, matmul_runs)
+        write_results({**result, "hf": "running"}, args.output, plot=False)  # keep ours if the baseline dies
         run_baseline(args, path, dtype, requests, our_tokens, result, progress)
     matmul_runs.append(measure_matmul(cfg, dtype, device, args.matmul_seconds))
     add_ceiling(result, matmul_runs)
@@ -312,7 +314,7 @@ def add_ceiling(result: dict, matmul_runs: list[dict]) -> None:
     ceil = ceiling(best["gflops"], result["model"]["flops_per_token"], result["workload"])
     result["ceiling"] = ceil
     for system in ("ours", "hf"):
-        if system in result:
+        if isinstance(result.get(system), dict):
             add_ceiling_fraction(result[system], ceil)
 
 

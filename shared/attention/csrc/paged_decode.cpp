@@ -13,57 +13,99 @@
 
 namespace {
 
-inline void load_row(const float* src, float* dst, int64_t d) { std::memcpy(dst, src, d * sizeof(float)); }
+// A K/V row as fp32: fp32 caches are read in place, bf16 rows are widened into `buf`.
+inline const float* row_f32(const float* src, float* /*buf*/, int64_t /*d*/) { return src; }
 
-inline void load_row(const at::BFloat16* src, float* dst, int64_t d) {
+inline const float* row_f32(const at::BFloat16* src, float* buf, int64_t d) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* o = reinterpret_cast<uint32_t*>(dst);
+  uint32_t* o = reinterpret_cast<uint32_t*>(buf);
   for (int64_t i = 0; i < d; ++i) o[i] = static_cast<uint32_t>(s[i]) << 16;  // bf16 is the top half of fp32
+  return buf;
 }
 
+// Ask for a block's rows of one kv head ahead of use: blocks are scattered, so the hardware prefetcher
+// loses the stream at every block boundary and a single walker would wait on DRAM latency there.
 template <typename T>
-void decode_one(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t seq_len,
-                int64_t first, int64_t bs, int64_t kvh, int64_t h, int64_t group, int64_t d, float scale,
-                float* out, std::vector<float>& scores, std::vector<float>& row) {
+inline void prefetch_rows(const T* first_row, int64_t rows, int64_t token_stride, int64_t d) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < rows; ++t) {
+    const char* p = reinterpret_cast<const char*>(first_row + t * token_stride);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 0);
+  }
+}
+
+constexpr int64_t kAhead = 4;  // blocks prefetched ahead of the one in use
+
+// Scores (pass 1) and the weighted sum of values (pass 2) for kv heads [h0, h0 + nh) of one request, walking
+// the block table block by block; the next block is prefetched while the current one is used. With all kv
+// heads in one item a block's rows are read as one contiguous run. q and out point at head h0 * group.
+// D > 0 fixes the head size at compile time (fully unrolled, vectorised row loops); D == 0 reads `d`.
+template <typename T, int D>
+void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t seq_len,
+                  int64_t first, int64_t bs, int64_t kvh, int64_t h0, int64_t nh, int64_t group, int64_t d_arg,
+                  float scale, float* out, std::vector<float>& scores, std::vector<float>& buf) {
+  const int64_t d = D > 0 ? D : d_arg;
   const int64_t n = seq_len - first;
-  scores.assign(group * n, 0.f);
-  row.resize(d);
+  const int64_t rows_q = nh * group;  // query heads served by this item
+  scores.resize(rows_q * n);
+  buf.resize(d);
   const int64_t token_stride = kvh * d;
   const int64_t block_stride = bs * token_stride;
-  for (int64_t t = first; t < seq_len; ++t) {
-    const int64_t off = int64_t(table[t / bs]) * block_stride + (t % bs) * token_stride + h * d;
-    load_row(k_cache + off, row.data(), d);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * d;
-      float acc = 0.f;
-      for (int64_t i = 0; i < d; ++i) acc += qg[i] * row[i];
-      scores[g * n + (t - first)] = acc * scale;
+  const int64_t b_first = first / bs, b_last = (seq_len - 1) / bs;
+  auto block_at = [&](const T* cache, int64_t b) { return cache + int64_t(table[b]) * block_stride + h0 * d; };
+  auto prefetch = [&](const T* cache, int64_t b) {
+    // one run of nh * d values per token (the whole token row when nh == kvh)
+    const T* p = block_at(cache, b);
+    for (int64_t t = 0; t < bs; ++t) prefetch_rows(p + t * token_stride, 1, 0, nh * d);
+  };
+  for (int64_t b = b_first; b <= std::min(b_last, b_first + kAhead - 1); ++b) prefetch(k_cache, b);
+  for (int64_t b = b_first; b <= b_last; ++b) {
+    if (b + kAhead <= b_last) prefetch(k_cache, b + kAhead);
+    const T* blk = block_at(k_cache, b);
+    const int64_t t0 = std::max(first, b * bs), t1 = std::min(seq_len, (b + 1) * bs);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const float* k = row_f32(blk + (t - b * bs) * token_stride + hh * d, buf.data(), d);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q + (hh * group + g) * d;
+          float acc = 0.f;
+          for (int64_t i = 0; i < d; ++i) acc += qg[i] * k[i];
+          scores[(hh * group + g) * n + (t - first)] = acc * scale;
+        }
+      }
     }
   }
-  std::vector<float> inv(group);
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * n;
+  for (int64_t b = b_first; b <= std::min(b_last, b_first + kAhead - 1); ++b) prefetch(v_cache, b);
+  for (int64_t row = 0; row < rows_q; ++row) {
+    float* s = scores.data() + row * n;
     const float m = *std::max_element(s, s + n);
     float sum = 0.f;
     for (int64_t j = 0; j < n; ++j) {
       s[j] = std::exp(s[j] - m);
       sum += s[j];
     }
-    inv[g] = 1.f / sum;
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < n; ++j) s[j] *= inv;
   }
-  std::fill(out, out + group * d, 0.f);
-  for (int64_t t = first; t < seq_len; ++t) {
-    const int64_t off = int64_t(table[t / bs]) * block_stride + (t % bs) * token_stride + h * d;
-    load_row(v_cache + off, row.data(), d);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * n + (t - first)] * inv[g];
-      float* o = out + g * d;
-      for (int64_t i = 0; i < d; ++i) o[i] += p * row[i];
+  std::fill(out, out + rows_q * d, 0.f);
+  for (int64_t b = b_first; b <= b_last; ++b) {
+    if (b + kAhead <= b_last) prefetch(v_cache, b + kAhead);
+    const T* blk = block_at(v_cache, b);
+    const int64_t t0 = std::max(first, b * bs), t1 = std::min(seq_len, (b + 1) * bs);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const float* v = row_f32(blk + (t - b * bs) * token_stride + hh * d, buf.data(), d);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[(hh * group + g) * n + (t - first)];
+          float* o = out + (hh * group + g) * d;
+          for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
+        }
+      }
     }
   }
 }
 
-template <typename T>
+template <typename T, int D>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables, const torch::Tensor& lens,
          double scale, int64_t window, torch::Tensor& out) {
   const int64_t nd = q.size(0), heads = q.size(1), d = q.size(2);
@@ -76,15 +118,20 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int64_t table_stride = tables.size(1);
-  at::parallel_for(0, nd * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, row;
+  // A whole request per item reads its blocks contiguously; with fewer requests than threads, split by kv
+  // head so every thread has work.
+  const int64_t per_item = nd >= at::get_num_threads() ? kvh : 1;
+  const int64_t items_per_req = kvh / per_item;
+  at::parallel_for(0, nd * items_per_req, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, buf;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kvh, h = item % kvh;
+      const int64_t r = item / items_per_req, h0 = (item % items_per_req) * per_item;
       const int64_t seq_len = lp[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
-      const int64_t head0 = h * group;
-      decode_one<T>(qp + (r * heads + head0) * d, k_cache, v_cache, tp + r * table_stride, seq_len, first, bs, kvh,
-                    h, group, d, static_cast<float>(scale), op + (r * heads + head0) * d, scores, row);
+      const int64_t head0 = h0 * group;
+      decode_heads<T, D>(qp + (r * heads + head0) * d, k_cache, v_cache, tp + r * table_stride, seq_len, first,
+                         bs, kvh, h0, per_item, group, d, static_cast<float>(scale), op + (r * heads + head0) * d,
+                         scores, buf);
     }
   });
 }
@@ -104,12 +151,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
   auto out = torch::empty_like(q);
-  if (kv_cache.scalar_type() == torch::kFloat32) {
-    run<float>(q, kv_cache, block_tables, seq_lens, scale, window, out);
-  } else if (kv_cache.scalar_type() == torch::kBFloat16) {
-    run<at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, window, out);
+  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 || kv_cache.scalar_type() == torch::kBFloat16,
+              "kv_cache dtype must be float32 or bfloat16");
+  const bool f32 = kv_cache.scalar_type() == torch::kFloat32;
+  const int64_t d = q.size(2);
+  if (d == 64) {
+    f32 ? run<float, 64>(q, kv_cache, block_tables, seq_lens, scale, window, out)
+        : run<at::BFloat16, 64>(q, kv_cache, block_tables, seq_lens, scale, window, out);
+  } else if (d == 128) {
+    f32 ? run<float, 128>(q, kv_cache, block_tables, seq_lens, scale, window, out)
+        : run<at::BFloat16, 128>(q, kv_cache, block_tables, seq_lens, scale, window, out);
   } else {
-    TORCH_CHECK(false, "kv_cache dtype must be float32 or bfloat16");
+    f32 ? run<float, 0>(q, kv_cache, block_tables, seq_lens, scale, window, out)
+        : run<at::BFloat16, 0>(q, kv_cache, block_tables, seq_lens, scale, window, out);
   }
   return out;
 }
