@@ -1,4 +1,4 @@
-"""Benchmarks: `register(subparsers)` adds throughput, serve, ttft, fleet and routing to `kvrelay bench`."""
+"""Benchmarks: `register(subparsers)` adds throughput, serve, ttft, fleet, decode-attention and routing to `kvrelay bench`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def register(subparsers) -> None:
     __import__("shared.bench.serve", fromlist=["register"]).register(subparsers)  # `bench serve`
     __import__("shared.bench.ttft", fromlist=["register"]).register(subparsers)  # `bench ttft`
     __import__("shared.bench.fleet", fromlist=["register"]).register(subparsers)  # `bench fleet`
+    __import__("shared.bench.decode_attention", fromlist=["register"]).register(subparsers)
     from shared.bench import routing
 
     r = subparsers.add_parser("routing", help="routing decision time, cache_aware vs round_robin, gateway overhead",
