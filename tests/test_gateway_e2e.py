@@ -418,7 +418,8 @@ def test_node_shutdown_timeout_ends_the_stream_with_a_clean_error(fleet):
             next(line for line in lines if line.startswith("data:"))
             node.terminate()
             rest = [line for line in lines if line]
-        errors = [json.loads(line.removeprefix("data: "))["error"] for line in rest if line.startswith('data: {"error"')]
+        errors = [json.loads(line.removeprefix("data: "))["error"] for line in rest
+                  if line.startswith('data: {"error"')]
         assert len(errors) == 1, rest[-3:]
         error = errors[0]
         assert error["code"] == "node_stopped" and error["type"] == "upstream_error", rest[-3:]

@@ -1,4 +1,5 @@
-"""Benchmarks: `register(subparsers)` adds throughput, serve, ttft, fleet, decode-attention and routing to `kvrelay bench`."""
+"""Benchmarks: `register(subparsers)` adds throughput, serve, ttft, fleet, decode-attention and routing to
+`kvrelay bench`."""
 
 from __future__ import annotations
 
