@@ -219,11 +219,11 @@ kvrelay is up: {layout}, model {model}
   logs            : {fleet.log_dir}
 
 curl {base}/chat/completions -H 'Content-Type: application/json' -H 'Authorization: Bearer {key}' \\
-  -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+  -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32, "temperature": 0}}'
 
 python -c "from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='{key}'); \\
 print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello!'}}], \\
-max_tokens=32).choices[0].message.content)"
+max_tokens=32, temperature=0).choices[0].message.content)"
 
 Ctrl-C stops everything.
 """
@@ -240,6 +240,7 @@ def _served_name(args: argparse.Namespace) -> str:
 
 def run_up(args: argparse.Namespace) -> int:
     fleet = Fleet(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per readiness poll
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
