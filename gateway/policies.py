@@ -17,6 +17,7 @@ with their load folded in once, and rendezvous hashes are computed only among eq
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -79,25 +80,33 @@ def order_by_cost(scored: list[tuple[float, Candidate]], key: bytes) -> list[Can
     return out
 
 
-class Policy:
+class Policy(ABC):
     name = "base"
     uses_cache = False
 
     def __init__(self, weights: Weights | None = None) -> None:
         self.weights = weights or Weights()
 
+    @abstractmethod
+    def rank(self, role: str, candidates: list[Candidate], prompt: Prompt) -> list[Candidate]:
+        """The candidates best first; the rest of the order is the fallback sequence."""
+
+
+class CostPolicy(Policy):
+    """Ranks by a per-role cost, lowest first (ties in rendezvous order)."""
+
     def rank(self, role: str, candidates: list[Candidate], prompt: Prompt) -> list[Candidate]:
         cost = self.prefill_cost if role == "prefill" else self.decode_cost
         return order_by_cost([(cost(c, prompt), c) for c in candidates], prompt.affinity_key)
 
-    def prefill_cost(self, c: Candidate, prompt: Prompt) -> float:
-        raise NotImplementedError
+    @abstractmethod
+    def prefill_cost(self, c: Candidate, prompt: Prompt) -> float: ...
 
-    def decode_cost(self, c: Candidate, prompt: Prompt) -> float:
-        raise NotImplementedError
+    @abstractmethod
+    def decode_cost(self, c: Candidate, prompt: Prompt) -> float: ...
 
 
-class CacheAware(Policy):
+class CacheAware(CostPolicy):
     name = "cache_aware"
     uses_cache = True
 
@@ -112,7 +121,7 @@ class CacheAware(Policy):
         return work + w.per_running_seq * c.active_seqs + penalty
 
 
-class LeastLoaded(Policy):
+class LeastLoaded(CostPolicy):
     name = "least_loaded"
 
     def prefill_cost(self, c: Candidate, prompt: Prompt) -> float:

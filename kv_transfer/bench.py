@@ -8,14 +8,12 @@ send_blocks() to the acknowledged wait(). Prints JSON and writes it to --output.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -23,6 +21,7 @@ from tqdm import tqdm
 from kv_transfer.base import ConnectorConfig, KVLayout
 from kv_transfer.harness import PeerProcess, make_caches
 from kv_transfer.local import LocalConnector
+from shared.bench.report import emit
 
 logger = logging.getLogger(__name__)
 
@@ -189,11 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "memcpy": {"gbps_best": round(memcpy_best, 3), "seconds": [round(s, 5) for s in memcpy]},
         "results": rows,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    emit(report, args.output)
     return 0
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
 from shared.config import DEFAULT_BLOCK_SIZE
+from shared.log import configure_logging
 
 DESCRIPTION = """kvrelay: disaggregated LLM serving (OpenAI gateway, prefill and decode pools, paged KV cache).
 
@@ -167,8 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    configure_logging(args.log_level)
     try:
         return args.func(args) or 0
     except ValueError as e:

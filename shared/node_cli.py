@@ -10,11 +10,11 @@ a flag on the command line wins over the environment.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 from shared.cli import add_engine_args
+from shared.log import configure_logging
 
 ROLES = {
     "prefill": ("computes prompts and hands their KV to decode nodes", 50061),
@@ -125,8 +125,7 @@ def main_for_role(role: str, argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     add_node_args(p, role)
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    configure_logging(args.log_level)
     try:
         return run_node(args, role)
     except ValueError as e:

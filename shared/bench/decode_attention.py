@@ -11,22 +11,26 @@ read per second, the speed-up and the largest difference between the two outputs
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
 import torch
 
+from shared.bench.report import emit
+
 
 def _metadata(tables: torch.Tensor, lens: torch.Tensor, block_size: int):
+    """A decode-only step: each request's new token is the last of its context."""
     from shared.attention.base import AttentionMetadata
 
     nd = len(lens)
+    last = lens.long() - 1
+    slots = tables.long()[torch.arange(nd), last // block_size] * block_size + last % block_size
     return AttentionMetadata(
         num_reqs=nd, num_decodes=nd, num_decode_tokens=nd,
         query_start_loc=torch.arange(nd + 1, dtype=torch.int32), seq_lens=lens,
         query_lens_cpu=[1] * nd, seq_lens_cpu=lens.tolist(), max_query_len=1, max_seq_len=int(lens.max()),
-        block_tables=tables, slot_mapping=torch.empty(0, dtype=torch.int64), block_size=block_size)
+        block_tables=tables, slot_mapping=slots, block_size=block_size)
 
 
 def _time(fn, seconds: float) -> float:
@@ -39,6 +43,7 @@ def _time(fn, seconds: float) -> float:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    from shared.attention import cpu_kernels
     from shared.attention.torch_backend import TorchAttentionBackend
 
     torch.manual_seed(0)
@@ -53,14 +58,15 @@ def measure(args: argparse.Namespace) -> dict:
     lens = torch.full((args.decodes,), args.context, dtype=torch.int32)
     q = torch.randn(args.decodes, heads, d)
     scale = d ** -0.5
-    native = TorchAttentionBackend(use_native=True)
-    portable = TorchAttentionBackend(use_native=False)
-    if native._native is None:
+    if cpu_kernels.load() is None:
         raise SystemExit("the native kernel could not be built here (no C++ compiler?)")
     meta = _metadata(tables, lens, bs)
-    plan = portable._step_plan(meta)
-    run_native = lambda: native._native.paged_decode(q, kv, tables, lens, scale, 0)  # noqa: E731
-    run_portable = lambda: portable._decode(q, kv, plan, scale, None)  # noqa: E731
+    # The step's new k/v are the values already in their slots, so writing them leaves the cache as it is.
+    flat = kv.view(2, -1, kvh, d)
+    k, v = flat[0, meta.slot_mapping].clone(), flat[1, meta.slot_mapping].clone()
+    native, portable = TorchAttentionBackend(use_native=True), TorchAttentionBackend(use_native=False)
+    run_native = lambda: native.forward(q, k, v, kv, meta, scale)  # noqa: E731
+    run_portable = lambda: portable.forward(q, k, v, kv, meta, scale)  # noqa: E731
     diff = (run_native() - run_portable()).abs().max().item()
     t_native, t_portable = _time(run_native, args.seconds), _time(run_portable, args.seconds)
     kv_bytes = args.decodes * args.context * kvh * d * 2 * kv.element_size()
@@ -91,12 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = measure(args)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
+    emit(measure(args), args.output)
     return 0
 
 

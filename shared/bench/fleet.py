@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.bench import serve, serve_report
+from shared.launcher import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -58,20 +59,14 @@ def scenario_arms(scenario: str, prefill_nodes: int) -> tuple[Arm, Arm]:
             Arm(f"cache_aware-{prefill_nodes}p1d", (*nodes, "--routing-policy", "cache_aware")))
 
 
-def _free_port() -> int:
-    from shared.launcher import free_port
-
-    return free_port()
-
-
 class FleetProcess:
     """One `kvrelay up` child; a context manager that always stops it."""
 
     def __init__(self, flags: list[str], log_path: Path, ready_timeout: float) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.argv = [sys.executable, "-m", "shared.cli", "up", "--port", str(self.port),
-                     "--grpc-port", str(_free_port()), *flags]
+                     "--grpc-port", str(free_port()), *flags]
         self.log_path, self.ready_timeout = log_path, ready_timeout
         self.proc: subprocess.Popen | None = None
 
@@ -122,7 +117,7 @@ class FleetProcess:
 def serve_namespace(serve_args: list[str], base_url: str, label: str, output: Path) -> argparse.Namespace:
     args = serve.build_parser().parse_args([*serve_args, "--base-url", base_url, "--label", label,
                                             "--output", str(output)])
-    serve._check(args)
+    serve.check_args(args)
     return args
 
 
@@ -147,11 +142,16 @@ def run_arm(arm: Arm, args: argparse.Namespace, serve_args: list[str]) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    tokenizer = args.tokenizer
+    if tokenizer is None and (args.model == "default" or os.path.isdir(args.model)):
+        from shared.model_resolve import resolve_model
+
+        tokenizer = str(resolve_model(args.model).path)  # dataset lengths in the served model's tokens
     scenarios = ["disagg", "routing"] if args.scenario == "all" else [args.scenario]
     for scenario in scenarios:
         serve_args = shlex.split(SERVE_DEFAULTS[scenario]) + shlex.split(args.serve_args or "")
-        if args.tokenizer and "--tokenizer" not in serve_args:
-            serve_args += ["--tokenizer", args.tokenizer]
+        if tokenizer and "--tokenizer" not in serve_args:
+            serve_args += ["--tokenizer", tokenizer]
         a, b = scenario_arms(scenario, args.prefill_nodes)
         path_a, path_b = run_arm(a, args, serve_args), run_arm(b, args, serve_args)
         serve_report.run_compare(str(path_a), str(path_b),
@@ -180,12 +180,4 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("fleet", help="kvrelay up + bench serve: colocated vs disaggregated, routing policies",
                               description=__doc__, formatter_class=serve.HelpFormatter)
     add_arguments(p)
-    p.set_defaults(func=_run_with_tokenizer)
-
-
-def _run_with_tokenizer(args: argparse.Namespace) -> int:
-    if args.tokenizer is None and (args.model == "default" or os.path.isdir(args.model)):
-        from shared.model_resolve import resolve_model
-
-        args.tokenizer = str(resolve_model(args.model).path)  # dataset lengths in the served model's tokens
-    return run(args)
+    p.set_defaults(func=run)

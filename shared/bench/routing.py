@@ -29,7 +29,9 @@ import random
 import time
 from pathlib import Path
 
+from shared.bench.report import emit
 from shared.hashing import prompt_block_hashes
+from shared.log import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -424,10 +426,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.skip_overhead:
                 result["overhead"] = bench_overhead(fleet, args.overhead_iters)
     result["loop_1m_ms_after"] = machine_speed_ms()
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    emit(result, args.output)
     return 0
 
 
@@ -436,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     return run(args)
 

@@ -45,6 +45,7 @@ from shared.bench.serve_datasets import (
     load_tokenizer,
 )
 from shared.bench.serve_report import RequestRecord
+from shared.log import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def default_label(args: argparse.Namespace) -> str:
     return f"{args.dataset}-c{args.concurrency or DEFAULT_CONCURRENCY}"
 
 
-def _check(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace) -> None:
     for name in ("concurrency", "num_requests"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
@@ -399,7 +400,7 @@ def measure(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     if args.compare:
         return serve_report.run_compare(args.compare[0], args.compare[1], args.output, not args.no_plot)
-    _check(args)
+    check_args(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     label = args.label or default_label(args)
     result = measure(args)
@@ -411,9 +412,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                            stream=sys.stderr)
+    configure_logging()
     return run(args)
 
 

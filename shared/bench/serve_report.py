@@ -105,6 +105,7 @@ def build_result(label: str, config: dict, records: Sequence, slos: dict) -> dic
     ok = [r for r in records if r.success]
     duration = max((r.end_s for r in records), default=0.0)
     prompt, completion = sum(r.prompt_tokens for r in ok), sum(r.completion_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
     rate = (lambda x: x / duration if duration > 0 else 0.0)
     return {
         "benchmark": "serve", "label": label, **config,
@@ -112,8 +113,7 @@ def build_result(label: str, config: dict, records: Sequence, slos: dict) -> dic
         "errors": dict(Counter(r.error[:200] for r in records if not r.success).most_common(10)),
         "requests_without_usage": sum(not r.usage_from_server for r in ok),
         "duration_s": duration, "total_input_tokens": prompt, "total_output_tokens": completion,
-        "total_cached_tokens": sum(r.cached_tokens for r in ok),
-        "prefix_hit_ratio": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "total_cached_tokens": cached, "prefix_hit_ratio": cached / prompt if prompt else 0.0,
         "request_throughput": rate(len(ok)), "output_throughput": rate(completion),
         "total_token_throughput": rate(prompt + completion),
         "ttft_ms": distribution([r.ttft_s for r in ok]),

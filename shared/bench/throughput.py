@@ -40,6 +40,7 @@ from shared.bench.workload import (
     build_workload,
     summarize,
 )
+from shared.log import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -344,9 +345,7 @@ def write_results(result: dict, output: str, plot: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                            stream=sys.stderr)
+    configure_logging()
     return run(args)
 
 

@@ -23,7 +23,6 @@ beside it (`prefill_compute_slowdown`): on one machine the receiving node shares
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import platform
 import random
@@ -31,8 +30,9 @@ import statistics
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
+from shared.bench.report import emit
+from shared.log import configure_logging
 from shared.node.convert import sampling_to_proto
 from shared.node.launch import NodeProcess
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
@@ -182,11 +182,7 @@ def run(args: argparse.Namespace) -> int:
                 "figure to compare with the target",
         "results": results,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    emit(report, args.output)
     return 0
 
 
@@ -201,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvrelay bench ttft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    configure_logging()
     return run(p.parse_args(argv))
 
 

@@ -12,7 +12,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from shared.block_pool import BlockEvent
 
@@ -27,8 +27,25 @@ class IndexUnavailable(RuntimeError):
     """The index store cannot be reached (Redis down, timeout). Callers route without cache hints."""
 
 
+_R = TypeVar("_R", bound="_JsonRecord")
+
+
+class _JsonRecord:
+    """Compact JSON for the registry's dataclass records."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls: type[_R], data: str | bytes) -> _R:
+        raw = json.loads(data)
+        # Fields added later by newer nodes must not break older readers.
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
 @dataclass(frozen=True)
-class NodeRegistration:
+class NodeRegistration(_JsonRecord):
     node_id: str
     role: Role
     grpc_address: str
@@ -47,19 +64,9 @@ class NodeRegistration:
         if not self.node_id:
             raise ValueError("node_id: must not be empty")
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, data: str | bytes) -> NodeRegistration:
-        raw = json.loads(data)
-        # Fields added later by newer nodes must not break older readers.
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
-
 
 @dataclass(frozen=True)
-class NodeLoad:
+class NodeLoad(_JsonRecord):
     num_waiting: int = 0
     num_running: int = 0
     queued_prefill_tokens: int = 0
@@ -67,15 +74,6 @@ class NodeLoad:
     total_kv_blocks: int = 0
     kv_cache_usage: float = 0.0
     ts: float = field(default=0.0)  # wall-clock time.time() of the measurement
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, data: str | bytes) -> NodeLoad:
-        raw = json.loads(data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
 
 
 LiveNode = tuple[NodeRegistration, "NodeLoad | None"]

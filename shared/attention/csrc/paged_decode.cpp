@@ -23,23 +23,18 @@ inline const float* row_f32(const at::BFloat16* src, float* buf, int64_t d) {
   return buf;
 }
 
-// Ask for a block's rows of one kv head ahead of use: blocks are scattered, so the hardware prefetcher
-// loses the stream at every block boundary and a single walker would wait on DRAM latency there.
-template <typename T>
-inline void prefetch_rows(const T* first_row, int64_t rows, int64_t token_stride, int64_t d) {
-  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
-  for (int64_t t = 0; t < rows; ++t) {
-    const char* p = reinterpret_cast<const char*>(first_row + t * token_stride);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 0);
-  }
+// Ask for bytes ahead of use: blocks are scattered, so the hardware prefetcher loses the stream at every
+// block boundary and a single walker would wait on DRAM latency there.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 0);
 }
 
 constexpr int64_t kAhead = 4;  // blocks prefetched ahead of the one in use
 
-// Scores (pass 1) and the weighted sum of values (pass 2) for kv heads [h0, h0 + nh) of one request, walking
-// the block table block by block; the next block is prefetched while the current one is used. With all kv
-// heads in one item a block's rows are read as one contiguous run. q and out point at head h0 * group.
-// D > 0 fixes the head size at compile time (fully unrolled, vectorised row loops); D == 0 reads `d`.
+// Scores (pass 1 over K) and the weighted sum of values (pass 2 over V) for kv heads [h0, h0 + nh) of one
+// request. With all kv heads in one item a block's rows are read as one contiguous run. q and out point at
+// head h0 * group. D > 0 fixes the head size at compile time (fully unrolled, vectorised row loops).
 template <typename T, int D>
 void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t seq_len,
                   int64_t first, int64_t bs, int64_t kvh, int64_t h0, int64_t nh, int64_t group, int64_t d_arg,
@@ -52,30 +47,31 @@ void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int3
   const int64_t token_stride = kvh * d;
   const int64_t block_stride = bs * token_stride;
   const int64_t b_first = first / bs, b_last = (seq_len - 1) / bs;
-  auto block_at = [&](const T* cache, int64_t b) { return cache + int64_t(table[b]) * block_stride + h0 * d; };
-  auto prefetch = [&](const T* cache, int64_t b) {
-    // one run of nh * d values per token (the whole token row when nh == kvh)
-    const T* p = block_at(cache, b);
-    for (int64_t t = 0; t < bs; ++t) prefetch_rows(p + t * token_stride, 1, 0, nh * d);
-  };
-  for (int64_t b = b_first; b <= std::min(b_last, b_first + kAhead - 1); ++b) prefetch(k_cache, b);
-  for (int64_t b = b_first; b <= b_last; ++b) {
-    if (b + kAhead <= b_last) prefetch(k_cache, b + kAhead);
-    const T* blk = block_at(k_cache, b);
-    const int64_t t0 = std::max(first, b * bs), t1 = std::min(seq_len, (b + 1) * bs);
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t hh = 0; hh < nh; ++hh) {
-        const float* k = row_f32(blk + (t - b * bs) * token_stride + hh * d, buf.data(), d);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q + (hh * group + g) * d;
-          float acc = 0.f;
-          for (int64_t i = 0; i < d; ++i) acc += qg[i] * k[i];
-          scores[(hh * group + g) * n + (t - first)] = acc * scale;
-        }
-      }
+  // fn(j, hh, row) for every context token j (0-based from `first`) and kv head hh, block by block, with the
+  // blocks kAhead further on prefetched (one run of nh * d values per token).
+  auto walk = [&](const T* cache, auto&& fn) {
+    auto block_at = [&](int64_t b) { return cache + int64_t(table[b]) * block_stride + h0 * d; };
+    auto fetch = [&](int64_t b) {
+      for (int64_t t = 0; t < bs; ++t) prefetch(block_at(b) + t * token_stride, nh * d * int64_t(sizeof(T)));
+    };
+    for (int64_t b = b_first; b <= std::min(b_last, b_first + kAhead - 1); ++b) fetch(b);
+    for (int64_t b = b_first; b <= b_last; ++b) {
+      if (b + kAhead <= b_last) fetch(b + kAhead);
+      const T* blk = block_at(b);
+      const int64_t t0 = std::max(first, b * bs), t1 = std::min(seq_len, (b + 1) * bs);
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t hh = 0; hh < nh; ++hh)
+          fn(t - first, hh, row_f32(blk + (t - b * bs) * token_stride + hh * d, buf.data(), d));
     }
-  }
-  for (int64_t b = b_first; b <= std::min(b_last, b_first + kAhead - 1); ++b) prefetch(v_cache, b);
+  };
+  walk(k_cache, [&](int64_t j, int64_t hh, const float* k) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + (hh * group + g) * d;
+      float acc = 0.f;
+      for (int64_t i = 0; i < d; ++i) acc += qg[i] * k[i];
+      scores[(hh * group + g) * n + j] = acc * scale;
+    }
+  });
   for (int64_t row = 0; row < rows_q; ++row) {
     float* s = scores.data() + row * n;
     const float m = *std::max_element(s, s + n);
@@ -88,21 +84,13 @@ void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int3
     for (int64_t j = 0; j < n; ++j) s[j] *= inv;
   }
   std::fill(out, out + rows_q * d, 0.f);
-  for (int64_t b = b_first; b <= b_last; ++b) {
-    if (b + kAhead <= b_last) prefetch(v_cache, b + kAhead);
-    const T* blk = block_at(v_cache, b);
-    const int64_t t0 = std::max(first, b * bs), t1 = std::min(seq_len, (b + 1) * bs);
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t hh = 0; hh < nh; ++hh) {
-        const float* v = row_f32(blk + (t - b * bs) * token_stride + hh * d, buf.data(), d);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[(hh * group + g) * n + (t - first)];
-          float* o = out + (hh * group + g) * d;
-          for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
-        }
-      }
+  walk(v_cache, [&](int64_t j, int64_t hh, const float* v) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[(hh * group + g) * n + j];
+      float* o = out + (hh * group + g) * d;
+      for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
     }
-  }
+  });
 }
 
 template <typename T, int D>
