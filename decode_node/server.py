@@ -10,22 +10,20 @@ Reservation lifecycle (the transfer id is the request id):
    layers for it, and the blocks are freed. Whoever claims an id closes its transfer: the connector allows
    one waiter per transfer.
 
-    python -m decode_node.server --model default --port 50062 --connector ucx
+    kvrelay decode --model default --port 50062 --connector ucx
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from contextlib import aclosing
 
 import grpc
 
-from kv_transfer.base import TransferError
-from shared.kv_cache_manager import cdiv
-from shared.node import convert
+from kv_transfer.types import TransferError
+from shared import wire
 from shared.node.server import (
     NodeServer,
     RpcFailure,
@@ -44,10 +42,10 @@ _LEASE_MARGIN_S = 0.1
 class DecodeServer(NodeServer):
     role = "decode"
 
-    def attach(self) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         self._expected: dict[str, float] = {}  # request id -> lease deadline (monotonic)
         self._lock = threading.Lock()
-        self.engine.on_expired = self._on_expired
+        super().__init__(*args, **kwargs)
 
     # -- reservations ---------------------------------------------------------------------------------
     @unary_rpc
@@ -65,18 +63,18 @@ class DecodeServer(NodeServer):
         res = await self.engine.reserve(rid, prompt, params, lease_s, request.cache_salt, on_reserved=expect)
         if res is None:
             load = self.engine.load()
-            need = cdiv(len(prompt), self.connector.layout.block_size)
+            need = self.connector.layout.blocks_for(len(prompt))
             raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"no room to reserve {rid!r}: the prompt needs up to {need} KV blocks, "
                              f"{load.free_kv_blocks} of {load.total_kv_blocks} are free")
         logger.debug("reserved %s: %d cached tokens, %d blocks to fill, lease %.1fs",
                      rid, res.num_cached_tokens, len(res.dst_block_ids), lease_s)
         expires_ms = int((time.time() + (res.deadline - time.monotonic())) * 1000)
-        return pb.ReserveResponse(
+        return wire.reserve_result_to_proto(wire.ReserveResult(
             request_id=rid, node_id=self.settings.node_id, kv_address=self.connector.address,
-            num_cached_tokens=res.num_cached_tokens, dst_block_ids=list(res.dst_block_ids),
-            layout=convert.layout_to_proto(self.connector.layout), lease_expires_unix_ms=expires_ms,
-        )
+            num_cached_tokens=res.num_cached_tokens, dst_block_ids=res.dst_block_ids,
+            layout=self.connector.layout, lease_expires_unix_ms=expires_ms,
+        ))
 
     def _claim(self, rid: str) -> float | None:
         """Take the reservation's transfer (its lease deadline), or None when someone else has."""
@@ -94,8 +92,8 @@ class DecodeServer(NodeServer):
         except TransferError:
             self.metrics.observe_transfer_failure("recv")
 
-    def _on_expired(self, ids: list[str]) -> None:  # engine thread
-        for rid in ids:
+    def leases_expired(self, request_ids: list[str]) -> None:  # engine thread
+        for rid in request_ids:
             self._forget_transfer(rid)
 
     def before_abort(self, request_id: str) -> None:
@@ -116,7 +114,7 @@ class DecodeServer(NodeServer):
                                  f"[0, {self.core.vocab_size})")
             waited = True  # the wait below closes the transfer whatever its outcome
             await self._wait_kv(rid, deadline)
-            logprobs = (convert.logprobs_from_proto(handoff.first_logprobs)
+            logprobs = (wire.logprobs_from_proto(handoff.first_logprobs)
                         if handoff.HasField("first_logprobs") else None)
             try:
                 async with aclosing(self.engine.admit_reserved(rid, handoff.first_token_id, logprobs, arrival)) as s:
@@ -142,12 +140,3 @@ class DecodeServer(NodeServer):
             raise transfer_failure(e, f"the KV of {rid!r} did not arrive") from None
         self.metrics.observe_transfer("recv", result.nbytes, result.seconds)
 
-
-def main(argv: list[str] | None = None) -> int:
-    from shared.node_cli import main_for_role
-
-    return main_for_role("decode", argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 from gateway.dispatch import Dispatcher
 from gateway.errors import BadRequest, ShuttingDown
-from gateway.node_client import EngineRequest, TokenChunk
+from gateway.node_client import EngineRequest
 from gateway.outputs import ChoiceOutput, Delta, OutputOptions, TokenTexts
 from gateway.router import Router
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import Tokenizer
+from shared.wire import TokenChunk
 
 logger = logging.getLogger(__name__)
 

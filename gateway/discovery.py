@@ -14,7 +14,9 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from gateway.node_client import Load, NodeClients, NodeInfo, NodeRpcError
+from gateway.node_client import NodeClients, NodeRpcError
+from shared.records import NodeLoad
+from shared.wire import NodeInfo
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ class Node:
     kv_address: str = ""
     max_model_len: int = 0
     vocab_size: int = 0
-    load: Load | None = None
+    load: NodeLoad | None = None
     healthy: bool = True
     draining: bool = False
     refused: str | None = None  # why this node may never be routed to (model or block size mismatch)
@@ -191,7 +193,7 @@ class Discovery:
             block_size=int(reg.block_size), source="registry", kv_address=getattr(reg, "kv_address", ""),
             max_model_len=int(getattr(reg, "max_model_len", 0) or (info.max_model_len if info else 0)),
             vocab_size=int(getattr(reg, "vocab_size", 0) or (info.vocab_size if info else 0)),
-            load=Load.of(load), draining=bool(getattr(reg, "draining", False)),
+            load=load, draining=bool(getattr(reg, "draining", False)),
         )
         return self._vet(node)
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 
 from gateway.discovery import Discovery, Node
 from gateway.errors import BadRequest, NoCapacity, NodeFailure
-from gateway.node_client import EngineRequest, NodeClients, NodeRpcError, PrefillResult, Reservation, TokenChunk
+from gateway.node_client import EngineRequest, NodeClients, NodeRpcError
 from gateway.router import RouteDecision, Router
+from shared.wire import PrefillResult, ReserveResult, TokenChunk
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class Dispatcher:
                 async for chunk in stream:
                     yield chunk
 
-    async def _reserve(self, nodes: list[Node], req: EngineRequest, holders: _Holders) -> tuple[Node, Reservation]:
+    async def _reserve(self, nodes: list[Node], req: EngineRequest, holders: _Holders) -> tuple[Node, ReserveResult]:
         refused = 0
         for node in nodes:
             holders.add(node, req.request_id)
@@ -129,7 +130,7 @@ class Dispatcher:
             raise NoCapacity(f"every decode node refused the reservation ({refused} full); retry later")
         raise NoCapacity("no decode node could be reached; retry later")
 
-    async def _prefill(self, node: Node, req: EngineRequest, reservation: Reservation,
+    async def _prefill(self, node: Node, req: EngineRequest, reservation: ReserveResult,
                        holders: _Holders) -> PrefillResult | None:
         uncached = len(req.prompt_token_ids) - reservation.num_cached_tokens
         holders.add(node, req.request_id)

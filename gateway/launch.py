@@ -8,7 +8,6 @@ gateway's GIL): picks a free port, waits until /health lists the expected nodes,
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,11 +16,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from shared.system import free_port
 
 
 class GatewayProcess:

@@ -1,4 +1,5 @@
-"""grpc.aio clients of the engine service. Protobuf stays in this module: callers see dataclasses.
+"""grpc.aio clients of the engine service. Protobuf stays in this module (and shared.wire, which converts):
+callers see the wire records.
 
 One channel per node address, reused by every request (HTTP/2 multiplexes the streams). Every unary call
 has a deadline; the token stream has none (a generation may run long) but is cancelled with its request.
@@ -12,9 +13,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from shared import wire
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
+from shared.records import NodeLoad
 from shared.sampling_params import SamplingParams
+from shared.wire import Health, NodeInfo, PrefillResult, ReserveResult, TokenChunk
 
 logger = logging.getLogger(__name__)
 
@@ -37,98 +41,6 @@ class Timeouts:
     abort_s: float = 2.0
 
 
-@dataclass(frozen=True)
-class KVLayoutInfo:
-    model_id: str = ""
-    dtype: str = ""
-    block_size: int = 0
-    num_layers: int = 0
-    num_kv_heads: int = 0
-    head_size: int = 0
-    num_blocks: int = 0
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    node_id: str
-    role: str
-    model_id: str
-    block_size: int
-    max_model_len: int = 0
-    vocab_size: int = 0
-    capacity_tokens: int = 0
-    connector: str = ""
-    kv_address: str = ""
-    grpc_address: str = ""
-    dtype: str = ""
-    layout: KVLayoutInfo | None = None
-
-
-@dataclass(frozen=True)
-class Load:
-    num_waiting: int = 0
-    num_running: int = 0
-    queued_prefill_tokens: int = 0
-    free_kv_blocks: int = 0
-    total_kv_blocks: int = 0
-    kv_cache_usage: float = 0.0
-
-    @classmethod
-    def of(cls, obj) -> Load | None:
-        """From a protobuf Load or the registry's NodeLoad (same field names)."""
-        if obj is None:
-            return None
-        return cls(**{f: getattr(obj, f, 0) for f in cls.__dataclass_fields__})
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    rank: int = 0
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class Reservation:
-    request_id: str
-    node_id: str
-    kv_address: str
-    num_cached_tokens: int
-    dst_block_ids: tuple[int, ...]
-    layout: KVLayoutInfo | None
-    lease_expires_unix_ms: int = 0
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token_id: int
-    first_logprobs: TokenLogprob | None
-    num_cached_tokens: int
-    bytes_transferred: int = 0
-    transfer_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    finish_reason: str = ""
-
-
-@dataclass(frozen=True)
-class TokenChunk:
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] = ()
-    finish_reason: str = ""
-    stop_reason: int | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Health:
-    healthy: bool
-    draining: bool = False
-    message: str = ""
-
-
 @dataclass
 class EngineRequest:
     """What every engine RPC of one sequence carries."""
@@ -141,7 +53,7 @@ class EngineRequest:
 
     def proto_params(self) -> pb.SamplingParams:
         if self._proto_params is None:
-            self._proto_params = params_to_proto(self.params)
+            self._proto_params = wire.sampling_to_proto(self.params)
         return self._proto_params
 
 
@@ -159,67 +71,6 @@ class NodeRpcError(Exception):
     @property
     def bad_input(self) -> bool:
         return self.code in _BAD_INPUT
-
-
-# --------------------------------------------------------------------------------------- conversion
-
-
-def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(
-        n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
-        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, priority=p.priority,
-    )
-    if p.seed is not None:
-        msg.seed = p.seed
-    if p.max_tokens is not None:
-        msg.max_tokens = p.max_tokens
-    if p.logprobs is not None:
-        msg.logprobs = p.logprobs
-    return msg
-
-
-def _layout(msg: pb.KVLayout) -> KVLayoutInfo:
-    return KVLayoutInfo(msg.model_id, msg.dtype, msg.block_size, msg.num_layers, msg.num_kv_heads,
-                        msg.head_size, msg.num_blocks)
-
-
-def _layout_proto(layout: KVLayoutInfo | None) -> pb.KVLayout | None:
-    if layout is None:
-        return None
-    return pb.KVLayout(model_id=layout.model_id, dtype=layout.dtype, block_size=layout.block_size,
-                       num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                       head_size=layout.head_size, num_blocks=layout.num_blocks)
-
-
-def _logprob(msg: pb.TokenLogprobs) -> TokenLogprob:
-    return TokenLogprob(msg.token_id, msg.logprob, msg.rank, tuple((t.token_id, t.logprob) for t in msg.top))
-
-
-def _logprob_proto(lp: TokenLogprob | None) -> pb.TokenLogprobs | None:
-    if lp is None:
-        return None
-    top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
-    return pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=top)
-
-
-def node_info(msg: pb.NodeInfo) -> NodeInfo:
-    return NodeInfo(
-        node_id=msg.node_id, role=msg.role, model_id=msg.model_id, block_size=msg.block_size,
-        max_model_len=msg.max_model_len, vocab_size=msg.vocab_size, capacity_tokens=msg.capacity_tokens,
-        connector=msg.connector, kv_address=msg.kv_address, grpc_address=msg.grpc_address, dtype=msg.dtype,
-        layout=_layout(msg.layout) if msg.HasField("layout") else None,
-    )
-
-
-def token_chunk(msg: pb.TokenChunk) -> TokenChunk:
-    return TokenChunk(
-        token_ids=tuple(msg.token_ids), logprobs=tuple(_logprob(lp) for lp in msg.logprobs),
-        finish_reason=msg.finish_reason, stop_reason=msg.stop_reason if msg.HasField("stop_reason") else None,
-        num_prompt_tokens=msg.num_prompt_tokens, num_output_tokens=msg.num_output_tokens,
-        num_cached_tokens=msg.num_cached_tokens,
-    )
 
 
 # ------------------------------------------------------------------------------------------- client
@@ -244,53 +95,42 @@ class NodeClient:
             raise NodeRpcError(self.address, method, e.code(), e.details() or "") from None
 
     async def info(self, timeout: float | None = None) -> NodeInfo:
-        return node_info(await self._unary("GetNodeInfo", pb.NodeInfoRequest(), timeout or self.timeouts.info_s))
+        msg = await self._unary("GetNodeInfo", pb.NodeInfoRequest(), timeout or self.timeouts.info_s)
+        return wire.node_info_from_proto(msg)
 
     async def health(self, timeout: float | None = None) -> Health:
         msg = await self._unary("Health", pb.HealthRequest(), timeout or self.timeouts.info_s)
         return Health(msg.healthy, msg.draining, msg.message)
 
-    async def load(self, timeout: float | None = None) -> Load:
-        return Load.of(await self._unary("GetLoad", pb.LoadRequest(), timeout or self.timeouts.info_s))
+    async def load(self, timeout: float | None = None) -> NodeLoad:
+        return wire.load_from_proto(await self._unary("GetLoad", pb.LoadRequest(), timeout or self.timeouts.info_s))
 
-    async def reserve(self, req: EngineRequest, lease_ms: int = 0) -> Reservation:
+    async def reserve(self, req: EngineRequest, lease_ms: int = 0) -> ReserveResult:
         msg = await self._unary("Reserve", pb.ReserveRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, params=req.proto_params(),
             cache_salt=req.cache_salt, lease_ms=lease_ms,
         ), self.timeouts.reserve_s)
-        return Reservation(
-            request_id=msg.request_id, node_id=msg.node_id, kv_address=msg.kv_address,
-            num_cached_tokens=msg.num_cached_tokens, dst_block_ids=tuple(msg.dst_block_ids),
-            layout=_layout(msg.layout) if msg.HasField("layout") else None,
-            lease_expires_unix_ms=msg.lease_expires_unix_ms,
-        )
+        return wire.reserve_result_from_proto(msg)
 
-    async def prefill(self, req: EngineRequest, reservation: Reservation) -> PrefillResult:
+    async def prefill(self, req: EngineRequest, reservation: ReserveResult) -> PrefillResult:
         msg = await self._unary("Prefill", pb.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, params=req.proto_params(),
             cache_salt=req.cache_salt, decode_kv_address=reservation.kv_address,
             decode_cached_tokens=reservation.num_cached_tokens, dst_block_ids=reservation.dst_block_ids,
-            decode_layout=_layout_proto(reservation.layout),
+            decode_layout=wire.layout_to_proto(reservation.layout),
         ), self.timeouts.prefill_s)
-        return PrefillResult(
-            first_token_id=msg.first_token_id,
-            first_logprobs=_logprob(msg.first_logprobs) if msg.HasField("first_logprobs") else None,
-            num_cached_tokens=msg.num_cached_tokens, bytes_transferred=msg.bytes_transferred,
-            transfer_seconds=msg.transfer_seconds, prefill_seconds=msg.prefill_seconds,
-            finish_reason=msg.finish_reason,
-        )
+        return wire.prefill_result_from_proto(msg)
 
     async def generate(self, req: EngineRequest, handoff: PrefillResult | None = None) -> AsyncIterator[TokenChunk]:
         """Stream the sequence's tokens; leaving the loop early cancels the call on the node."""
         msg = pb.GenerateRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                  params=req.proto_params(), cache_salt=req.cache_salt)
         if handoff is not None:
-            msg.handoff.CopyFrom(pb.Handoff(first_token_id=handoff.first_token_id,
-                                            first_logprobs=_logprob_proto(handoff.first_logprobs)))
+            msg.handoff.CopyFrom(wire.handoff_to_proto(handoff))
         call = self._stub.Generate(msg)
         try:
             async for chunk in call:
-                yield token_chunk(chunk)
+                yield wire.chunk_from_proto(chunk)
         except grpc.aio.AioRpcError as e:
             raise NodeRpcError(self.address, "Generate", e.code(), e.details() or "") from None
         finally:

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from gateway.node_client import TokenChunk, TokenLogprob
+from shared.records import TokenLogprobs
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.wire import TokenChunk
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class ChoiceOutput:
         out, self._sent = self.text[self._sent : limit], limit
         return out
 
-    def _entry(self, lp: TokenLogprob) -> LogprobEntry:
+    def _entry(self, lp: TokenLogprobs) -> LogprobEntry:
         k = self.options.logprobs or 0
         top = tuple((t, self._texts.get(t), v) for t, v in lp.top[:k])
         return LogprobEntry(lp.token_id, self._texts.get(lp.token_id), lp.logprob, top)

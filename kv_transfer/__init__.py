@@ -1,7 +1,7 @@
 """KV transfer connectors: move a request's KV blocks from a prefill node's cache into a decode node's cache.
 
     connector = create_connector("ucx", ConnectorConfig(name="ucx", transport="tcp"))
-    connector.register_kv_caches(KVLayout.for_caches(model_id, kv_caches), kv_caches)
+    connector.register_kv_caches(KVLayout.for_caches(model_id, kv_caches), kv_caches)   # shared.records.KVLayout
 
 Implementations are imported on demand, so that choosing "local" never loads UCX or starts a store.
 """
@@ -10,15 +10,8 @@ from __future__ import annotations
 
 import importlib
 
-from kv_transfer.base import (
-    ConnectorConfig,
-    ConnectorMetrics,
-    KVConnector,
-    KVLayout,
-    LayoutMismatchError,
-    TransferError,
-    TransferResult,
-)
+from kv_transfer.base import KVConnector
+from kv_transfer.types import ConnectorConfig, ConnectorMetrics, LayoutMismatchError, TransferError, TransferResult
 
 CONNECTORS: dict[str, str] = {
     "ucx": "kv_transfer.ucx:UcxConnector",
@@ -40,7 +33,6 @@ __all__ = [
     "ConnectorConfig",
     "ConnectorMetrics",
     "KVConnector",
-    "KVLayout",
     "LayoutMismatchError",
     "TransferError",
     "TransferResult",

@@ -8,7 +8,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kv_transfer.base import ConnectorMetrics, TransferError, TransferResult
+from kv_transfer.types import ConnectorMetrics, TransferError, TransferResult
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ class _Transfer:
     done: set[int] = field(default_factory=set)
     nbytes: int = 0
     started: float | None = None
+    all_enqueued: float | None = None  # sender: when the last layer was handed over
     finished: float | None = None
     error: TransferError | None = None
 
@@ -60,8 +61,11 @@ class TransferBook:
             if layer in t.enqueued:
                 raise ValueError(f"transfer {transfer_id!r}: layer {layer} was already sent")
             t.enqueued.add(layer)
+            now = time.perf_counter()
             if t.started is None:
-                t.started = time.perf_counter()
+                t.started = now
+            if len(t.enqueued) == t.num_layers:
+                t.all_enqueued = now
             return t.error is None
 
     # -- progress --------------------------------------------------------------------------------------
@@ -176,4 +180,5 @@ class TransferBook:
             self._metrics.add(bytes_sent=t.nbytes, transfers_sent=1, send_seconds=seconds)
         else:
             self._metrics.add(bytes_received=t.nbytes, transfers_received=1, recv_seconds=seconds)
-        return TransferResult(t.transfer_id, t.nbytes, seconds, t.num_layers)
+        tail = t.finished - t.all_enqueued if t.all_enqueued is not None and t.finished is not None else 0.0
+        return TransferResult(t.transfer_id, t.nbytes, seconds, t.num_layers, last_layer_seconds=tail)

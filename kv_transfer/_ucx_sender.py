@@ -12,7 +12,8 @@ import torch
 
 from kv_transfer import _blocks
 from kv_transfer._ucx_runtime import parse_peer, recv_msg, send_msg, tag, ucxx
-from kv_transfer.base import KVLayout, LayoutMismatchError, TransferError
+from kv_transfer.types import LayoutMismatchError, TransferError, layout_mismatch
+from shared.records import KVLayout
 
 if TYPE_CHECKING:
     from kv_transfer.ucx import UcxConnector
@@ -84,7 +85,7 @@ class SenderPeer:
         reply = await self._hello(layout, transfer_id)
         if not reply["ok"]:
             theirs = reply.get("layout")
-            refusal = layout.mismatch(KVLayout.from_dict(theirs), "sender", "receiver") if theirs else None
+            refusal = layout_mismatch(layout, KVLayout.from_dict(theirs), "sender", "receiver") if theirs else None
             if refusal is not None:
                 raise LayoutMismatchError(f"refused by receiver {self.peer}: {refusal}", refusal.mismatches)
             raise TransferError(f"refused by receiver {self.peer}: {reply['error']}")

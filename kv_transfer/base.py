@@ -9,144 +9,13 @@ admitted. Before the first transfer between two connectors they exchange `KVLayo
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from shared.attention.base import kv_cache_shape
-
-
-class TransferError(RuntimeError):
-    """A transfer failed, timed out, or its peer could not be reached."""
-
-
-class LayoutMismatchError(TransferError):
-    """The two sides of a transfer disagree on the KV cache layout."""
-
-    def __init__(self, message: str, mismatches: dict[str, tuple[object, object]] | None = None):
-        super().__init__(message)
-        self.mismatches = mismatches or {}
-
-    def __reduce__(self) -> tuple:  # keep the mismatches when the error crosses a process boundary
-        return (type(self), (str(self), self.mismatches))
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    model_id: str
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-    num_blocks: int  # allowed to differ between peers: only block ids cross the wire
-
-    @classmethod
-    def for_caches(cls, model_id: str, kv_caches: list[torch.Tensor]) -> KVLayout:
-        _, num_blocks, block_size, num_kv_heads, head_size = kv_caches[0].shape
-        dtype = str(kv_caches[0].dtype).removeprefix("torch.")
-        return cls(model_id, dtype, block_size, len(kv_caches), num_kv_heads, head_size, num_blocks)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def block_nbytes(self) -> int:
-        """Bytes of one block of keys (or of values) in one layer."""
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.block_size * self.num_kv_heads * self.head_size * itemsize
-
-    def transfer_nbytes(self, num_blocks: int, num_layers: int | None = None) -> int:
-        layers = self.num_layers if num_layers is None else num_layers
-        return 2 * num_blocks * layers * self.block_nbytes
-
-    def cache_shape(self) -> tuple[int, ...]:
-        return kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> KVLayout:
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
-
-    def check_compatible(self, other: KVLayout, self_name: str = "local", other_name: str = "peer") -> None:
-        """Raise LayoutMismatchError naming both sides' values of every differing field."""
-        error = self.mismatch(other, self_name, other_name)
-        if error is not None:
-            raise error
-
-    def mismatch(self, other: KVLayout, self_name: str, other_name: str) -> LayoutMismatchError | None:
-        mismatches = {
-            f.name: (getattr(self, f.name), getattr(other, f.name))
-            for f in fields(self)
-            if f.name != "num_blocks" and getattr(self, f.name) != getattr(other, f.name)
-        }
-        if not mismatches:
-            return None
-        detail = "; ".join(f"{k}: {self_name}={a!r} {other_name}={b!r}" for k, (a, b) in mismatches.items())
-        return LayoutMismatchError(f"KV layout mismatch ({detail})", mismatches)
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    transfer_id: str
-    nbytes: int  # KV payload only (headers and acks excluded)
-    seconds: float  # sender: first enqueue to last ack; receiver: first layer arrival to last layer in place
-    num_layers: int
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
-
-@dataclass
-class ConnectorMetrics:
-    """Plain counters; the node exports them (e.g. as kvrelay:* Prometheus metrics)."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    transfers_sent: int = 0
-    transfers_received: int = 0
-    send_seconds: float = 0.0
-    recv_seconds: float = 0.0
-    failures: int = 0  # transfers that ended in an error or timeout, as seen by wait()/wait_received()
-    refused_handshakes: int = 0  # peers refused (layout mismatch) or unreachable at connection time
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: float) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def snapshot(self) -> dict[str, float]:
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
-
-
-@dataclass
-class ConnectorConfig:
-    name: str = "local"  # "ucx" | "nccl" | "local"
-    host: str = "127.0.0.1"  # interface the receiver listens on and advertises
-    port: int = 0  # 0: pick a free port
-    # ucx: "tcp", "shm" (shared memory; UCX still needs tcp for the connection handshake) or "auto"
-    # (UCX picks, including CUDA transports). ucx_tls overrides with a raw UCX_TLS value.
-    transport: str = "tcp"
-    ucx_tls: str | None = None
-    # ucx data endpoints: None = on for tcp/auto, off for shm (UCX drops shm lanes when error handling is on).
-    error_handling: bool | None = None
-    backend: str | None = None  # nccl connector: "nccl" | "gloo"; None = nccl for CUDA caches, else gloo
-    connect_timeout: float = 5.0
-    transfer_timeout: float = 30.0  # default for wait()/wait_received() and for each wire operation
-    max_inflight_layers: int = 4  # sender: layers on the wire at once (bounds staging memory)
-    max_direct_runs: int = 2  # send block runs zero-copy when a layer has at most this many, else gather
-    max_message_bytes: int = 1 << 20  # split a layer's data into wire messages of at most this size
-
-    def max_message_blocks(self, layout: KVLayout) -> int:
-        return max(1, self.max_message_bytes // layout.block_nbytes)
+from kv_transfer._book import TransferBook
+from kv_transfer.types import ConnectorConfig, ConnectorMetrics, TransferResult, torch_dtype
+from shared.records import KVLayout
 
 
 class KVConnector(ABC):
@@ -155,8 +24,6 @@ class KVConnector(ABC):
     name: str = "base"
 
     def __init__(self, config: ConnectorConfig):
-        from kv_transfer._book import TransferBook  # the book needs the error types defined above
-
         self.config = config
         self.metrics = ConnectorMetrics()
         self._layout: KVLayout | None = None
@@ -244,10 +111,10 @@ def _validate_caches(layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
     if len(kv_caches) != layout.num_layers:
         raise ValueError(f"layout has {layout.num_layers} layers but {len(kv_caches)} caches were given")
     for i, cache in enumerate(kv_caches):
-        if tuple(cache.shape) != layout.cache_shape() or cache.dtype != layout.torch_dtype:
+        if tuple(cache.shape) != layout.cache_shape() or cache.dtype != torch_dtype(layout):
             raise ValueError(
                 f"layer {i} cache is {tuple(cache.shape)} {cache.dtype}, "
-                f"layout says {layout.cache_shape()} {layout.torch_dtype}"
+                f"layout says {layout.cache_shape()} {torch_dtype(layout)}"
             )
         # Contiguity is what lets a run of blocks be sent or received in place without staging.
         if not cache.is_contiguous():

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-from kv_transfer.base import ConnectorConfig, KVConnector, KVLayout
+from kv_transfer.base import KVConnector
+from kv_transfer.types import ConnectorConfig, torch_dtype
+from shared.records import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -22,11 +24,11 @@ logger = logging.getLogger(__name__)
 def make_caches(layout: KVLayout, seed: int | None, device: str = "cpu") -> list[torch.Tensor]:
     """Deterministic caches: random from seed (the same values in any process), or zeros when seed is None."""
     if seed is None:
-        shape, dtype = layout.cache_shape(), layout.torch_dtype
+        shape, dtype = layout.cache_shape(), torch_dtype(layout)
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
     gen = torch.Generator().manual_seed(seed)
     return [
-        torch.randn(layout.cache_shape(), generator=gen).to(layout.torch_dtype).to(device)
+        torch.randn(layout.cache_shape(), generator=gen).to(torch_dtype(layout)).to(device)
         for _ in range(layout.num_layers)
     ]
 

@@ -10,7 +10,8 @@ import threading
 import torch
 
 from kv_transfer import _blocks
-from kv_transfer.base import ConnectorConfig, KVConnector, LayoutMismatchError, TransferError
+from kv_transfer.base import KVConnector
+from kv_transfer.types import ConnectorConfig, LayoutMismatchError, TransferError, layout_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +70,10 @@ class LocalConnector(KVConnector):
             raise TransferError(f"local peer {peer} is unreachable (no such connector in this process)")
         if peer in self._handshaken:
             return target
-        refusal = self.layout.mismatch(target.layout, "sender", "receiver")
+        refusal = layout_mismatch(self.layout, target.layout, "sender", "receiver")
         if refusal is not None:
             # Both sides learn of it: the receiver fails the transfer that tried, as a wire connector would.
-            seen_by_receiver = target.layout.mismatch(self.layout, "receiver", "sender")
+            seen_by_receiver = layout_mismatch(target.layout, self.layout, "receiver", "sender")
             target._refuse(
                 f"refused sender {self._address}: {seen_by_receiver}", refusal.mismatches, transfer_id
             )

@@ -26,14 +26,9 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer import _blocks
-from kv_transfer.base import (
-    ConnectorConfig,
-    KVConnector,
-    KVLayout,
-    LayoutMismatchError,
-    TransferError,
-    TransferResult,
-)
+from kv_transfer.base import KVConnector
+from kv_transfer.types import ConnectorConfig, LayoutMismatchError, TransferError, TransferResult, layout_mismatch
+from shared.records import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +219,7 @@ class NcclConnector(KVConnector):
                 {"ok": False, "error": "receiver has no KV caches registered", "layout": None},
             )
             return None
-        refusal = self.layout.mismatch(KVLayout.from_dict(hello["layout"]), "receiver", "sender")
+        refusal = layout_mismatch(self.layout, KVLayout.from_dict(hello["layout"]), "receiver", "sender")
         if refusal is not None:
             logger.error("refused nccl sender (pair %d): %s", pair, refusal)
             self.metrics.add(refused_handshakes=1)
@@ -317,7 +312,7 @@ class _PairSender:
             ) from None
         if not reply["ok"]:
             theirs = reply["layout"]
-            refusal = layout.mismatch(KVLayout.from_dict(theirs), "sender", "receiver") if theirs else None
+            refusal = layout_mismatch(layout, KVLayout.from_dict(theirs), "sender", "receiver") if theirs else None
             mismatches = refusal.mismatches if refusal else {}
             raise LayoutMismatchError(
                 f"refused by receiver {self.peer}: {refusal or reply['error']}", mismatches

@@ -21,14 +21,9 @@ import random
 from kv_transfer import _blocks
 from kv_transfer._ucx_runtime import UcxRuntime, parse_peer, recv_msg, send_msg, tag, ucx_settings, ucxx
 from kv_transfer._ucx_sender import Job, SenderPeer
-from kv_transfer.base import (
-    ConnectorConfig,
-    KVConnector,
-    KVLayout,
-    LayoutMismatchError,
-    TransferError,
-    TransferResult,
-)
+from kv_transfer.base import KVConnector
+from kv_transfer.types import ConnectorConfig, LayoutMismatchError, TransferError, TransferResult, layout_mismatch
+from shared.records import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +155,7 @@ class UcxConnector(KVConnector):
         """Layout handshake; returns the new connection id, or 0 when the sender was refused."""
         hello = await asyncio.wait_for(recv_msg(ep), self.config.connect_timeout)
         sender_layout = KVLayout.from_dict(hello["layout"])
-        refusal = self.layout.mismatch(sender_layout, "receiver", "sender") if self._layout else None
+        refusal = layout_mismatch(self.layout, sender_layout, "receiver", "sender") if self._layout else None
         if self._layout is None or refusal is not None:
             reason = str(refusal) if refusal else "receiver has no KV caches registered yet"
             logger.error("refused ucx sender: %s", reason)

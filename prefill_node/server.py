@@ -10,22 +10,21 @@ Prefill lifecycle (the transfer id is the request id):
    FAILED_PRECONDITION (layout refused). A client that leaves mid-way gets its blocks released once the
    transfer is over, in the background.
 
-    python -m prefill_node.server --model default --port 50061 --connector ucx
+    kvrelay prefill --model default --port 50061 --connector ucx
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 
 import grpc
 
-from kv_transfer.base import KVConnector, TransferError
-from shared.async_engine import EngineDead
-from shared.kv_cache_manager import cdiv
-from shared.node import convert
+from kv_transfer.types import TransferError
+from shared import wire
+from shared.engine.async_engine import EngineDead
+from shared.engine.request import KVSendSpec
 from shared.node.server import (
     NodeServer,
     RpcFailure,
@@ -35,39 +34,16 @@ from shared.node.server import (
     unary_rpc,
 )
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.request import KVSendSpec
 from shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class LastLayerClock:
-    """Stands in for the connector the runner sends through and notes when each transfer's last layer was
-    enqueued: from then until the ack is what a transfer adds on top of compute."""
-
-    def __init__(self, connector: KVConnector) -> None:
-        self._connector = connector
-        self._last_layer = connector.layout.num_layers - 1
-        self._enqueued: dict[str, float] = {}
-
-    def send_blocks(self, peer: str, transfer_id: str, layer: int, src: list[int], dst: list[int]) -> None:
-        self._connector.send_blocks(peer, transfer_id, layer, src, dst)
-        if layer == self._last_layer:
-            self._enqueued[transfer_id] = time.perf_counter()
-
-    def pop(self, transfer_id: str) -> float | None:
-        return self._enqueued.pop(transfer_id, None)
-
-    def __getattr__(self, name: str):
-        return getattr(self._connector, name)
-
-
 class PrefillServer(NodeServer):
     role = "prefill"
 
-    def attach(self) -> None:
-        self.clock = LastLayerClock(self.connector)
-        self.core.runner.connector = self.clock
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self._background: set[asyncio.Task] = set()
         # Request ids whose transfer is not settled yet: the connector keys transfers by id, and a second
         # transfer under the same id would fail inside the engine step, taking other requests with it.
@@ -89,26 +65,25 @@ class PrefillServer(NodeServer):
         try:
             out = await self._compute(rid, prompt, params, spec, request.cache_salt, arrival)
             prefill_s = time.perf_counter() - t0
-            result, last_layer_s = await self._finish_transfer(rid, request.decode_kv_address)
+            transfer = await self._finish_transfer(rid, request.decode_kv_address)
         finally:
             if rid not in self._settling:  # else _settle lets the id go once the transfer is over
                 self._inflight.discard(rid)
         token = out.new_token_ids[0]
-        response = pb.PrefillResponse(
-            request_id=rid, first_token_id=token, num_cached_tokens=out.num_cached_tokens,
-            bytes_transferred=result.nbytes, transfer_seconds=result.seconds, prefill_seconds=prefill_s,
-            finish_reason=self._first_finish_reason(params, token, len(prompt)), last_layer_seconds=last_layer_s,
-        )
-        if out.logprobs is not None:
-            response.first_logprobs.CopyFrom(convert.logprobs_to_proto(out.logprobs))
-        return response
+        return wire.prefill_result_to_proto(rid, wire.PrefillResult(
+            first_token_id=token, first_logprobs=out.logprobs, num_cached_tokens=out.num_cached_tokens,
+            bytes_transferred=transfer.nbytes, transfer_seconds=transfer.seconds, prefill_seconds=prefill_s,
+            finish_reason=self._first_finish_reason(params, token, len(prompt)),
+            last_layer_seconds=transfer.last_layer_seconds,
+        ))
 
     def _send_spec(self, request: pb.PrefillRequest, num_prompt: int) -> KVSendSpec:
         layout = self.connector.layout
         if request.HasField("decode_layout"):
-            theirs = convert.layout_from_proto(request.decode_layout)
-            refusal = layout.mismatch(theirs, "prefill", "decode")
-            if refusal is not None:
+            theirs = wire.layout_from_proto(request.decode_layout)
+            mismatches = layout.mismatches(theirs)
+            if mismatches:
+                refusal = layout.describe(mismatches, "prefill", "decode")
                 raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"decode node's layout differs: {refusal}")
             if any(b >= theirs.num_blocks for b in request.dst_block_ids):
                 raise ValueError(f"dst_block_ids: beyond the decode node's {theirs.num_blocks} blocks")
@@ -120,7 +95,7 @@ class PrefillServer(NodeServer):
         if cached % bs or cached >= num_prompt:
             raise ValueError(f"decode_cached_tokens: {cached} must be a multiple of the block size {bs} and "
                              f"less than the prompt's {num_prompt} tokens")
-        need = cdiv(num_prompt, bs) - cached // bs
+        need = layout.blocks_for(num_prompt) - cached // bs
         if len(dst) != need:
             raise ValueError(f"dst_block_ids: {len(dst)} given; the prompt's blocks after the decode node's "
                              f"{cached} cached tokens are {need}")
@@ -147,17 +122,14 @@ class PrefillServer(NodeServer):
             self._settle_later(rid)
             raise
         except TransferError as e:
-            self.clock.pop(rid)
             self.metrics.observe_transfer_failure("send")
             await self.engine.release_held(rid)
             await self.engine.abort(rid)
             logger.warning("prefill %s: KV transfer to %s failed, blocks released: %s", rid, peer, e)
             raise transfer_failure(e, f"KV transfer of {rid!r} to decode node {peer} failed") from None
-        done = time.perf_counter()
         await self.engine.release_held(rid)
         self.metrics.observe_transfer("send", result.nbytes, result.seconds)
-        enqueued = self.clock.pop(rid)
-        return result, (done - enqueued if enqueued is not None else 0.0)
+        return result
 
     def _settle_later(self, rid: str) -> None:
         self._settling.add(rid)
@@ -178,7 +150,6 @@ class PrefillServer(NodeServer):
         except EngineDead:
             pass  # nothing to release any more
         finally:
-            self.clock.pop(rid)
             self._settling.discard(rid)
             self._inflight.discard(rid)
 
@@ -192,12 +163,3 @@ class PrefillServer(NodeServer):
             return "stop"
         return ""
 
-
-def main(argv: list[str] | None = None) -> int:
-    from shared.node_cli import main_for_role
-
-    return main_for_role("prefill", argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,6 +5,7 @@ Constructors across the engine take these objects instead of long argument lists
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -87,3 +88,19 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def engine_config_from_kwargs(model: str, dtype: str, **kwargs) -> EngineConfig:
+    """Map vLLM-style keyword arguments onto the config records; unknown names are an error."""
+    groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    values: dict[str, dict] = {"model": {"model": model, "dtype": dtype}, "cache": {}, "scheduler": {}}
+    for key, value in kwargs.items():
+        for group, cls in groups.items():
+            if key in {f.name for f in dataclasses.fields(cls)}:
+                values[group][key] = value
+                break
+        else:
+            raise TypeError(f"LLM: unknown argument {key!r}")
+    if "policy" in values["scheduler"]:
+        values["scheduler"]["policy"] = SchedulingPolicy(values["scheduler"]["policy"])
+    return EngineConfig(**{g: cls(**values[g]) for g, cls in groups.items()})

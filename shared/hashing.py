@@ -1,4 +1,4 @@
-"""KV-block hashing: the one function the gateway and every engine share (see DESIGN.md, "Block hash").
+"""KV-block hashing: the one function the gateway and every engine share (docs/architecture.md, "Block hash").
 
     h_0 = H(model_id, block_size, cache_salt)
     h_i = H(h_{i-1} || token ids of block i as little-endian int32 || extra keys)
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-BlockHash = bytes  # 16 bytes
+from shared.records import BlockHash
 
 _U32 = struct.Struct("<I")
 

@@ -36,7 +36,7 @@ def default_tokenizer(default_model_dir):
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real redis-server on a unix socket for the whole run (shared/redis_server.py)."""
-    from shared.redis_server import start_redis
+    from shared.index.redis_server import start_redis
 
     sock = tmp_path_factory.mktemp("redis") / "redis.sock"
     with start_redis(sock) as server:

@@ -21,7 +21,7 @@ from shared.bench.report import emit
 
 def _metadata(tables: torch.Tensor, lens: torch.Tensor, block_size: int):
     """A decode-only step: each request's new token is the last of its context."""
-    from shared.attention.base import AttentionMetadata
+    from shared.engine.attention.base import AttentionMetadata
 
     nd = len(lens)
     last = lens.long() - 1
@@ -43,8 +43,8 @@ def _time(fn, seconds: float) -> float:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from shared.attention import cpu_kernels
-    from shared.attention.torch_backend import TorchAttentionBackend
+    from shared.engine.attention import cpu_kernels
+    from shared.engine.attention.torch_backend import TorchAttentionBackend
 
     torch.manual_seed(0)
     bs, kvh, d, heads = args.block_size, args.kv_heads, args.head_size, args.heads
@@ -81,6 +81,9 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
+HELP = "native CPU decode kernel vs gather + SDPA, one layer"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decodes", type=int, default=64, help="requests decoding one token each")
     p.add_argument("--context", type=int, default=600, help="tokens of context per request")
@@ -101,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("decode-attention", help="native CPU decode kernel vs gather + SDPA, one layer",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=run)
+if __name__ == "__main__":
+    from shared.bench import standalone
+
+    raise SystemExit(standalone(__name__))

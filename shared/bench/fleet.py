@@ -30,8 +30,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.bench import parser as bench_parser
 from shared.bench import serve, serve_report
-from shared.launcher import free_port
+from shared.system import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class FleetProcess:
 
 
 def serve_namespace(serve_args: list[str], base_url: str, label: str, output: Path) -> argparse.Namespace:
-    args = serve.build_parser().parse_args([*serve_args, "--base-url", base_url, "--label", label,
+    args = bench_parser(serve.__name__).parse_args([*serve_args, "--base-url", base_url, "--label", label,
                                             "--output", str(output)])
     serve.check_args(args)
     return args
@@ -159,6 +160,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+HELP = "kvrelay up + bench serve: colocated vs disaggregated, routing policies"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=["disagg", "routing", "all"], default="all",
                    help="disagg: colocated vs 1P+1D; routing: round_robin vs cache_aware over several prefill nodes")
@@ -176,8 +180,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("fleet", help="kvrelay up + bench serve: colocated vs disaggregated, routing policies",
-                              description=__doc__, formatter_class=serve.HelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=run)
+if __name__ == "__main__":
+    from shared.bench import standalone
+
+    raise SystemExit(standalone(__name__))

@@ -31,12 +31,14 @@ from pathlib import Path
 
 from shared.bench.report import emit
 from shared.hashing import prompt_block_hashes
-from shared.log import configure_logging
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT = "bench/results/routing.json"
 BLOCK_SIZE = 16
+
+
+HELP = "routing decision time, cache_aware vs round_robin, gateway overhead"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,19 +83,21 @@ def percentiles(samples: list[float], scale: float = 1000.0) -> dict[str, float]
 def bench_decision(num_nodes: int, num_tokens: int, iters: int, seed: int) -> dict:
     """Router.route on a populated Redis index; the nodes exist only as registrations in the router's view."""
     from gateway.discovery import Discovery, DiscoveryConfig, Node
-    from gateway.node_client import Load, NodeClients
+    from gateway.node_client import NodeClients
     from gateway.policies import make_policy
     from gateway.router import Router
-    from shared.block_pool import BlockEvent, BlockEventKind
     from shared.index import create_index
-    from shared.redis_server import start_redis
+    from shared.index.redis_server import start_redis
+    from shared.records import BlockEvent, BlockEventKind, NodeLoad
 
     model_id = "bench-routing"
     rng = random.Random(seed)
     tenants = [[rng.randrange(40000) for _ in range(num_tokens * (t + 1) // 4)] for t in range(4)]
     nodes = [Node(f"node-{i:03d}", "prefill" if i % 2 else "decode", f"127.0.0.1:{20000 + i}", model_id,
-                  BLOCK_SIZE, "registry", load=Load(num_running=rng.randrange(8), queued_prefill_tokens=rng.randrange(
-                      4096), free_kv_blocks=10_000, total_kv_blocks=10_000)) for i in range(num_nodes)]
+                  BLOCK_SIZE, "registry",
+                  load=NodeLoad(num_running=rng.randrange(8), queued_prefill_tokens=rng.randrange(4096),
+                                free_kv_blocks=10_000, total_kv_blocks=10_000))
+             for i in range(num_nodes)]
     queries = [t + [rng.randrange(40000) for _ in range(num_tokens - len(t))] for t in tenants for _ in range(4)]
     with start_redis(_socket_path()) as server:
         index = create_index(server.url, model_id)
@@ -372,8 +376,8 @@ class Fleet:
         self.nodes: list = []
 
     def __enter__(self) -> Fleet:
+        from shared.index.redis_server import start_redis
         from shared.node.launch import NodeProcess
-        from shared.redis_server import start_redis
 
         self.redis = start_redis(_socket_path())
         common = ["--model", self.model_path, "--dtype", "float32", "--num-threads", "1", "--connector", "ucx",
@@ -410,6 +414,7 @@ class Fleet:
 
 
 def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     result: dict = {"bench": "routing", "host": platform.node(), "cpus": os.cpu_count(),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     result["loop_1m_ms_before"] = machine_speed_ms()
@@ -430,15 +435,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvrelay bench routing", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    configure_logging()
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    return run(args)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from shared.bench import standalone
+
+    raise SystemExit(standalone(__name__))

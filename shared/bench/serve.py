@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import logging
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,7 +44,6 @@ from shared.bench.serve_datasets import (
     load_tokenizer,
 )
 from shared.bench.serve_report import RequestRecord
-from shared.log import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +53,10 @@ DEFAULT_CONCURRENCY = 8
 WARMUP_SEED_OFFSET = 1
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the description's layout and shows the defaults that are set (not None, not flags)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or isinstance(action.default, bool):
-            return action.help
-        return super()._get_help_string(action)
-
-
 # -- arguments ----------------------------------------------------------------------------------------
+
+
+HELP = "load-test an OpenAI-compatible endpoint (TTFT, ITL, goodput)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,20 +109,6 @@ def _add_dataset_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--tenants", type=int, default=4, help="multi-tenant: distinct shared system prompts")
     d.add_argument("--system-len", type=int, default=1024, help="multi-tenant: system prompt length")
     d.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
-
-
-def register(subparsers) -> None:
-    """Add `serve` to the `kvrelay bench` subparsers."""
-    p = subparsers.add_parser("serve", help="load-test an OpenAI-compatible endpoint (TTFT, ITL, goodput)",
-                              description=__doc__, formatter_class=HelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=run)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvrelay bench serve", description=__doc__, formatter_class=HelpFormatter)
-    add_arguments(p)
-    return p
 
 
 def dataset_spec(args: argparse.Namespace, seed: int | None = None) -> DatasetSpec:
@@ -410,11 +388,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result["completed"] else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging()
-    return run(args)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from shared.bench import standalone
+
+    raise SystemExit(standalone(__name__))

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,7 +39,6 @@ from shared.bench.workload import (
     build_workload,
     summarize,
 )
-from shared.log import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +51,11 @@ NOISE_NOTE = "wall-clock on a shared machine: other processes compete for the CP
 # -- arguments ----------------------------------------------------------------------------------------
 
 
+HELP = "engine throughput on a mixed real-text workload, vs the matmul ceiling and optionally HF"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from shared.cli import add_engine_args
+    from shared.args import add_engine_args
 
     add_engine_args(p)
     p.set_defaults(dtype="auto")
@@ -78,17 +79,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds per shape timing the matmul ceiling at the run's dtype (the best repeat counts)")
     b.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
     b.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the description's layout and shows every flag's default."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvrelay bench throughput", description=__doc__,
-                                formatter_class=HelpFormatter)
-    add_arguments(p)
-    return p
 
 
 # -- FLOPs and the matmul ceiling -----------------------------------------------------------------------
@@ -229,12 +219,11 @@ def run_ours(engine, requests: Sequence[BenchRequest], progress: bool) -> tuple[
 
 def build_engine(args: argparse.Namespace):
     """Our EngineCore, configured like `LLM(model, dtype, **engine kwargs)`; (engine, load seconds)."""
-    from shared.cli import engine_kwargs
-    from shared.engine import EngineCore
-    from shared.llm import engine_config_from_kwargs
+    from shared.args import engine_config
+    from shared.engine.core import EngineCore
 
     t0 = time.perf_counter()
-    engine = EngineCore(engine_config_from_kwargs(args.model, args.dtype, **engine_kwargs(args)))
+    engine = EngineCore(engine_config(args))
     return engine, time.perf_counter() - t0
 
 
@@ -343,11 +332,7 @@ def write_results(result: dict, output: str, plot: bool) -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging()
-    return run(args)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from shared.bench import standalone
+
+    raise SystemExit(standalone(__name__))

@@ -27,16 +27,14 @@ import logging
 import platform
 import random
 import statistics
-import sys
 import time
 import urllib.request
 
 from shared.bench.report import emit
-from shared.log import configure_logging
-from shared.node.convert import sampling_to_proto
 from shared.node.launch import NodeProcess
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from shared.sampling_params import SamplingParams
+from shared.wire import sampling_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +42,9 @@ DEFAULT_OUTPUT = "bench/results/ttft.json"
 TARGET_SLACK_S = 0.005
 _TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+HELP = "TTFT disaggregated vs colocated (node processes, ucx tcp and shm)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,7 +105,7 @@ def disaggregated(prefill: NodeProcess, decode: NodeProcess, rid: str, prompt: l
 def _node_args(args: argparse.Namespace, transport: str) -> list[str]:
     return ["--model", args.model, "--dtype", args.dtype, "--num-threads", str(args.num_threads),
             "--kv-cache-memory", str(args.kv_cache_memory), "--connector", "ucx", "--ucx-transport", transport,
-            "--shutdown-timeout", "10", "--log-level", "WARNING",
+            "--shutdown-timeout", "10",
             # A long prompt on one CPU thread can take longer than the default 30 s lease.
             "--kv-lease-seconds", "900", "--transfer-timeout", "300"]
 
@@ -186,20 +187,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("ttft", help="TTFT disaggregated vs colocated (node processes, ucx tcp and shm)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvrelay bench ttft", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    configure_logging()
-    return run(p.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from shared.bench import standalone
+
+    raise SystemExit(standalone(__name__))

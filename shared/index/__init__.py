@@ -1,10 +1,10 @@
-"""The block index and node registry (DESIGN.md, "Index (Redis)" and "Registry and load").
+"""The block index and node registry (docs/architecture.md, "Index" and "Registry and load").
 
     index = create_index("unix:///run/kvrelay/redis.sock?db=0", model_id)   # or redis://host:6379/0
     index.lookup(prompt_block_hashes(...))          # {node_id: leading blocks held}, one round trip
     publisher = IndexPublisher(index, node_id, snapshot_fn=...); publisher.submit(pool.drain_events())
     registry = create_registry(url); registry.register(reg, ttl_s=10)
-    registry.start_heartbeat(reg, 10, load_fn, on_lapse=publisher.request_resync)
+    Heartbeat(registry, reg, 10, load_fn, on_lapse=publisher.request_resync).start()
 
 Backends: "redis" (redis://, rediss://, unix:// URLs) and "memory" ("memory" or "memory://<name>"), an
 in-process store with the same semantics for unit tests; backends with the same memory name share it.
@@ -16,12 +16,11 @@ from shared.index.base import (
     BlockIndex,
     IndexUnavailable,
     LiveNode,
-    NodeLoad,
     NodeRegistration,
     RegistryBackend,
 )
+from shared.index.heartbeat import Heartbeat
 from shared.index.publisher import IndexPublisher
-from shared.index.registry import Heartbeat
 
 __all__ = [
     "BlockIndex",
@@ -29,7 +28,6 @@ __all__ = [
     "IndexPublisher",
     "IndexUnavailable",
     "LiveNode",
-    "NodeLoad",
     "NodeRegistration",
     "RegistryBackend",
     "backend_of",

@@ -7,17 +7,12 @@ Both backends keep the same semantics; the memory one exists for unit tests of t
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypeVar
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
-from shared.block_pool import BlockEvent
-
-if TYPE_CHECKING:
-    from shared.index.registry import Heartbeat
+from shared.records import BlockEvent, JsonRecord, NodeLoad
 
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
@@ -27,25 +22,8 @@ class IndexUnavailable(RuntimeError):
     """The index store cannot be reached (Redis down, timeout). Callers route without cache hints."""
 
 
-_R = TypeVar("_R", bound="_JsonRecord")
-
-
-class _JsonRecord:
-    """Compact JSON for the registry's dataclass records."""
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls: type[_R], data: str | bytes) -> _R:
-        raw = json.loads(data)
-        # Fields added later by newer nodes must not break older readers.
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
-
-
 @dataclass(frozen=True)
-class NodeRegistration(_JsonRecord):
+class NodeRegistration(JsonRecord):
     node_id: str
     role: Role
     grpc_address: str
@@ -63,17 +41,6 @@ class NodeRegistration(_JsonRecord):
             raise ValueError(f"role: must be one of {ROLES}, got {self.role!r}")
         if not self.node_id:
             raise ValueError("node_id: must not be empty")
-
-
-@dataclass(frozen=True)
-class NodeLoad(_JsonRecord):
-    num_waiting: int = 0
-    num_running: int = 0
-    queued_prefill_tokens: int = 0
-    free_kv_blocks: int = 0
-    total_kv_blocks: int = 0
-    kv_cache_usage: float = 0.0
-    ts: float = field(default=0.0)  # wall-clock time.time() of the measurement
 
 
 LiveNode = tuple[NodeRegistration, "NodeLoad | None"]
@@ -144,20 +111,6 @@ class RegistryBackend(ABC):
     @abstractmethod
     def purge_dead_nodes(self, model_id: str) -> list[str]:
         """Clear the index entries of known nodes whose lease lapsed. Returns the purged ids."""
-
-    def start_heartbeat(
-        self,
-        reg: NodeRegistration,
-        ttl_s: float,
-        load_fn: Callable[[], NodeLoad] | None = None,
-        *,
-        on_lapse: Callable[[], None] | None = None,
-        janitor_every: int = 3,
-    ) -> Heartbeat:
-        """Start a Heartbeat thread renewing `reg` (already registered) every ttl/3; stop() it on shutdown."""
-        from shared.index.registry import Heartbeat
-
-        return Heartbeat(self, reg, ttl_s, load_fn, on_lapse=on_lapse, janitor_every=janitor_every).start()
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

@@ -11,16 +11,15 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from shared.block_pool import BlockEvent, BlockEventKind
 from shared.index.base import (
     BlockIndex,
     LiveNode,
-    NodeLoad,
     NodeRegistration,
     RegistryBackend,
     check_block_hashes,
     role_matches,
 )
+from shared.records import BlockEvent, BlockEventKind, NodeLoad
 
 
 @dataclass

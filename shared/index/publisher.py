@@ -1,18 +1,18 @@
 """Publishes a node's block events to the index from a thread off the engine's hot path.
 
-The engine thread calls `submit(pool.drain_events())` after each step: an append under a lock that only
-ever guards the queue, so it never waits on Redis. The publisher thread batches (up to `max_batch` events,
-or whatever arrived within `flush_interval_s` of the first) and applies each batch in order with one round
-trip (`BlockIndex.apply`).
-
-Resync. When the index may have diverged from the engine (a failed write whose effect is unknown, a Redis
-restart, a lapsed lease whose entries the janitor purged, a backlog past `max_backlog`), the publisher drops
-its queue, then takes `snapshot_fn()` (the hashes the engine holds now), clears the node and republishes
-the snapshot. Events submitted after the drop are applied afterwards: replaying an event the snapshot
-already reflects is harmless because STORED/EVICTED are idempotent set operations applied in order, so
-the index ends equal to the engine's cache. `snapshot_fn` runs on the publisher thread and must be safe
-there (take the engine's lock, or copy under it). Without one, a resync only clears: entries come back as
-blocks are stored again.
+Lifecycle:
+1. The engine thread calls `submit(events)` after each step: an append under a lock that only ever guards
+   the queue, so it never waits on Redis.
+2. The publisher thread batches (up to `max_batch` events, or whatever arrived within `flush_interval_s` of
+   the first) and applies each batch in order with one round trip (`BlockIndex.apply`).
+3. Resync. When the index may have diverged from the engine (a failed write whose effect is unknown, a
+   Redis restart, a lapsed lease whose entries the janitor purged, a backlog past `max_backlog`), the
+   publisher drops its queue and raises `snapshot_wanted`. The engine thread answers, between two steps,
+   with `submit_snapshot(hashes)`: every hash its cache holds at that moment, queued like any event batch.
+   The publisher clears the node and republishes the snapshot, then the events that came after it: the
+   order on one queue makes the index end equal to the engine's cache, and the publisher never calls back
+   into the engine (the engine owns its cache; the publisher only listens).
+4. `close()` flushes what is queued (giving up on a failure or the timeout) and stops the thread.
 """
 
 from __future__ import annotations
@@ -20,12 +20,18 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from shared.block_pool import BlockEvent, BlockEventKind
 from shared.index.base import BlockIndex
+from shared.records import BlockEvent, BlockEventKind
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    hashes: Sequence[bytes]
 
 
 class IndexPublisher:
@@ -34,7 +40,6 @@ class IndexPublisher:
         index: BlockIndex,
         node_id: str,
         *,
-        snapshot_fn: Callable[[], Iterable[bytes]] | None = None,
         max_batch: int = 256,
         flush_interval_s: float = 0.005,
         max_backlog: int = 100_000,
@@ -46,15 +51,15 @@ class IndexPublisher:
             raise ValueError(f"need 1 <= max_batch <= max_backlog, got {max_batch}, {max_backlog}")
         self.index = index
         self.node_id = node_id
-        self.snapshot_fn = snapshot_fn
         self.max_batch = max_batch
         self.flush_interval_s = flush_interval_s
         self.max_backlog = max_backlog
         self.backoff_s = backoff_s
         self._cond = threading.Condition(threading.Lock())
-        self._queue: collections.deque[Sequence[BlockEvent]] = collections.deque()
+        self._queue: collections.deque[Sequence[BlockEvent] | _Snapshot] = collections.deque()
         self._backlog = 0  # events in _queue
         self._resync = clear_on_start
+        self._want_snapshot = False  # raised by a resync, lowered by submit_snapshot
         self._busy = False  # a batch or resync is being applied
         self._closing = False
         # apply() reports an unknown node on the first write after a clear: expected then, a purge otherwise.
@@ -76,7 +81,7 @@ class IndexPublisher:
         if not events:
             return
         with self._cond:
-            if self._closing:
+            if self._closing or self._want_snapshot:  # a snapshot is coming that already reflects them
                 return
             self._queue.append(events)
             self._backlog += len(events)
@@ -85,13 +90,28 @@ class IndexPublisher:
                 self.num_dropped += self._backlog
                 self._drop_queue()
                 self._resync = True
-            self._cond.notify()
+            self._cond.notify_all()
+
+    @property
+    def snapshot_wanted(self) -> bool:
+        """True while a resync waits for the engine's snapshot (read on the engine thread, lock-free)."""
+        return self._want_snapshot
+
+    def submit_snapshot(self, hashes: Sequence[bytes]) -> None:
+        """Every hash the engine's cache holds now; it supersedes everything queued before it."""
+        with self._cond:
+            if self._closing:
+                return
+            self._want_snapshot = False
+            self._drop_queue()
+            self._queue.append(_Snapshot(list(hashes)))
+            self._cond.notify_all()
 
     def request_resync(self) -> None:
         """Clear the node's entries and republish the snapshot (e.g. after the node's lease lapsed)."""
         with self._cond:
             self._resync = True
-            self._cond.notify()
+            self._cond.notify_all()
 
     @property
     def backlog(self) -> int:
@@ -103,7 +123,7 @@ class IndexPublisher:
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything submitted so far is in the index. False on timeout (index down)."""
         with self._cond:
-            self._cond.notify()
+            self._cond.notify_all()
             return self._cond.wait_for(lambda: self._idle(), timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -123,7 +143,7 @@ class IndexPublisher:
     # ---------------------------------------------------------------- publisher thread
 
     def _idle(self) -> bool:
-        return not self._backlog and not self._busy and not self._resync
+        return not self._queue and not self._busy and not self._resync and not self._want_snapshot
 
     def _drop_queue(self) -> None:
         self._queue.clear()
@@ -131,7 +151,7 @@ class IndexPublisher:
 
     def _take(self, n: int) -> list[BlockEvent]:
         batch: list[BlockEvent] = []
-        while self._queue and len(batch) < n:
+        while self._queue and len(batch) < n and not isinstance(self._queue[0], _Snapshot):
             chunk = self._queue.popleft()
             room = n - len(batch)
             if len(chunk) > room:
@@ -143,19 +163,22 @@ class IndexPublisher:
 
     def _next_job(self) -> tuple[str, list[BlockEvent]] | None:
         """Under the lock: wait for work, linger to fill a batch, and claim it. None: time to exit."""
-        self._cond.wait_for(lambda: self._closing or self._resync or self._backlog)
+        self._cond.wait_for(lambda: self._closing or self._resync or self._queue)
         if self._resync:
             self._resync = False
-            self._drop_queue()  # before the snapshot is taken: see the module docstring
+            self._drop_queue()  # whatever was queued is superseded by the snapshot to come
+            self._want_snapshot = True
+            return self._next_job()
+        if self._queue and isinstance(self._queue[0], _Snapshot):
             self._busy = True
-            return "resync", []
-        if not self._backlog:
+            return "snapshot", list(self._queue.popleft().hashes)
+        if not self._queue:
             return None  # closing and drained
         if self._backlog < self.max_batch and not self._closing:
             self._cond.wait_for(
                 lambda: self._backlog >= self.max_batch or self._closing or self._resync, self.flush_interval_s
             )
-            if self._resync:
+            if self._resync or (self._queue and isinstance(self._queue[0], _Snapshot)):
                 return self._next_job()
         self._busy = True
         return "batch", self._take(self.max_batch)
@@ -170,8 +193,8 @@ class IndexPublisher:
             kind, batch = job
             failed = False
             try:
-                if kind == "resync":
-                    self._do_resync()
+                if kind == "snapshot":
+                    self._republish(batch)
                 else:
                     self._apply(batch)
                 delay = self.backoff_s[0]
@@ -213,8 +236,7 @@ class IndexPublisher:
                 self._resync = True
         self._fresh_expected = False
 
-    def _do_resync(self) -> None:
-        hashes = list(self.snapshot_fn()) if self.snapshot_fn is not None else []
+    def _republish(self, hashes: list[bytes]) -> None:
         self.index.clear_node(self.node_id)
         self._fresh_expected = True
         stored = BlockEventKind.STORED

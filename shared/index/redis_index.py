@@ -1,4 +1,4 @@
-"""The block index in Redis (DESIGN.md, "Index (Redis)").
+"""The block index in Redis (docs/architecture.md, "Index").
 
 Layout, all keys of a model under the hash tag `kvr:{<model_id>}:` (one cluster slot per model):
 
@@ -13,7 +13,8 @@ Layout, all keys of a model under the hash tag `kvr:{<model_id>}:` (one cluster 
 The block key is the set of nodes holding the block, stored as a bitmap over small per-model node slots
 rather than a Redis SET of ids: the lookup walks up to 256 blocks for 100 nodes, and a bitmap makes that an
 MGET plus byte ANDs, with consecutive blocks held by the same nodes compared as one interned Lua string.
-A SET walk (SMISMEMBER of the still-matching nodes per block) measured 3-10x slower; see bench.py.
+A SET walk (SMISMEMBER of the still-matching nodes per block) measured 3-10x slower (`kvrelay bench
+index-lookup --compare-set`).
 A bitmap of 100 nodes is 13 bytes, against ~100+ bytes of a small SET.
 
 Slots are assigned and freed only inside scripts, atomically with the bits: a bit is set for slot s only
@@ -36,8 +37,8 @@ from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
 
-from shared.block_pool import BlockEvent, BlockEventKind
 from shared.index.base import HASH_LEN, BlockIndex, IndexUnavailable, check_block_hashes
+from shared.records import BlockEvent, BlockEventKind
 
 log = logging.getLogger(__name__)
 

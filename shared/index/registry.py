@@ -1,4 +1,4 @@
-"""Node registry and load (DESIGN.md, "Registry and load").
+"""Node registry and load (docs/architecture.md, "Registry and load").
 
 A node's registration and its last load live in one HASH, `kvr:{<model>}:reg:<node_id>` = {reg, load} (JSON),
 whose TTL is the node's lease. Registering also gives the node its slot in the model's known nodes
@@ -16,25 +16,22 @@ clear first); shutdown: stop the publisher, `deregister`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
-import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 from shared.index.base import (
     IndexUnavailable,
     LiveNode,
-    NodeLoad,
     NodeRegistration,
     RegistryBackend,
     role_matches,
 )
 from shared.index.redis_index import CLEAR_LUA, REDIS_ERRORS, SLOT_FN, Keys, clear_node_entries, connect
+from shared.records import NodeLoad
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Heartbeat", "NodeLoad", "NodeRegistration", "Registry"]
+__all__ = ["Registry"]
 
 # KEYS: slots, owners, free, next_slot, reg key. ARGV: node_id, reg JSON, load JSON or '', ttl ms.
 # Returns 1 when a live lease existed.
@@ -129,86 +126,3 @@ class Registry(RegistryBackend):
 
     def close(self) -> None:
         self.client.close()
-
-
-class Heartbeat:
-    """Renews a registration every ttl/3 with the node's current load, and runs the janitor every
-    `janitor_every` beats. Failures are logged and retried at the next beat; they never raise."""
-
-    def __init__(
-        self,
-        registry: RegistryBackend,
-        reg: NodeRegistration,
-        ttl_s: float,
-        load_fn: Callable[[], NodeLoad] | None = None,
-        *,
-        on_lapse: Callable[[], None] | None = None,
-        janitor_every: int = 3,
-        interval_s: float | None = None,
-    ) -> None:
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
-        self.registry = registry
-        self.reg = reg
-        self.ttl_s = ttl_s
-        self.interval_s = interval_s if interval_s is not None else ttl_s / 3
-        self.load_fn = load_fn
-        self.on_lapse = on_lapse
-        self.janitor_every = max(1, janitor_every)
-        self.num_beats = 0
-        self.num_failures = 0
-        self.num_lapses = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{reg.node_id}", daemon=True)
-
-    def start(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def _load(self) -> NodeLoad | None:
-        if self.load_fn is None:
-            return None
-        try:
-            load = self.load_fn()
-        except Exception:  # a broken load probe must not stop the lease
-            log.exception("load_fn of %s failed", self.reg.node_id)
-            return None
-        return load if load.ts else dataclasses.replace(load, ts=time.time())
-
-    def beat(self) -> None:
-        """One renewal (+ janitor when due). Public so tests and shutdown paths can force one."""
-        try:
-            existed = self.registry.register(self.reg, self.ttl_s, self._load())
-            self.num_beats += 1
-            if not existed:
-                self._lapsed()
-            if self.num_beats % self.janitor_every == 0:
-                self.registry.purge_dead_nodes(self.reg.model_id)
-        except IndexUnavailable as exc:
-            self.num_failures += 1
-            if self.num_failures == 1 or self.num_failures % 20 == 0:
-                log.warning("heartbeat of %s failed (%d so far): %s", self.reg.node_id, self.num_failures, exc)
-
-    def _lapsed(self) -> None:
-        self.num_lapses += 1
-        log.warning("lease of %s had lapsed; re-registered", self.reg.node_id)
-        if self.on_lapse is not None:
-            try:
-                self.on_lapse()
-            except Exception:
-                log.exception("on_lapse of %s failed", self.reg.node_id)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.beat()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
-
-    def __enter__(self) -> Heartbeat:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -4,9 +4,9 @@
         stub = node.stub()
         ...
 
-Each node runs as `python -m <role>_node.server` in its own session with its log in a file; `start` waits for
-the node's ready file (so the addresses are known even with port 0); `stop` sends SIGTERM, waits, and kills
-what does not exit. Several nodes start in parallel with `start_many`.
+Each node runs as `python -m shared.cli <role>` (`kvrelay <role>`) in its own session with its log in a
+file; `start` waits for the node's ready file (so the addresses are known even with port 0); `stop` sends
+SIGTERM, waits, and kills what does not exit. Several nodes start in parallel with `start_many`.
 """
 
 from __future__ import annotations
@@ -45,12 +45,13 @@ class NodeProcess:
 
     @classmethod
     def spawn(cls, role: str, argv: list[str], env: dict[str, str] | None = None,
-              log_dir: str | None = None) -> NodeProcess:
+              log_dir: str | None = None, log_level: str = "INFO") -> NodeProcess:
         folder = Path(log_dir or tempfile.mkdtemp(prefix="kvrelay-node-"))
         fd, name = tempfile.mkstemp(prefix=f"{role}-", suffix=".log", dir=folder)
         os.close(fd)
         log_path, ready = Path(name), Path(name).with_suffix(".ready.json")
-        cmd = [sys.executable, "-m", f"{role}_node.server", "--port", "0", "--ready-file", str(ready), *argv]
+        cmd = [sys.executable, "-m", "shared.cli", "--log-level", log_level, role, "--port", "0",
+               "--ready-file", str(ready), *argv]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,

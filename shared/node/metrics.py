@@ -70,8 +70,8 @@ class NodeMetrics:
 
     # -- engine thread -------------------------------------------------------------------------------
     def observe_stats(self, load, stats) -> None:
-        """After each engine iteration: gauges from the load snapshot (shared.node.load.LoadSnapshot);
-        the scheduler's cumulative counters advance by their delta."""
+        """After each engine iteration: gauges from the load (shared.records.NodeLoad); the engine's
+        cumulative counters (EngineCounters) advance by their delta."""
         name = self.model_name
         self.running.labels(name).set(load.num_running)
         self.waiting.labels(name).set(load.num_waiting)
@@ -85,7 +85,7 @@ class NodeMetrics:
 
     def observe_output(self, out, since_arrival: float, last_token_at: float | None, now: float,
                        computes_prompt: bool) -> None:
-        """One engine output (shared.scheduler_output.EngineCoreOutput) of a request this node serves."""
+        """One engine output (shared.engine.scheduler_output.EngineCoreOutput) of a request this node serves."""
         if last_token_at is None and computes_prompt:
             self.observe_first_token(since_arrival, out.num_prompt_tokens)
         self.observe_token(None if last_token_at is None else now - last_token_at)
@@ -120,9 +120,9 @@ class NodeMetrics:
 class MetricsServer:
     """GET /metrics (Prometheus text) and GET /health (JSON; 503 while draining or unhealthy)."""
 
-    def __init__(self, metrics: NodeMetrics, health: Callable[[], dict], host: str, port: int) -> None:
-        handler = _make_handler(metrics, health)
-        self._server = ThreadingHTTPServer((host, port), handler)
+    def __init__(self, host: str, port: int) -> None:
+        """Binds the port now (so the node knows its address); serves once started."""
+        self._server = ThreadingHTTPServer((host, port), BaseHTTPRequestHandler, bind_and_activate=True)
         self._server.daemon_threads = True
         self.host, self.port = host, self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="kvrelay-metrics", daemon=True)
@@ -131,12 +131,14 @@ class MetricsServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self) -> None:
+    def start(self, metrics: NodeMetrics, health: Callable[[], dict]) -> None:
+        self._server.RequestHandlerClass = _make_handler(metrics, health)
         self._thread.start()
         logger.info("metrics on http://%s/metrics (health: /health)", self.address)
 
     def close(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():
+            self._server.shutdown()
         self._server.server_close()
 
 

@@ -1,37 +1,42 @@
-"""A node in the registry and the block index (shared/index). Without --redis-url it runs unregistered.
+"""A node in the registry and the block index (shared/index). Without a Redis URL it runs unregistered.
 
-Registration lifecycle (the order shared/index/registry.py asks for):
-1. Clear what an earlier life of this node id left in the index.
-2. Register (id, role, addresses, model, block size, capacity) under a TTL lease, with the current load;
-   a heartbeat thread renews it every --heartbeat-seconds with fresh load from the engine's snapshot.
-3. An IndexPublisher takes the block pool's STORED/EVICTED events, which the engine thread hands over
-   after every step, and writes them from its own thread. If the lease lapsed (the janitor may have purged
-   our entries) or a write failed, it resyncs from a snapshot of the cached hashes, taken on the engine
-   thread.
-4. On graceful shutdown: stop the heartbeat, flush and stop the publisher, deregister (which also drops
-   the node's index entries).
+Registration lifecycle:
+1. `open_publisher` (before the engine thread exists, so the engine is built with it as its block-event
+   sink): an IndexPublisher for this node id, not started yet.
+2. `start_registration`: clear what an earlier life of this node id left in the index, register (id, role,
+   addresses, model, block size, capacity) under a TTL lease with the current load, start the publisher,
+   and a heartbeat thread that renews the lease every `heartbeat_s` with fresh load. A lapsed lease (the
+   janitor may have purged our entries) or a failed start makes the publisher ask the engine for a snapshot.
+3. `Registration.stop()` on graceful shutdown: stop the heartbeat, flush and stop the publisher, deregister
+   (which also drops the node's index entries).
 Redis being down never stops the node: start-up logs it and the heartbeat and publisher keep retrying.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-logger = logging.getLogger(__name__)
+from shared import wire
+from shared.index import IndexUnavailable, NodeRegistration, create_index, create_registry
+from shared.index.base import BlockIndex, RegistryBackend
+from shared.index.heartbeat import Heartbeat
+from shared.index.publisher import IndexPublisher
+from shared.node.config import RegistryConfig
+from shared.records import NodeLoad
 
-_SNAPSHOT_TIMEOUT_S = 30.0
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Registration:
-    registry: object  # shared.index.registry.Registry
-    index: object  # shared.index.redis_index.RedisIndex
-    heartbeat: object  # shared.index.registry.Heartbeat
-    publisher: object  # shared.index.publisher.IndexPublisher
+    registry: RegistryBackend
+    index: BlockIndex
+    heartbeat: Heartbeat
+    publisher: IndexPublisher
     node_id: str
     model_id: str
 
@@ -39,8 +44,6 @@ class Registration:
         await asyncio.to_thread(self._stop)
 
     def _stop(self) -> None:
-        from shared.index.base import IndexUnavailable
-
         self.heartbeat.stop()
         self.publisher.close(timeout_s=2.0)
         try:
@@ -52,53 +55,38 @@ class Registration:
         self.registry.close()
 
 
-async def start_registration(args: argparse.Namespace, servicer) -> Registration | None:
-    if not args.redis_url:
+def open_publisher(config: RegistryConfig, node_id: str, model_id: str) -> IndexPublisher | None:
+    """The node's index publisher, not started (None without a Redis URL)."""
+    if not config.redis_url:
+        return None
+    return IndexPublisher(create_index(config.redis_url, model_id), node_id, clear_on_start=False, start=False)
+
+
+async def start_registration(
+    config: RegistryConfig, info: wire.NodeInfo, load_fn: Callable[[], NodeLoad], publisher: IndexPublisher | None,
+) -> Registration | None:
+    if not config.redis_url or publisher is None:
         logger.info("no --redis-url: running unregistered (reach this node by its address)")
         return None
-    return await asyncio.to_thread(_start, args, servicer)
+    return await asyncio.to_thread(_start, config, info, load_fn, publisher)
 
 
-def _start(args: argparse.Namespace, servicer) -> Registration:
-    from shared.index.base import IndexUnavailable, NodeRegistration
-    from shared.index.publisher import IndexPublisher
-    from shared.index.redis_index import RedisIndex
-    from shared.index.registry import Heartbeat, Registry
-
-    info, engine = servicer.node_info(), servicer.engine
+def _start(config: RegistryConfig, info: wire.NodeInfo, load_fn: Callable[[], NodeLoad],
+           publisher: IndexPublisher) -> Registration:
     reg = NodeRegistration(
         node_id=info.node_id, role=info.role, grpc_address=info.grpc_address, kv_address=info.kv_address,
         connector=info.connector, model_id=info.model_id, block_size=info.block_size, dtype=info.dtype,
         capacity_tokens=info.capacity_tokens, metrics_address=info.metrics_address, started_at=time.time(),
     )
-    index, registry = RedisIndex(args.redis_url, reg.model_id), Registry(args.redis_url)
-    cleared = True
+    index, registry = publisher.index, create_registry(config.redis_url)
     try:
         index.clear_node(reg.node_id)
-        registry.register(reg, args.registry_ttl, node_load(engine))
-        logger.info("registered %s in %s (lease %.1fs)", reg.node_id, args.redis_url, args.registry_ttl)
+        registry.register(reg, config.ttl_s, load_fn())
+        logger.info("registered %s in %s (lease %.1fs)", reg.node_id, config.redis_url, config.ttl_s)
     except IndexUnavailable as e:
-        cleared = False
+        publisher.request_resync()  # clears and republishes once Redis answers
         logger.warning("registry unreachable at start, will keep trying: %s", e)
-    publisher = IndexPublisher(index, reg.node_id, snapshot_fn=lambda: cached_hashes(engine),
-                               clear_on_start=not cleared)
-    engine.on_block_events = publisher.submit
-    heartbeat = Heartbeat(registry, reg, args.registry_ttl, lambda: node_load(engine),
-                          on_lapse=publisher.request_resync, interval_s=args.heartbeat_seconds).start()
+    publisher.start()
+    heartbeat = Heartbeat(registry, reg, config.ttl_s, load_fn, on_lapse=publisher.request_resync,
+                          interval_s=config.heartbeat_s).start()
     return Registration(registry, index, heartbeat, publisher, reg.node_id, reg.model_id)
-
-
-def node_load(engine):
-    from shared.index.base import NodeLoad
-
-    load = engine.load()
-    return NodeLoad(
-        num_waiting=load.num_waiting, num_running=load.num_running, queued_prefill_tokens=load.queued_prefill_tokens,
-        free_kv_blocks=load.free_kv_blocks, total_kv_blocks=load.total_kv_blocks, kv_cache_usage=load.kv_cache_usage,
-        ts=time.time(),
-    )
-
-
-def cached_hashes(engine) -> list[bytes]:
-    """The block hashes the engine's prefix cache holds now, read on the engine thread."""
-    return engine.call_blocking(lambda core: list(core.kv.pool.cached), _SNAPSHOT_TIMEOUT_S)

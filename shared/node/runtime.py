@@ -1,39 +1,40 @@
 """Run one node process: engine, KV connector, gRPC server, metrics endpoint, registry.
 
+The runtime is role-agnostic: the caller (the CLI) passes the role's server class, a NodeServer subclass.
+
 Node lifecycle:
-1. Limit torch's threads (several nodes on one machine must not each spin every core), build the engine,
-   create the connector and register the engine's KV caches with it.
-2. Bind the gRPC server and the metrics endpoint, start the engine thread, serve.
-3. Register in the index (with --redis-url): clear old entries, heartbeat with load, publish block events.
-4. Write the ready file (--ready-file) so launchers know the addresses.
+1. Limit torch's threads (several nodes on one machine must not each spin every core), create the
+   connector, and build the engine with it (the engine registers its KV caches with the connector).
+2. Bind the gRPC and metrics ports, which names the node; open its index publisher; build the role's
+   server around the engine, the connector and the publisher.
+3. Start the engine thread, the gRPC server and the metrics endpoint; register in the index (with a Redis
+   URL): clear old entries, heartbeat with load, publish block events.
+4. Write the ready file so launchers know the addresses.
 5. On SIGTERM / SIGINT: stop taking work (new RPCs get UNAVAILABLE, Health says draining), deregister,
-   let in-flight requests finish within --shutdown-timeout, close everything, return 0.
+   let in-flight requests finish within the shutdown timeout, close everything, return 0.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import os
 import signal
-import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
 import torch
 
-from kv_transfer import ConnectorConfig, KVLayout, create_connector
-from shared.async_engine import AsyncEngine
-from shared.cli import engine_kwargs
-from shared.engine import EngineCore
-from shared.llm import engine_config_from_kwargs
+from kv_transfer import KVConnector, create_connector
+from shared.engine.core import EngineCore
+from shared.node.config import NodeConfig
 from shared.node.metrics import MetricsServer, NodeMetrics
-from shared.node.registration import start_registration
+from shared.node.registration import Registration, open_publisher, start_registration
 from shared.node.server import NodeServer, NodeSettings
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
+from shared.system import advertised
 
 logger = logging.getLogger(__name__)
 
@@ -49,103 +50,73 @@ def default_num_threads(local_nodes: int) -> int:
     return max(1, cores // max(1, local_nodes))
 
 
-def advertised(host: str) -> str:
-    """The address others reach a wildcard bind on."""
-    return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
-
-
-def server_class(role: str) -> type[NodeServer]:
-    if role == "prefill":
-        from prefill_node.server import PrefillServer
-
-        return PrefillServer
-    if role == "decode":
-        from decode_node.server import DecodeServer
-
-        return DecodeServer
-    raise ValueError(f"role: {role!r} is not a node role (prefill, decode)")
-
-
-def build_engine(args: argparse.Namespace) -> EngineCore:
-    kwargs = engine_kwargs(args) | {"kv_lease_s": args.kv_lease_seconds, "seed": args.seed}
-    config = engine_config_from_kwargs(args.model, args.dtype, **kwargs)
-    return EngineCore(config, record_block_events=bool(args.redis_url))
-
-
-def build_connector(args: argparse.Namespace, core: EngineCore):
+def build_connector(config: NodeConfig) -> KVConnector:
     # Without Python futures, ucxx awaits every pending request by spinning its event loop (sleep(0)); the
     # idle receive each connection keeps posted then holds the GIL most of the time and slows the engine
     # thread and the gRPC loop many times over. With them a notifier thread completes the futures.
     os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
-    config = ConnectorConfig(
-        name=args.connector, host=advertised(args.kv_host or args.host), port=args.kv_port,
-        transport=args.ucx_transport, connect_timeout=args.kv_connect_timeout, transfer_timeout=args.transfer_timeout,
-    )
-    connector = create_connector(args.connector, config)
-    caches = core.runner.kv_caches
-    connector.register_kv_caches(KVLayout.for_caches(core.info.model_id, caches), caches)
-    return connector
+    conn = config.connector
+    return create_connector(conn.name, replace(conn, host=advertised(conn.host)))
 
 
 @dataclass
 class Node:
     """Everything one node process runs, for an orderly start and stop."""
 
-    role: str
-    engine: AsyncEngine
     servicer: NodeServer
     grpc_server: grpc.aio.Server
     metrics_server: MetricsServer
-    connector: object
-    registration: object | None = None
+    connector: KVConnector
+    registration: Registration | None
 
     async def drain(self, timeout: float) -> None:
-        logger.info("draining %s: no new requests; waiting up to %.0fs for in-flight ones",
-                    self.servicer.settings.node_id, timeout)
-        self.engine.stop_accepting()
+        engine, node_id = self.servicer.engine, self.servicer.settings.node_id
+        logger.info("draining %s: no new requests; waiting up to %.0fs for in-flight ones", node_id, timeout)
+        engine.stop_accepting()
         if self.registration is not None:
             await self.registration.stop()
-        await self.engine.shutdown(timeout)
+        await engine.shutdown(timeout)
         await self.grpc_server.stop(grace=5.0)
         self.servicer.close()
         self.metrics_server.close()
         await asyncio.to_thread(self.connector.close)
-        logger.info("%s stopped", self.servicer.settings.node_id)
+        logger.info("%s stopped", node_id)
 
 
-async def start_node(args: argparse.Namespace, role: str) -> Node:
-    torch.set_num_threads(args.num_threads or default_num_threads(args.local_nodes))
-    cls = server_class(role)
-    core = build_engine(args)
-    connector = build_connector(args, core)
-    served = args.served_model_name or core.info.model_id
-    metrics = NodeMetrics(served, args.connector)
-    engine = AsyncEngine(core, metrics)
-    settings = NodeSettings(node_id="", role=role, served_model_name=served, connector_name=args.connector,
-                            transfer_timeout=args.transfer_timeout, kv_lease_s=args.kv_lease_seconds)
-    servicer = cls(engine, connector, metrics, settings)
-    servicer.attach()
-    grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
-    pb_grpc.add_EngineServicer_to_server(servicer, grpc_server)
+async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
+    torch.set_num_threads(config.num_threads)
+    connector = build_connector(config)
     try:
-        port = grpc_server.add_insecure_port(f"{args.host}:{args.port}")
-    except RuntimeError as e:
+        core = EngineCore(config.engine, record_block_events=bool(config.registry.redis_url), kv_sender=connector)
+        grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
+        try:
+            port = grpc_server.add_insecure_port(f"{config.host}:{config.port}")
+        except RuntimeError as e:
+            raise ValueError(f"port: cannot listen on {config.host}:{config.port} ({e})") from None
+        metrics_server = MetricsServer(config.host, config.metrics_port)
+    except BaseException:
         connector.close()
-        raise ValueError(f"port: cannot listen on {args.host}:{args.port} ({e})") from None
-    host = advertised(args.host)
-    settings.grpc_address = f"{host}:{port}"
-    settings.node_id = args.node_id or f"{role}-{host}-{port}"
-    metrics_server = MetricsServer(metrics, servicer.health, args.host, args.metrics_port)
-    settings.metrics_address = f"{host}:{metrics_server.port}"
-    engine.start()
+        raise
+    host = advertised(config.host)
+    served = config.served_model_name or core.info.model_id
+    settings = NodeSettings(
+        node_id=config.node_id or f"{server_cls.role}-{host}-{port}", served_model_name=served,
+        connector_name=config.connector.name, grpc_address=f"{host}:{port}",
+        metrics_address=f"{host}:{metrics_server.port}", transfer_timeout=config.connector.transfer_timeout,
+        kv_lease_s=config.engine.scheduler.kv_lease_s,
+    )
+    metrics = NodeMetrics(served, config.connector.name)
+    publisher = open_publisher(config.registry, settings.node_id, core.info.model_id)
+    servicer = server_cls(core, connector, metrics, settings, block_events=publisher)
+    pb_grpc.add_EngineServicer_to_server(servicer, grpc_server)
+    servicer.start()
     await grpc_server.start()
-    metrics_server.start()
-    node = Node(role, engine, servicer, grpc_server, metrics_server, connector)
-    node.registration = await start_registration(args, servicer)
+    metrics_server.start(metrics, servicer.health)
+    registration = await start_registration(config.registry, servicer.node_info(), servicer.engine.load, publisher)
     logger.info("%s node %s serving gRPC on %s, KV on %s (%s), metrics on http://%s/metrics, %d torch threads",
-                role, settings.node_id, settings.grpc_address, connector.address, args.connector,
+                server_cls.role, settings.node_id, settings.grpc_address, connector.address, config.connector.name,
                 settings.metrics_address, torch.get_num_threads())
-    return node
+    return Node(servicer, grpc_server, metrics_server, connector, registration)
 
 
 def write_ready_file(path: str, node: Node) -> None:
@@ -157,16 +128,16 @@ def write_ready_file(path: str, node: Node) -> None:
     tmp.replace(path)  # atomic: a watcher never reads half a file
 
 
-async def serve(args: argparse.Namespace, role: str) -> int:
+async def serve(config: NodeConfig, server_cls: type[NodeServer]) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    node = await start_node(args, role)
-    if args.ready_file:
-        write_ready_file(args.ready_file, node)
+    node = await start_node(config, server_cls)
+    if config.ready_file:
+        write_ready_file(config.ready_file, node)
     await stop.wait()
-    await node.drain(args.shutdown_timeout)
+    await node.drain(config.shutdown_timeout_s)
     # asyncio.run restores the default handlers on the way out: a late SIGTERM must not turn exit 0 into -15.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)

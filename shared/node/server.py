@@ -19,15 +19,17 @@ from dataclasses import dataclass
 
 import grpc
 
-from kv_transfer.base import KVConnector, LayoutMismatchError, TransferError
-from shared.async_engine import AsyncEngine, EngineDead, EngineDraining
+from kv_transfer.base import KVConnector
+from kv_transfer.types import LayoutMismatchError, TransferError
+from shared import wire
 from shared.config import dtype_name
-from shared.node import convert
+from shared.engine.async_engine import AsyncEngine, BlockEventSink, EngineDead, EngineDraining, EngineHooks
+from shared.engine.core import EngineCore
+from shared.engine.scheduler_output import EngineCoreOutput
 from shared.node.metrics import NodeMetrics
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 from shared.sampling_params import SamplingParams
-from shared.scheduler_output import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +84,11 @@ def stream_rpc(fn: Callable) -> Callable:
     return wrapper
 
 
-@dataclass
+@dataclass(frozen=True)
 class NodeSettings:
+    """Who this node is and where it is reached (known once its ports are bound)."""
+
     node_id: str
-    role: str  # "prefill" | "decode"
     served_model_name: str
     connector_name: str
     grpc_address: str = ""
@@ -95,22 +98,27 @@ class NodeSettings:
 
 
 class NodeServer(pb_grpc.EngineServicer):
+    """The role servers' base. It runs the engine on its own thread (AsyncEngine), wired at construction to
+    the metrics, the index publisher (`block_events`) and the role's lease hook."""
+
     role = "node"
 
     def __init__(
-        self, engine: AsyncEngine, connector: KVConnector, metrics: NodeMetrics, settings: NodeSettings,
+        self, core: EngineCore, connector: KVConnector, metrics: NodeMetrics, settings: NodeSettings,
+        block_events: BlockEventSink | None = None,
     ) -> None:
-        self.engine = engine
-        self.core = engine.core
+        self.core = core
         self.connector = connector
         self.metrics = metrics
         self.settings = settings
+        hooks = EngineHooks(observer=metrics, block_events=block_events, on_lease_expired=self.leases_expired)
+        self.engine = AsyncEngine(core, hooks)
         # Transfer waits block a thread each (up to a lease): keep them off the default executor.
         self.waits = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvrelay-wait")
 
     # -- hooks for the roles ------------------------------------------------------------------------
-    def attach(self) -> None:
-        """Called once the engine and connector are up, before serving (the engine thread is not running)."""
+    def leases_expired(self, request_ids: list[str]) -> None:
+        """Engine thread: these reservations or held blocks outlived their lease and were freed."""
 
     def generate_handoff(self, request: pb.GenerateRequest, arrival: float) -> AsyncIterator[EngineCoreOutput]:
         raise self.wrong_role("Generate with a hand-off")
@@ -127,15 +135,14 @@ class NodeServer(pb_grpc.EngineServicer):
                           f"{what} is served by {other} nodes; {self.settings.node_id} is a {self.role} node")
 
     # -- info ---------------------------------------------------------------------------------------
-    def node_info(self) -> pb.NodeInfo:
+    def node_info(self) -> wire.NodeInfo:
         s, core = self.settings, self.core
         layout = self.connector.layout
-        return pb.NodeInfo(
+        return wire.NodeInfo(
             node_id=s.node_id, role=self.role, model_id=core.info.model_id, block_size=layout.block_size,
             dtype=dtype_name(core.info.dtype), max_model_len=core.max_model_len, vocab_size=core.vocab_size,
-            capacity_tokens=core.num_blocks * layout.block_size, layout=convert.layout_to_proto(layout),
-            connector=s.connector_name, kv_address=self.connector.address, grpc_address=s.grpc_address,
-            metrics_address=s.metrics_address,
+            capacity_tokens=core.num_blocks * layout.block_size, layout=layout, connector=s.connector_name,
+            kv_address=self.connector.address, grpc_address=s.grpc_address, metrics_address=s.metrics_address,
         )
 
     def health(self) -> dict:
@@ -144,9 +151,13 @@ class NodeServer(pb_grpc.EngineServicer):
         return {"healthy": alive, "draining": self.engine.draining, "message": message,
                 "node_id": self.settings.node_id, "role": self.role}
 
+    def start(self) -> None:
+        """Start the engine thread (inside the running event loop)."""
+        self.engine.start()
+
     @unary_rpc
     async def GetNodeInfo(self, request, context):  # noqa: N802 - gRPC method names
-        return self.node_info()
+        return wire.node_info_to_proto(self.node_info())
 
     @unary_rpc
     async def Health(self, request, context):  # noqa: N802
@@ -155,12 +166,7 @@ class NodeServer(pb_grpc.EngineServicer):
 
     @unary_rpc
     async def GetLoad(self, request, context):  # noqa: N802
-        load = self.engine.load()
-        return pb.Load(
-            num_waiting=load.num_waiting, num_running=load.num_running,
-            queued_prefill_tokens=load.queued_prefill_tokens, free_kv_blocks=load.free_kv_blocks,
-            total_kv_blocks=load.total_kv_blocks, kv_cache_usage=load.kv_cache_usage,
-        )
+        return wire.load_to_proto(self.engine.load())
 
     # -- requests -----------------------------------------------------------------------------------
     @unary_rpc
@@ -186,7 +192,7 @@ class NodeServer(pb_grpc.EngineServicer):
         async with aclosing(stream):
             async for out in stream:
                 num_output += len(out.new_token_ids)
-                yield convert.chunk_from_output(out, num_output)
+                yield wire.chunk_to_proto(token_chunk(out, num_output))
 
     @unary_rpc
     async def Abort(self, request, context):  # noqa: N802
@@ -207,6 +213,15 @@ def require_request_id(request_id: str) -> None:
 
 def checked_prompt(request) -> tuple[list[int], SamplingParams]:
     """(prompt token ids, SamplingParams) of a Reserve / Prefill / Generate request; ValueError if bad."""
-    prompt = convert.prompt_ids(request.prompt_token_ids)
-    convert.check_token_ids("prompt_token_ids", prompt)
-    return prompt, convert.request_params(request)
+    prompt = wire.prompt_ids(request.prompt_token_ids)
+    wire.check_token_ids("prompt_token_ids", prompt)
+    return prompt, wire.request_params(request)
+
+
+def token_chunk(out: EngineCoreOutput, num_output_tokens: int) -> wire.TokenChunk:
+    return wire.TokenChunk(
+        token_ids=out.new_token_ids, logprobs=(out.logprobs,) if out.logprobs is not None else (),
+        finish_reason=out.finish_reason or "", stop_reason=out.stop_reason,
+        num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=num_output_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )

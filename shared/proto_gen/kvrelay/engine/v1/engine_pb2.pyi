@@ -131,20 +131,24 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "queued_prefill_tokens", "free_kv_blocks", "total_kv_blocks", "kv_cache_usage")
+    __slots__ = ("num_waiting", "num_running", "queued_prefill_tokens", "free_kv_blocks", "total_kv_blocks", "kv_cache_usage", "num_reserved", "num_held")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     queued_prefill_tokens: int
     free_kv_blocks: int
     total_kv_blocks: int
     kv_cache_usage: float
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+    num_reserved: int
+    num_held: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_reserved: _Optional[int] = ..., num_held: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "lease_ms")

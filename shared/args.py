@@ -1,0 +1,65 @@
+"""Command-line pieces every kvrelay command shares: the one help formatter and the engine flags.
+
+A leaf (it knows only shared.config), so the CLI, the node commands and the benchmarks all use the same
+flags with the same meanings, the vLLM names where vLLM has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from shared.config import DEFAULT_BLOCK_SIZE, EngineConfig, engine_config_from_kwargs
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's layout (examples, numbered steps) and shows the defaults that are set (not
+    None, not on/off flags)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="default",
+                   help="HF-style model folder, a .gguf file, or 'default' (SmolLM2-135M-Instruct, converted once)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (the faster of float32 and bfloat16 on this machine), bfloat16, float32; "
+                        "float16 on CUDA only")
+    g.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block (fleet-wide)")
+    g.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes of KV cache on CPU (default 2 GiB); the log says how many tokens fit")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of device memory for weights plus KV cache")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of identical prompt prefixes")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="waiting order, and who is preempted first when KV blocks run out")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "flash_attn"], default="auto",
+                   help="auto: flash-attn on CUDA when installed, else the portable torch backend")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine flags as vLLM-style keyword arguments (what `LLM(...)` takes)."""
+    return dict(
+        device=args.device,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.enable_prefix_caching,
+        policy=args.scheduling_policy,
+        attention_backend=args.attention_backend,
+    )
+
+
+def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
+    return engine_config_from_kwargs(args.model, args.dtype, **engine_kwargs(args), **extra)

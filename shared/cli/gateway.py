@@ -1,0 +1,75 @@
+"""`kvrelay gateway`: the OpenAI-compatible gateway in front of the prefill and decode pools."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from shared.args import HelpFormatter
+from shared.config import DEFAULT_BLOCK_SIZE
+
+EXAMPLES = """examples:
+  kvrelay gateway --model default --redis-url redis://127.0.0.1:6379/0
+  kvrelay gateway --model default --prefill 127.0.0.1:50061 --decode 127.0.0.1:50062 --api-key secret
+"""
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("serving")
+    g.add_argument("--model", default="default",
+                   help="model folder, .gguf or 'default': its tokenizer and id (the nodes must serve the same)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names the API accepts in 'model' (default: the model id)")
+    g.add_argument("--api-key", default=os.environ.get("KVRELAY_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $KVRELAY_API_KEY; unset: open)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API, /health and /metrics")
+    g.add_argument("--grpc-port", type=int, default=None, help="port of the gRPC API for internal callers")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the nodes' smallest)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM lets open streams finish")
+    g.add_argument("--log-requests", action="store_true", help="log every HTTP request")
+    r = p.add_argument_group("nodes and routing")
+    r.add_argument("--redis-url", default=None, help="the Redis of the block index and node registry")
+    r.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a static prefill node")
+    r.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a static decode node")
+    r.add_argument("--routing-policy", choices=["cache_aware", "round_robin", "least_loaded"], default="cache_aware")
+    r.add_argument("--local-prefill-threshold", type=int, default=64,
+                   help="the decode node prefills itself when it would compute at most this many prompt tokens")
+    r.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help="fleet-wide KV block size; nodes announcing another are not routed to")
+    r.add_argument("--refresh-interval", type=float, default=0.5, help="seconds between registry reads")
+    r.add_argument("--health-interval", type=float, default=2.0, help="seconds between static nodes' health checks")
+    r.add_argument("--startup-timeout", type=float, default=0.0, help="wait this long for a decode node at start")
+    r.add_argument("--kv-lease-ms", type=int, default=0, help="reservation lease asked of decode nodes (0: theirs)")
+    r.add_argument("--prefill-timeout", type=float, default=300.0, help="deadline of one Prefill call, seconds")
+
+
+def config_from_args(args: argparse.Namespace):
+    from gateway.config import GatewayConfig
+
+    if not args.redis_url and not args.decode:
+        raise ValueError("decode: give --redis-url (node registry) or at least one --decode HOST:PORT")
+    return GatewayConfig(
+        model=args.model, served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key or None,
+        host=args.host, port=args.port, grpc_port=args.grpc_port, redis_url=args.redis_url,
+        prefill=tuple(args.prefill), decode=tuple(args.decode), routing_policy=args.routing_policy,
+        local_prefill_threshold=args.local_prefill_threshold, block_size=args.block_size,
+        max_model_len=args.max_model_len, shutdown_timeout=args.shutdown_timeout,
+        refresh_interval=args.refresh_interval, health_interval=args.health_interval,
+        startup_timeout=args.startup_timeout, kv_lease_ms=args.kv_lease_ms, prefill_timeout=args.prefill_timeout,
+        log_requests=args.log_requests,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gateway.server import serve
+
+    return serve(config_from_args(args), log_level=getattr(args, "log_level", "INFO"))
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("gateway", help="the OpenAI-compatible gateway (HTTP + gRPC)",
+                              description=__doc__, epilog=EXAMPLES,
+                              formatter_class=HelpFormatter)
+    add_gateway_args(p)
+    p.set_defaults(func=_run)

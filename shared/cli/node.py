@@ -1,0 +1,144 @@
+"""`kvrelay prefill` and `kvrelay decode`: run a node. Flags mirror vLLM's where they exist; each flag can
+also come from the environment as KVRELAY_<FLAG> (e.g. KVRELAY_PORT=50061, KVRELAY_ENABLE_PREFIX_CACHING=0);
+a flag on the command line wins over the environment.
+
+    kvrelay prefill --model default --port 50061 --connector ucx --num-threads 1
+    kvrelay decode  --model default --port 50062 --connector ucx --num-threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from kv_transfer import ConnectorConfig
+from shared.args import HelpFormatter, add_engine_args, engine_config
+from shared.node.config import NodeConfig, RegistryConfig
+
+ROLES = {
+    "prefill": ("computes prompts and hands their KV to decode nodes", 50061),
+    "decode": ("reserves KV blocks, admits transferred requests and streams tokens", 50062),
+}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def register(subparsers) -> None:
+    """Add `prefill` and `decode` to the `kvrelay` subcommands."""
+    for role, (what, _) in ROLES.items():
+        p = subparsers.add_parser(role, help=f"run a {role} node: {what}", description=__doc__,
+                                  formatter_class=HelpFormatter)
+        add_node_args(p, role)
+        p.set_defaults(func=lambda args, role=role: run_node(args, role))
+
+
+def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
+    add_engine_args(p)
+    p.set_defaults(dtype="auto")
+    g = p.add_argument_group("node")
+    g.add_argument("--served-model-name", default=None, help="model name in metrics labels (default: the model id)")
+    g.add_argument("--host", default="127.0.0.1", help="interface of the gRPC server and metrics endpoint")
+    g.add_argument("--port", type=int, default=ROLES[role][1], help="gRPC port; 0 picks a free one")
+    g.add_argument("--node-id", default=None, help="name in the registry (default: <role>-<host>-<port>)")
+    g.add_argument("--metrics-port", type=int, default=0,
+                   help="HTTP port of /metrics and /health; 0 picks a free one (logged, and in GetNodeInfo)")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch CPU threads (default: the cores divided by --local-nodes; oversubscribed OpenMP "
+                        "threads slow every node down many times)")
+    g.add_argument("--local-nodes", type=int, default=1, help="nodes sharing this machine's cores")
+    g.add_argument("--seed", type=int, default=0, help="sampler seed for requests that bring none")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--ready-file", default=None,
+                   help="write a JSON file with the node's addresses once it serves (for launchers and tests)")
+    k = p.add_argument_group("KV transfer")
+    k.add_argument("--connector", choices=["ucx", "nccl", "local"], default="ucx",
+                   help="ucx (ucxx), nccl (torch.distributed; gloo on CPU), local (in-process tests only)")
+    k.add_argument("--kv-host", default=None, help="interface the connector listens on (default: --host)")
+    k.add_argument("--kv-port", type=int, default=0, help="connector port; 0 picks a free one")
+    k.add_argument("--ucx-transport", choices=["tcp", "shm", "auto"], default="tcp",
+                   help="ucx: tcp, shm (shared memory, same machine) or auto (UCX picks, CUDA included)")
+    k.add_argument("--kv-lease-seconds", type=float, default=120.0,
+                   help="reserved or held KV blocks nobody claims within this time are freed; must outlast the "
+                        "longest prefill (tens of seconds for a 2k-token prompt on one CPU thread)")
+    k.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds one KV transfer may take")
+    k.add_argument("--kv-connect-timeout", type=float, default=5.0, help="seconds to reach a peer connector")
+    r = p.add_argument_group("registry")
+    r.add_argument("--redis-url", default=None,
+                   help="Redis of the block index and node registry (e.g. redis://host:6379/0, unix:///path); "
+                        "without it the node runs unregistered")
+    r.add_argument("--heartbeat-seconds", type=float, default=1.0, help="registry heartbeat (load) interval")
+    r.add_argument("--registry-ttl", type=float, default=5.0, help="seconds a registration outlives its last heartbeat")
+    apply_env_defaults(p)
+
+
+def apply_env_defaults(p: argparse.ArgumentParser) -> None:
+    """KVRELAY_<DEST> in the environment becomes the flag's default, and every help line names it. A bad
+    value is reported when the node starts (args.env_errors), not while `kvrelay` builds its parser."""
+    errors: list[str] = []
+    for action in p._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        env = "KVRELAY_" + action.dest.upper()
+        action.help = f"{action.help or ''} [env {env}]".strip()
+        raw = os.environ.get(env)
+        if raw is None:
+            continue
+        try:
+            value = _env_value(action, raw)
+        except ValueError as e:
+            errors.append(f"{env}={raw!r}: {e}")
+            continue
+        if action.choices is not None and value not in action.choices:
+            errors.append(f"{env}={raw!r}: choose one of {', '.join(map(str, action.choices))}")
+            continue
+        action.default = value
+    p.set_defaults(env_errors=errors)
+
+
+def _env_value(action: argparse.Action, raw: str):
+    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+        low = raw.strip().lower()
+        if low not in _TRUE | _FALSE:
+            raise ValueError("expected 1/0, true/false, yes/no or on/off")
+        return low in _TRUE
+    return action.type(raw) if action.type is not None else raw
+
+
+def node_config(args: argparse.Namespace) -> NodeConfig:
+    """The node's config record from its flags (a bad environment variable is reported here)."""
+    if getattr(args, "env_errors", None):
+        raise ValueError("bad environment: " + "; ".join(args.env_errors))
+    from shared.node.runtime import default_num_threads
+
+    connector = ConnectorConfig(
+        name=args.connector, host=args.kv_host or args.host, port=args.kv_port, transport=args.ucx_transport,
+        connect_timeout=args.kv_connect_timeout, transfer_timeout=args.transfer_timeout,
+    )
+    return NodeConfig(
+        engine=engine_config(args, kv_lease_s=args.kv_lease_seconds, seed=args.seed), connector=connector,
+        registry=RegistryConfig(args.redis_url, args.heartbeat_seconds, args.registry_ttl),
+        host=args.host, port=args.port, metrics_port=args.metrics_port, node_id=args.node_id,
+        served_model_name=args.served_model_name, num_threads=args.num_threads or default_num_threads(args.local_nodes),
+        shutdown_timeout_s=args.shutdown_timeout, ready_file=args.ready_file,
+    )
+
+
+def server_class(role: str):
+    """The role's server: the CLI is where the roles are chosen (the node runtime knows none of them)."""
+    if role == "prefill":
+        from prefill_node.server import PrefillServer
+
+        return PrefillServer
+    if role == "decode":
+        from decode_node.server import DecodeServer
+
+        return DecodeServer
+    raise ValueError(f"role: {role!r} is not a node role ({', '.join(ROLES)})")
+
+
+def run_node(args: argparse.Namespace, role: str) -> int:
+    import asyncio
+
+    from shared.node.runtime import serve
+
+    return asyncio.run(serve(node_config(args), server_class(role)))

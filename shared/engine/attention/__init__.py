@@ -1,0 +1,49 @@
+"""Attention backends over the paged KV cache: `get_attention_backend(name, device)`."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+from .base import AttentionBackend, AttentionMetadata, write_kv
+from .torch_backend import TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto", "torch", "flash_attn")
+
+__all__ = [
+    "BACKEND_NAMES",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "TorchAttentionBackend",
+    "flash_attn_available",
+    "get_attention_backend",
+    "write_kv",
+]
+
+
+def flash_attn_available(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """'auto': flash_attn on CUDA when the package is installed, else the portable torch backend."""
+    if name == "auto":
+        if flash_attn_available(device):
+            try:
+                return get_attention_backend("flash_attn", device)
+            except ImportError as exc:  # installed but broken (e.g. built for another torch): stay up
+                logger.warning("flash-attn unusable (%s); using the torch attention backend", exc)
+        name = "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "flash_attn":
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"attention backend 'flash_attn' needs a CUDA device, got {str(device)!r}")
+        from .flash_backend import FlashAttentionBackend  # imports flash_attn, which raises if absent
+
+        return FlashAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")

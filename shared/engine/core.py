@@ -1,0 +1,225 @@
+"""EngineCore: the step loop every node runs. One step is schedule() -> execute() -> update().
+
+Request lifecycle:
+1. `add_request` validates (a bad request raises ValueError naming the field, holding nothing) and
+   queues it; n > 1 becomes n child requests that share the prompt's blocks through the prefix cache.
+2. `step` schedules, runs the model, and turns sampled tokens into EngineCoreOutputs.
+3. A request ends on a stop condition, on max_tokens / max_model_len, or by `abort`; its blocks are
+   freed at once (cached ones stay reusable).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+from shared.config import EngineConfig
+from shared.engine.block_pool import BlockPool
+from shared.engine.kv_cache_manager import KVCacheManager
+from shared.engine.model_info import ModelInfo, load_model_info
+from shared.engine.model_runner import KVSender, ModelRunner
+from shared.engine.request import KVSendSpec, Request, RequestStatus
+from shared.engine.scheduler import EngineCounters, Scheduler
+from shared.engine.scheduler_output import EngineCoreOutput, Reservation
+from shared.records import BlockEvent, BlockHash, KVLayout, NodeLoad
+from shared.sampling_params import SamplingParams
+
+_COMPUTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING)
+
+logger = logging.getLogger(__name__)
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    return f"{request_id}#{index}"
+
+
+class EngineCore:
+    """`kv_sender` (prefill role): where each layer's KV goes as it is computed; the engine registers its
+    caches with it once they exist. `record_block_events`: keep the prefix cache's STORED/EVICTED events
+    for `drain_block_events` (a node publishes them to the index)."""
+
+    def __init__(
+        self, config: EngineConfig, record_block_events: bool = False, kv_sender: KVSender | None = None,
+    ) -> None:
+        self.config = config
+        t0 = time.perf_counter()
+        self.info: ModelInfo = load_model_info(config.model)
+        self.runner = ModelRunner(config, self.info, kv_sender)
+        self.vocab_size = self.runner.vocab_size
+        self.num_blocks = self.runner.determine_num_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        if kv_sender is not None:
+            kv_sender.register_kv_caches(self.kv_layout(), self.runner.kv_caches)
+        block_size = config.cache.block_size
+        capacity = self.num_blocks * block_size
+        self.max_model_len = self._max_model_len(capacity)
+        pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, record_events=record_block_events)
+        self.kv = KVCacheManager(pool, block_size, self.info.model_id, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        logger.info(
+            "engine ready in %.1fs: %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens (%.1f MiB), "
+            "max_model_len %d",
+            time.perf_counter() - t0, self.info.model_id, self.info.dtype, self.info.device,
+            self.num_blocks, block_size, capacity, self.num_blocks * self.runner.bytes_per_block / 2**20,
+            self.max_model_len,
+        )
+
+    def _max_model_len(self, capacity: int) -> int:
+        limit = self.config.model.max_model_len or self.info.max_position_embeddings
+        if limit > self.info.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {limit} exceeds the model's context length {self.info.max_position_embeddings}"
+            )
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < limit:
+            raise ValueError(
+                f"max_num_batched_tokens: {sched.max_num_batched_tokens} is smaller than max_model_len {limit}; "
+                "without chunked prefill a longer prompt could never be scheduled"
+            )
+        if limit > capacity:
+            logger.warning("max_model_len %d exceeds the KV cache capacity; capping at %d tokens", limit, capacity)
+            limit = capacity
+        return limit
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt: must not be empty")
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within max_model_len "
+                f"{self.max_model_len}"
+            )
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad} outside the vocabulary [0, {self.vocab_size})")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        cache_salt: str = "",
+        kv_send: KVSendSpec | None = None,
+    ) -> list[str]:
+        """Queue a request; returns the engine request ids (one, or n children for n > 1).
+        With `kv_send` (prefill role) the request computes its prompt, samples one token, and its prompt
+        KV goes to the peer layer by layer as it is computed."""
+        prompt = list(prompt_token_ids)
+        self.validate(prompt, params)
+        if kv_send is not None:
+            req = self._make_request(request_id, prompt, params.for_child(0), arrival_time, cache_salt)
+            req.kv_send, req.max_tokens = kv_send, 1
+            self.scheduler.add_request(req)
+            return [request_id]
+        if params.n == 1:
+            self._add_one(request_id, prompt, params, arrival_time, cache_salt)
+            return [request_id]
+        ids = [child_request_id(request_id, i) for i in range(params.n)]
+        for i, rid in enumerate(ids):
+            self._add_one(rid, prompt, params.for_child(i), arrival_time, cache_salt)
+        return ids
+
+    def _add_one(
+        self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str
+    ) -> None:
+        self.scheduler.add_request(self._make_request(rid, prompt, params, arrival, salt))
+
+    def _make_request(
+        self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str
+    ) -> Request:
+        extra = [t for t in self.info.extra_eos_token_ids if t not in params.stop_token_ids]
+        if extra and not params.ignore_eos:
+            params = replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
+        req = Request(rid, prompt, params, eos_token_id=self.info.eos_token_id, cache_salt=salt)
+        if arrival is not None:
+            req.arrival_time = arrival
+        room = self.max_model_len - len(prompt)
+        req.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return req
+
+    # -- disaggregation -------------------------------------------------------------------------------
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+        lease_s: float | None = None, cache_salt: str = "",
+    ) -> Reservation | None:
+        """Decode role: blocks for a prompt a prefill node will compute (None: no room now)."""
+        prompt = list(prompt_token_ids)
+        self.validate(prompt, params)
+        if params.n != 1:
+            raise ValueError("n: a reservation is for one sequence; reserve each of n separately")
+        req = self._make_request(request_id, prompt, params, None, cache_salt)
+        lease = self.config.scheduler.kv_lease_s if lease_s is None else lease_s
+        return self.scheduler.reserve(req, lease)
+
+    def admit_reserved(self, request_id: str, first_token: int, logprobs=None) -> EngineCoreOutput:
+        """Decode role: the reserved blocks hold the prompt's KV; decode on from `first_token`."""
+        if not 0 <= first_token < self.vocab_size:
+            raise ValueError(f"first_token_id: {first_token} is outside the vocabulary [0, {self.vocab_size})")
+        return self.scheduler.admit_reserved(request_id, first_token, logprobs)
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill role: the transfer reading this request's blocks is over; free them."""
+        return self.scheduler.release_held(request_id)
+
+    def expire_leases(self) -> list[str]:
+        return self.scheduler.expire_leases()
+
+    def abort(self, request_ids: Sequence[str]) -> list[str]:
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [r.request_id for r in done]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def has_leases(self) -> bool:
+        return bool(self.scheduler.reserved or self.scheduler.held)
+
+    # -- what callers may ask ---------------------------------------------------------------------------
+
+    def kv_layout(self) -> KVLayout:
+        return KVLayout.for_caches(self.info.model_id, self.runner.kv_caches)
+
+    def load(self) -> NodeLoad:
+        return self.scheduler.load()
+
+    def counters(self) -> EngineCounters:
+        """Cumulative prefix-cache and preemption counts (the metrics advance by their deltas)."""
+        return self.scheduler.counters
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        return list(self.kv.pool.cached)
+
+    def drain_block_events(self) -> list[BlockEvent]:
+        """STORED/EVICTED events since the last call, in order (empty unless record_block_events)."""
+        return self.kv.pool.drain_events() if self.kv.pool.record_events else []
+
+    def request_ids(self, computing_only: bool = False) -> list[str]:
+        """Unfinished requests (reservations included); computing_only: those a step may be running."""
+        reqs = self.scheduler.requests
+        return [rid for rid, r in reqs.items() if not computing_only or r.status in _COMPUTING]
+
+    def held_request_ids(self) -> list[str]:
+        return list(self.scheduler.held)
+
+    def token_counts(self, request_id: str) -> tuple[int, int] | None:
+        """(prompt tokens, prefix-cache hit tokens) of an unfinished request, or None."""
+        req = self.scheduler.requests.get(request_id)
+        return None if req is None else (req.num_prompt_tokens, req.num_cached_tokens or 0)
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        if self.scheduler.reserved or self.scheduler.held:
+            self.scheduler.expire_leases()
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        return self.scheduler.update_from_output(sched, result)

@@ -1,0 +1,167 @@
+"""Per-request block tables on top of the block pool, with prefix-cache lookups.
+
+Lifecycle of a request's blocks:
+1. Admission: `get_computed_blocks` finds the longest cached prefix (whole blocks, hash-chained).
+2. `allocate_slots` takes references on the hit blocks and allocates new ones for the tokens scheduled
+   this step; blocks that become full get their hash (so later requests hit them).
+3. Each later step `allocate_slots` grows the table as tokens are added.
+4. `free` (finish, abort or preemption) drops the references, tail first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.engine.block_pool import BlockPool, KVBlock
+from shared.engine.request import Request
+from shared.hashing import hash_blocks, root_hash
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    blocks: tuple[KVBlock, ...]
+    num_tokens: int
+
+
+NO_HIT = PrefixHit((), 0)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        model_id: str,
+        enable_caching: bool = True,
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.model_id = model_id
+        self.enable_caching = enable_caching
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each request already carry their hash.
+        self.num_cached_blocks: dict[str, int] = {}
+        self._roots: dict[str, bytes] = {}
+        self.held: dict[str, list[KVBlock]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def update_block_hashes(self, req: Request) -> None:
+        """Extend req.block_hashes to cover every full block of its known tokens."""
+        done = len(req.block_hashes)
+        if (done + 1) * self.block_size > req.num_tokens:
+            return
+        parent = req.block_hashes[-1] if done else self._root(req.cache_salt)
+        req.block_hashes.extend(hash_blocks(req.all_token_ids, self.block_size, parent, start_block=done))
+
+    def _root(self, salt: str) -> bytes:
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._roots[salt] = root_hash(self.model_id, self.block_size, salt)
+        return root
+
+    def get_computed_blocks(self, req: Request) -> PrefixHit:
+        if not self.enable_caching:
+            return NO_HIT
+        self.update_block_hashes(req)
+        # At least one token must be computed to produce logits, so a full hit gives back its last block.
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hit: list[KVBlock] = []
+        for block_hash in req.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        return PrefixHit(tuple(hit), len(hit) * self.block_size)
+
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT, cache: bool = True
+    ) -> list[KVBlock] | None:
+        """Blocks for `num_new_tokens` more tokens after the computed ones (and the hit), or None when
+        the pool cannot supply them (nothing is changed then). `cache=False` leaves the new blocks
+        unhashed: their KV arrives later (a transfer), and `cache_tokens` hashes them then."""
+        blocks = self.req_to_blocks.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + hit.num_tokens
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new = max(0, num_required - len(blocks) - len(hit.blocks))
+        # Hit blocks sitting in the free queue stop being allocatable once touched.
+        num_revived = sum(1 for b in hit.blocks if b.ref_cnt == 0)
+        if num_new + num_revived > self.pool.num_free_blocks:
+            return None
+        if hit.blocks:
+            self.pool.touch(hit.blocks)
+        new_blocks = self.pool.get_new_blocks(num_new)
+        blocks = self.req_to_blocks.setdefault(req.request_id, [])
+        if hit.blocks:
+            blocks.extend(hit.blocks)
+            self.num_cached_blocks[req.request_id] = len(blocks)
+        blocks.extend(new_blocks)
+        if cache:
+            self._cache_full_blocks(req, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        # Only tokens whose ids are known can be hashed: a step's last token is known, the next is not.
+        num_full = min(num_tokens, req.num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        self.update_block_hashes(req)
+        blocks = self.req_to_blocks[req.request_id]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], req.block_hashes[i])
+        self.num_cached_blocks[req.request_id] = num_full
+
+    def cache_tokens(self, req: Request) -> None:
+        """Hash blocks filled by tokens that became known after their slots were allocated."""
+        self._cache_full_blocks(req, req.num_computed_tokens)
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_to_blocks.pop(req.request_id, [])
+        num_cached = self.num_cached_blocks.pop(req.request_id, 0)
+        # Blocks hashed for tokens scheduled but never computed (a request preempted in the very step that
+        # scheduled it) must not stay findable by their hash.
+        for block in blocks[req.num_computed_tokens // self.block_size : num_cached]:
+            self.pool.uncache_block(block)
+        self.pool.free_blocks(reversed(blocks))
+
+    def hold(self, req: Request) -> None:
+        """Keep a finished request's blocks (a transfer may still be reading them) until `release`."""
+        self.held[req.request_id] = self.req_to_blocks.pop(req.request_id, [])
+        self.num_cached_blocks.pop(req.request_id, None)
+
+    def release(self, request_id: str) -> bool:
+        blocks = self.held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.free_blocks(reversed(blocks))
+        return True
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.req_to_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return cdiv(num_tokens, block_size)
+
+
+def ids(blocks: Sequence[KVBlock]) -> tuple[int, ...]:
+    return tuple(b.block_id for b in blocks)

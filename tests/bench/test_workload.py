@@ -1,0 +1,120 @@
+"""The throughput benchmark: workload determinism, FLOP counting, and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.bench.workload import WorkloadSpec, build_workload, corpus_tokens, fingerprint, iter_corpus_docs
+
+
+def _encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+SPEC = WorkloadSpec(num_requests=24, seed=7, min_input=5, max_input=300, min_output=2, max_output=40)
+
+
+def test_corpus_is_real_text_in_a_fixed_order():
+    docs = list(iter_corpus_docs())
+    assert len(docs) > 100
+    assert docs == list(iter_corpus_docs())
+    assert sum(len(d) for d in docs) > 100_000
+    assert "the" in docs[0].lower()
+
+
+def test_corpus_repeats_up_to_min_tokens():
+    stream = corpus_tokens(_encode, modules=("textwrap",))
+    longer = corpus_tokens(_encode, min_tokens=3 * len(stream) + 1, modules=("textwrap",))
+    assert len(longer) > 3 * len(stream)
+    assert longer[: len(stream)] == stream
+
+
+def test_same_seed_same_workload():
+    a, b = build_workload(_encode, SPEC), build_workload(_encode, SPEC)
+    assert a == b
+    assert fingerprint(a) == fingerprint(b)
+
+
+def test_other_seed_other_workload():
+    other = WorkloadSpec(**{**SPEC.__dict__, "seed": 8})
+    assert fingerprint(build_workload(_encode, other)) != fingerprint(build_workload(_encode, SPEC))
+
+
+def test_prefix_of_a_longer_workload():
+    longer = WorkloadSpec(**{**SPEC.__dict__, "num_requests": 40})
+    assert build_workload(_encode, longer)[:24] == build_workload(_encode, SPEC)
+
+
+def test_lengths_in_range_and_exact():
+    reqs = build_workload(_encode, SPEC)
+    assert [r.index for r in reqs] == list(range(SPEC.num_requests))
+    assert all(SPEC.min_input <= r.input_len <= SPEC.max_input for r in reqs)
+    assert all(SPEC.min_output <= r.output_len <= SPEC.max_output for r in reqs)
+    stream = corpus_tokens(_encode, 2 * SPEC.max_input)
+    for r in reqs:
+        assert list(r.prompt_token_ids) == stream[r.offset : r.offset + r.input_len]
+    assert len({r.input_len for r in reqs}) > 10  # mixed, not constant
+
+
+def test_vocab_folding():
+    reqs = build_workload(_encode, SPEC, vocab_size=100)
+    assert all(0 <= t < 100 for r in reqs for t in r.prompt_token_ids)
+
+
+def test_bad_spec_is_rejected():
+    with pytest.raises(ValueError, match="input"):
+        WorkloadSpec(min_input=10, max_input=5)
+    with pytest.raises(ValueError, match="num_requests"):
+        WorkloadSpec(num_requests=0)
+
+
+def test_flops_per_token_smollm2_shape():
+    from shared.bench.throughput import flops_per_token
+
+    cfg = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+               intermediate_size=1536, vocab_size=49152)
+    f = flops_per_token(cfg)
+    per_layer = 576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536 + 2 * 576
+    assert f["non_embedding_params"] == 30 * per_layer + 576
+    assert f["flops_per_token"] == 2 * f["non_embedding_params"] + 2 * 576 * 49152
+
+
+def test_help_lists_every_flag(capsys):
+    from shared.bench import standalone
+
+    with pytest.raises(SystemExit):
+        standalone("shared.bench.throughput", ["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--model", "--dtype", "--num-requests", "--seed", "--max-num-batched-tokens", "--max-num-seqs",
+                 "--kv-cache-memory", "--baseline", "--hf-batch-size", "--output", "--min-input", "--max-output"):
+        assert flag in out
+
+
+@pytest.mark.timeout(120)
+def test_end_to_end_tiny_with_hf_baseline(tmp_path, capsys):
+    from shared.bench import standalone
+    from tests.helpers.models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny")
+    out = tmp_path / "results" / "throughput.json"
+    argv = ["--model", str(ckpt), "--num-requests", "4", "--min-input", "4", "--max-input", "24",
+            "--min-output", "2", "--max-output", "6", "--baseline", "hf", "--hf-batch-size", "2",
+            "--kv-cache-memory", str(8 * 2**20), "--matmul-seconds", "0.05", "--output", str(out), "--no-progress"]
+    assert standalone("shared.bench.throughput", argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    saved = json.loads(out.read_text())
+    assert printed["workload"]["fingerprint"] == saved["workload"]["fingerprint"]
+    assert saved["workload"]["num_requests"] == 4
+    for system in ("ours", "hf"):
+        for key in ("elapsed_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+                    "ceiling_output_tokens_per_s", "fraction_of_ceiling"):
+            assert saved[system][key] > 0, (system, key)
+    assert saved["ours"]["short_requests"] == 0
+    assert set(saved["ours_over_hf"]) == {"requests_per_s", "output_tokens_per_s", "total_tokens_per_s"}
+    assert saved["matmul"]["gflops"] > 0
+    agreement = saved["greedy_agreement"]
+    assert agreement["requests_checked"] == 4
+    assert 0.0 <= agreement["identical_token_fraction"] <= 1.0
+    assert (tmp_path / "results" / "throughput.png").stat().st_size > 1000

@@ -1,0 +1,403 @@
+"""Gateway behaviour against scripted stand-in nodes (fast, no model): the OpenAI surface, stop strings,
+n > 1, disconnect aborts, fallbacks and errors. The real-process tests are in test_gateway_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from gateway.config import GatewayConfig
+from gateway.server import make_server
+from shared.hashing import prompt_block_hashes
+from shared.model_resolve import DEFAULT_MODEL_ID
+from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
+
+TEXT = " Hello world. This is a scripted node speaking, one two three four five six seven eight nine ten."
+BLOCK = 16
+
+
+@dataclass
+class Script:
+    """What every fake node does; tests flip fields."""
+
+    token_delay_s: float = 0.0
+    refuse_reserve: bool = False
+    fail_prefill: bool = False
+    aborted: list[str] = field(default_factory=list)
+    calls: list[tuple[str, str, str]] = field(default_factory=list)  # (node_id, method, request_id)
+
+
+class FakeNode(pb_grpc.EngineServicer):
+    def __init__(self, node_id: str, role: str, script: Script, tokens: list[int], vocab: int) -> None:
+        self.node_id, self.role, self.script, self.tokens, self.vocab = node_id, role, script, tokens, vocab
+        self.address = ""
+        self.publish = None  # set: report cached blocks to the index, as real nodes do
+        self.cached: set[bytes] = set()
+        self.active: dict[str, asyncio.Event] = {}
+
+    def _cached_tokens(self, prompt, salt) -> int:
+        n = 0
+        for h in prompt_block_hashes(list(prompt), DEFAULT_MODEL_ID, BLOCK, salt):
+            if h not in self.cached:
+                break
+            n += BLOCK
+        return min(n, len(prompt) - 1) // BLOCK * BLOCK
+
+    def _remember(self, prompt, salt) -> None:
+        hashes = prompt_block_hashes(list(prompt), DEFAULT_MODEL_ID, BLOCK, salt)
+        self.cached.update(hashes)
+        if self.publish is not None:
+            self.publish(hashes)
+
+    def _token(self, params, i: int) -> int:
+        offset = (params.seed or 0) % 7 if params.HasField("seed") else 0
+        return self.tokens[(i + offset) % len(self.tokens)]
+
+    async def GetNodeInfo(self, request, context):  # noqa: N802
+        return pb.NodeInfo(node_id=self.node_id, role=self.role, model_id=DEFAULT_MODEL_ID, block_size=BLOCK,
+                           max_model_len=512, vocab_size=self.vocab, grpc_address=self.address,
+                           kv_address=f"local://{self.node_id}")
+
+    async def Health(self, request, context):  # noqa: N802
+        return pb.HealthResponse(healthy=True)
+
+    async def GetLoad(self, request, context):  # noqa: N802
+        return pb.Load(total_kv_blocks=100, free_kv_blocks=100)
+
+    async def Reserve(self, request, context):  # noqa: N802
+        self.script.calls.append((self.node_id, "Reserve", request.request_id))
+        if self.script.refuse_reserve:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+        cached = self._cached_tokens(request.prompt_token_ids, request.cache_salt)
+        n_blocks = -(-len(request.prompt_token_ids) // BLOCK) - cached // BLOCK
+        return pb.ReserveResponse(request_id=request.request_id, node_id=self.node_id,
+                                  kv_address=f"local://{self.node_id}", num_cached_tokens=cached,
+                                  dst_block_ids=list(range(n_blocks)))
+
+    async def Prefill(self, request, context):  # noqa: N802
+        self.script.calls.append((self.node_id, "Prefill", request.request_id))
+        if self.script.fail_prefill:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "transfer failed")
+        cached = self._cached_tokens(request.prompt_token_ids, request.cache_salt)
+        self._remember(request.prompt_token_ids, request.cache_salt)
+        p = request.params
+        first = self._token(p, 0)
+        resp = pb.PrefillResponse(request_id=request.request_id, first_token_id=first, num_cached_tokens=cached,
+                                  finish_reason="length" if p.max_tokens == 1 else "")
+        if p.HasField("logprobs"):
+            resp.first_logprobs.CopyFrom(self._logprobs(first, p.logprobs))
+        return resp
+
+    def _logprobs(self, token: int, k: int) -> pb.TokenLogprobs:
+        top = [pb.TopLogprob(token_id=token, logprob=-0.5)] + [
+            pb.TopLogprob(token_id=(token + j) % self.vocab, logprob=-1.0 - j) for j in range(1, k)]
+        return pb.TokenLogprobs(token_id=token, logprob=-0.5, rank=1, top=top[:k])
+
+    async def Generate(self, request, context):  # noqa: N802
+        rid = request.request_id
+        self.script.calls.append((self.node_id, "Generate", rid))
+        p = request.params
+        cached = self._cached_tokens(request.prompt_token_ids, request.cache_salt)
+        self._remember(request.prompt_token_ids, request.cache_salt)  # a hand-off's blocks are cached too
+        stop = self.active[rid] = asyncio.Event()
+        max_tokens = p.max_tokens if p.HasField("max_tokens") else 10_000
+        try:
+            for i in range(max_tokens):
+                if stop.is_set():
+                    yield pb.TokenChunk(finish_reason="abort")
+                    return
+                if i and self.script.token_delay_s:
+                    await asyncio.sleep(self.script.token_delay_s)
+                token = self._token(p, i)
+                done = i + 1 == max_tokens
+                chunk = pb.TokenChunk(token_ids=[token], finish_reason="length" if done else "",
+                                      num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=i + 1,
+                                      num_cached_tokens=cached)
+                if p.HasField("logprobs"):
+                    chunk.logprobs.append(self._logprobs(token, p.logprobs))
+                yield chunk
+        finally:
+            self.active.pop(rid, None)
+
+    async def Abort(self, request, context):  # noqa: N802
+        self.script.aborted.append(request.request_id)
+        ev = self.active.get(request.request_id)
+        if ev:
+            ev.set()
+        return pb.AbortResponse(aborted=ev is not None)
+
+
+class Fleet:
+    """Fake nodes and a gateway, each server on its own thread's event loop."""
+
+    def __init__(self, tokenizer, n_prefill: int = 1, n_decode: int = 1, **gateway_kwargs) -> None:
+        self.script = Script()
+        tokens = tokenizer.encode(TEXT)
+        self.nodes = [FakeNode(f"p{i}", "prefill", self.script, tokens, tokenizer.vocab_size)
+                      for i in range(n_prefill)]
+        self.nodes += [FakeNode(f"d{i}", "decode", self.script, tokens, tokenizer.vocab_size) for i in range(n_decode)]
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.grpc = asyncio.run_coroutine_threadsafe(self._start_nodes(), self.loop).result(10)
+        by_role = {role: tuple(n.address for n in self.nodes if n.role == role) for role in ("prefill", "decode")}
+        cfg = GatewayConfig(**{"model": "default", "port": 0, "shutdown_timeout": 2, "health_interval": 0.2,
+                               **by_role, **gateway_kwargs})
+        self.server = make_server(cfg, log_level="warning")
+        self.gateway = self.server.gateway
+        self._gw_thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
+        self._gw_thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "gateway did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def _start_nodes(self):
+        servers = []
+        for node in self.nodes:
+            server = grpc.aio.server()
+            pb_grpc.add_EngineServicer_to_server(node, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            node.address = f"127.0.0.1:{port}"
+            await server.start()
+            servers.append(server)
+        return servers
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self._gw_thread.join(15)
+        for s in self.grpc:
+            asyncio.run_coroutine_threadsafe(s.stop(None), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def fleet(default_tokenizer):
+    f = Fleet(default_tokenizer, n_prefill=1, n_decode=2, local_prefill_threshold=8)
+    yield f
+    f.close()
+
+
+@pytest.fixture(autouse=True)
+def _reset(fleet):
+    fleet.script.token_delay_s = 0
+    fleet.script.refuse_reserve = fleet.script.fail_prefill = False
+    fleet.script.aborted.clear()
+    fleet.script.calls.clear()
+
+
+def _chat(content="Say hi"):
+    return [{"role": "user", "content": content}]
+
+
+def test_chat_and_completion_via_sdk(fleet):
+    client = fleet.client()
+    resp = client.chat.completions.create(model=DEFAULT_MODEL_ID, messages=_chat(), max_tokens=5)
+    assert resp.choices[0].message.content.startswith(" Hello world")
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 5 and resp.usage.prompt_tokens > 10
+    resp = client.completions.create(model=DEFAULT_MODEL_ID, prompt="Once upon a time", max_tokens=4)
+    assert resp.choices[0].text.startswith(" Hello")
+    methods = [m for _, m, _ in fleet.script.calls]
+    assert "Reserve" in methods and "Prefill" in methods
+
+
+def test_stream_stop_string_aborts(fleet):
+    fleet.script.token_delay_s = 0.01
+    client = fleet.client()
+    stream = client.chat.completions.create(model=DEFAULT_MODEL_ID, messages=_chat(), max_tokens=50, stop=["one"],
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == " Hello world. This is a scripted node speaking, "
+    finals = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals[-1].finish_reason == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens < 50
+    deadline = time.monotonic() + 5
+    while not fleet.script.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert fleet.script.aborted, "the node request was not aborted after the stop string"
+
+
+def test_n_choices_and_logprobs(fleet):
+    client = fleet.client()
+    resp = client.chat.completions.create(model=DEFAULT_MODEL_ID, messages=_chat(), max_tokens=3, n=3, seed=1,
+                                          logprobs=True, top_logprobs=2)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    for c in resp.choices:
+        assert len(c.logprobs.content) == 3
+        assert len(c.logprobs.content[0].top_logprobs) == 2
+    resp = client.completions.create(model=DEFAULT_MODEL_ID, prompt=["a b c", "d e f"], max_tokens=2, n=2,
+                                     logprobs=1)
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
+    assert all(len(c.logprobs.tokens) == 2 for c in resp.choices)
+
+
+def test_disconnect_aborts_stream(fleet):
+    fleet.script.token_delay_s = 0.05
+    with httpx.Client(timeout=10) as http:
+        with http.stream("POST", fleet.url + "/v1/completions",
+                         json={"prompt": "tell me", "max_tokens": 500, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+    deadline = time.monotonic() + 5
+    while not fleet.script.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert fleet.script.aborted
+
+
+def test_refused_reservations_503(fleet):
+    fleet.script.refuse_reserve = True
+    r = httpx.post(fleet.url + "/v1/completions", json={"prompt": "x " * 50, "max_tokens": 3})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["type"] == "service_unavailable_error"
+
+
+def test_failed_prefill_falls_back_to_local(fleet):
+    fleet.script.fail_prefill = True
+    r = httpx.post(fleet.url + "/v1/completions", json={"prompt": "y " * 50, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert any(m == "Generate" and rid.endswith(".local") for _, m, rid in fleet.script.calls)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": "nope", "prompt": "hi"}, 404, "model"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"prompt": "hi", "n": "many"}, 400, "n"),
+    ({"prompt": [99999999]}, 400, "prompt"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+])
+def test_errors(fleet, body, status, param):
+    r = httpx.post(fleet.url + "/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"]
+
+
+def test_bad_json_is_400(fleet):
+    r = httpx.post(fleet.url + "/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert "error" in r.json()
+
+
+def test_models_health_metrics(fleet):
+    assert fleet.client().models.list().data[0].id == DEFAULT_MODEL_ID
+    health = httpx.get(fleet.url + "/health").json()
+    assert health["status"] == "ok" and health["decode_nodes"] == 2
+    text = httpx.get(fleet.url + "/metrics").text
+    assert "kvrelay:routing_decision_seconds" in text and "kvrelay:requests_total" in text
+
+
+def test_sse_ends_with_done(fleet):
+    with httpx.stream("POST", fleet.url + "/v1/chat/completions",
+                      json={"messages": _chat(), "max_tokens": 3, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_disconnect_aborts_unary_request(fleet):
+    fleet.script.token_delay_s = 0.05
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(fleet.url + "/v1/completions", json={"prompt": "tell me", "max_tokens": 500}, timeout=0.5)
+    deadline = time.monotonic() + 5
+    while not fleet.script.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert fleet.script.aborted
+    text = httpx.get(fleet.url + "/metrics").text
+    assert 'kvrelay:requests_total{outcome="cancelled"} 1.0' in text
+
+
+# ----------------------------------------------------------------------------- registry + index (memory)
+
+
+@pytest.fixture(scope="module")
+def registry_fleet(default_tokenizer):
+    """Fake nodes that register in the in-process registry and publish what they cache to the index."""
+    from shared.index import NodeRegistration, create_index, create_registry
+    from shared.records import BlockEvent, BlockEventKind
+
+    url = "memory://gateway-fake-nodes"
+    index, registry = create_index(url, DEFAULT_MODEL_ID), create_registry(url)
+    f = Fleet(default_tokenizer, n_prefill=0, n_decode=0, redis_url=url, refresh_interval=0.05,
+              local_prefill_threshold=4)
+    extra = [FakeNode(f"{role}{i}", role, f.script, default_tokenizer.encode(TEXT), default_tokenizer.vocab_size)
+             for role, n in (("prefill", 3), ("decode", 2)) for i in range(n)]
+    servers = asyncio.run_coroutine_threadsafe(_serve(extra), f.loop).result(10)
+    for node in extra:
+        node.publish = lambda hashes, node_id=node.node_id: index.apply(
+            node_id, [BlockEvent(BlockEventKind.STORED, h) for h in hashes])
+        registry.register(NodeRegistration(node.node_id, node.role, node.address, f"local://{node.node_id}", "local",
+                                           DEFAULT_MODEL_ID, BLOCK, "float32", 1 << 20), ttl_s=60)
+    f.registry, f.extra = registry, extra
+    deadline = time.monotonic() + 10
+    while len(f.gateway.discovery.routable("prefill")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield f
+    for s in servers:
+        asyncio.run_coroutine_threadsafe(s.stop(None), f.loop).result(5)
+    f.close()
+
+
+async def _serve(nodes):
+    servers = []
+    for node in nodes:
+        server = grpc.aio.server()
+        pb_grpc.add_EngineServicer_to_server(node, server)
+        node.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        servers.append(server)
+    return servers
+
+
+def test_registry_routes_tenants_to_their_prefix(registry_fleet):
+    f = registry_fleet
+    tenants = [f"You are assistant number {t}. " + "Always answer with care and detail. " * 12 for t in range(4)]
+    first = {}
+    for t, system in enumerate(tenants):
+        r = httpx.post(f.url + "/v1/chat/completions", json={"messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": "hello"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        first[t] = (r.headers["x-kvrelay-prefill-node"], r.headers["x-kvrelay-decode-node"])
+    assert len({p for p, _ in first.values()}) > 1  # cold tenants spread over the prefill nodes
+    for t, system in enumerate(tenants):
+        for q in ("how are you?", "what is the time?"):
+            r = httpx.post(f.url + "/v1/chat/completions", json={"messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": q}], "max_tokens": 2})
+            assert r.status_code == 200
+            assert (r.headers["x-kvrelay-prefill-node"], r.headers["x-kvrelay-decode-node"]) == first[t]
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 80
+
+
+def test_lapsed_lease_is_not_routed(registry_fleet):
+    f = registry_fleet
+    from shared.index import NodeRegistration
+
+    victim = next(n for n in f.extra if n.node_id == "decode1")
+    f.registry.register(NodeRegistration(victim.node_id, "decode", victim.address, "local://x", "local",
+                                         DEFAULT_MODEL_ID, BLOCK, "float32", 1 << 20), ttl_s=0.2)
+    deadline = time.monotonic() + 5
+    while any(n.node_id == "decode1" for n in f.gateway.discovery.routable("decode")):
+        assert time.monotonic() < deadline, "a lapsed lease stayed routable"
+        time.sleep(0.05)
+    for i in range(4):
+        r = httpx.post(f.url + "/v1/completions", json={"prompt": f"lease test {i}", "max_tokens": 1})
+        assert r.headers["x-kvrelay-decode-node"] == "decode0"

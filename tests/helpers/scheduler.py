@@ -1,0 +1,218 @@
+"""A scheduler driven without a model. A fake runner mirrors what the model runner keeps (block tables from
+the scheduler output) and what the KV cache would hold (per slot, a key for the token prefix written there),
+so that every step also checks that each request only attends to KV computed for its own tokens."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Callable
+
+from shared.config import SchedulerConfig, SchedulingPolicy
+from shared.engine.block_pool import BlockPool
+from shared.engine.kv_cache_manager import KVCacheManager
+from shared.engine.request import Request, RequestStatus
+from shared.engine.scheduler import Scheduler
+from shared.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shared.sampling_params import SamplingParams
+
+EOS = 2
+FCFS = SchedulingPolicy.FCFS
+PRIORITY = SchedulingPolicy.PRIORITY
+
+
+def default_token(req: Request) -> int:
+    return 1000 + req.num_output_tokens
+
+
+class Driver:
+    """Scheduler + fake runner. `step()` = schedule -> execute -> update."""
+
+    def __init__(
+        self,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        budget: int = 2048,
+        max_num_seqs: int = 128,
+        policy: SchedulingPolicy = FCFS,
+        caching: bool = True,
+        max_model_len: int | None = None,
+        chunked: bool = True,
+        long_prefill: int = 0,
+        token_fn: Callable[[Request], int] = default_token,
+    ) -> None:
+        self.bs = block_size
+        self.pool = BlockPool(num_blocks, caching)
+        self.kv = KVCacheManager(self.pool, block_size, "test-model", caching)
+        self.config = SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            policy=policy,
+            enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=long_prefill,
+        )
+        self.max_model_len = max_model_len or num_blocks * block_size
+        self.sched = Scheduler(self.config, self.kv, self.max_model_len)
+        self.token_fn = token_fn
+        self.arrival = itertools.count()
+        self.reqs: dict[str, Request] = {}  # every request ever added (the scheduler drops finished ones)
+        self.tables: dict[str, list[int]] = {}  # the runner's block tables
+        self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> prefix key of the KV written there
+        self.keys: dict[int, tuple[Request, list[int]]] = {}  # id(request) -> (request, key per position)
+        self.hash_keys: dict[bytes, list[int]] = {}  # block hash -> prefix keys of its positions
+        self.outputs: dict[str, list[int]] = defaultdict(list)  # tokens streamed per request
+        self.finish: dict[str, tuple[str, int | None]] = {}
+        self.num_steps = 0
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def add(
+        self, rid: str, prompt: list[int], max_tokens: int | None = 16, priority: int = 0, salt: str = "", **params
+    ) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, priority=priority, **params)
+        req = Request(rid, prompt, sp, eos_token_id=EOS, arrival_time=float(next(self.arrival)), cache_salt=salt)
+        room = self.max_model_len - len(prompt)
+        req.max_tokens = room if max_tokens is None else min(max_tokens, room)  # as EngineCore does
+        self.sched.add_request(req)
+        self.reqs[rid] = req
+        self.outputs[rid] = []
+        self.finish.pop(rid, None)
+        return req
+
+    def abort(self, *rids: str) -> list[str]:
+        done = self.sched.finish_requests(rids, RequestStatus.FINISHED_ABORTED)
+        return [r.request_id for r in done]
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    def step(self) -> tuple[SchedulerOutput, dict[str, int]]:
+        out = self.sched.schedule()
+        self.num_steps += 1
+        self._check_output(out)
+        self._runner_update(out)
+        self._execute(out)
+        sampled = {}
+        for rid in out.num_scheduled_tokens:
+            req = self.sched.requests[rid]
+            if req.num_computed_tokens == req.num_tokens:
+                sampled[rid] = self.token_fn(req)
+        for eo in self.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled)):
+            assert eo.new_token_ids == (sampled[eo.req_id],)
+            self.outputs[eo.req_id].extend(eo.new_token_ids)
+            if eo.finish_reason is not None:
+                self.finish[eo.req_id] = (eo.finish_reason, eo.stop_reason)
+        return out, sampled
+
+    def run(self, max_steps: int = 1000) -> list[SchedulerOutput]:
+        outs = []
+        while self.sched.has_unfinished():
+            assert len(outs) < max_steps, "requests did not finish"
+            outs.append(self.step()[0])
+        return outs
+
+    def _check_output(self, out: SchedulerOutput) -> None:
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+        assert all(n > 0 for n in out.num_scheduled_tokens.values())
+        assert len(self.sched.running) <= self.config.max_num_seqs
+        listed = [d.req_id for d in out.new_reqs] + [d.req_id for d in out.cached_reqs]
+        assert sorted(listed) == sorted(out.num_scheduled_tokens)
+        assert not (out.preempted_req_ids & set(out.num_scheduled_tokens))
+        for d in out.new_reqs:
+            req = self.sched.requests[d.req_id]
+            assert d.num_computed_tokens + out.num_scheduled_tokens[d.req_id] == req.num_computed_tokens
+            assert d.token_ids == tuple(req.all_token_ids) and d.num_prompt_tokens == req.num_prompt_tokens
+        for d in out.cached_reqs:
+            req = self.sched.requests[d.req_id]
+            assert d.num_computed_tokens + out.num_scheduled_tokens[d.req_id] == req.num_computed_tokens
+
+    def _runner_update(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            self.tables.pop(rid, None)
+        for d in out.new_reqs:
+            assert d.req_id not in self.tables
+            self.tables[d.req_id] = list(d.block_ids)
+        for d in out.cached_reqs:
+            self.tables[d.req_id].extend(d.new_block_ids)
+        for rid in out.num_scheduled_tokens:
+            assert self.tables[rid] == self.kv.block_ids(rid)
+
+    def prefix_keys(self, req: Request) -> list[int]:
+        keys = self.keys.setdefault(id(req), (req, []))[1]
+        for p in range(len(keys), req.num_tokens):
+            keys.append(hash((keys[-1] if keys else req.cache_salt, req.all_token_ids[p])))
+        return keys
+
+    def _execute(self, out: SchedulerOutput) -> None:
+        bs = self.bs
+        writes: dict[tuple[int, int], int] = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            end = req.num_computed_tokens
+            assert end <= req.num_tokens
+            table = self.tables[rid]
+            assert len(table) == -(-end // bs), "block table must cover exactly the computed tokens"
+            keys = self.prefix_keys(req)
+            for p in range(end - n, end):
+                slot = (table[p // bs], p % bs)
+                assert writes.setdefault(slot, keys[p]) == keys[p], "two requests write one slot"
+        self.slots.update(writes)
+        # Attention reads every position up to the last computed one (the step's writes included).
+        for rid in out.num_scheduled_tokens:
+            req = self.sched.requests[rid]
+            table, keys = self.tables[rid], self.prefix_keys(req)
+            for p in range(req.num_computed_tokens):
+                assert self.slots.get((table[p // bs], p % bs)) == keys[p], f"{rid} reads wrong KV at {p}"
+        self.check_cached_blocks()
+
+    def check_cached_blocks(self) -> None:
+        """Every block in the hash map holds the KV of exactly the tokens its hash names."""
+        for req in self.sched.requests.values():
+            keys = self.prefix_keys(req)
+            for i, hsh in enumerate(req.block_hashes):
+                self.hash_keys.setdefault(hsh, keys[i * self.bs : (i + 1) * self.bs])
+        for hsh, blk in self.pool.cached.items():
+            assert blk.block_hash == hsh
+            want = self.hash_keys[hsh]
+            got = [self.slots.get((blk.block_id, o)) for o in range(self.bs)]
+            assert got == want, f"cached block {blk.block_id} does not hold what its hash names"
+
+    # -- checks ---------------------------------------------------------------------------------------
+
+    def check_blocks(self) -> None:
+        pool, kv = self.pool, self.kv
+        free = pool.free_queue.block_ids()
+        assert len(free) == len(set(free)) == pool.num_free_blocks
+        refs = defaultdict(int)
+        for rid, blocks in kv.req_to_blocks.items():
+            assert rid in self.sched.requests
+            for b in blocks:
+                refs[b.block_id] += 1
+        for b in pool.blocks:
+            assert b.ref_cnt == refs[b.block_id]
+            assert (b.ref_cnt == 0) == (b.block_id in free)
+        for req in self.sched.requests.values():
+            if req.status == RequestStatus.RUNNING:
+                assert req in self.sched.running
+                assert len(kv.block_ids(req.request_id)) == -(-req.num_computed_tokens // self.bs)
+            else:
+                assert req not in self.sched.running and not kv.holds(req.request_id)
+                assert req.num_computed_tokens == 0
+
+    def check_all_free(self) -> None:
+        assert not self.sched.has_unfinished() and not self.sched.requests and not self.kv.req_to_blocks
+        assert self.pool.num_free_blocks == self.pool.num_blocks
+        assert all(b.ref_cnt == 0 for b in self.pool.blocks)
+        self.check_cached_blocks()
+
+
+def prompt(n: int, start: int = 10) -> list[int]:
+    return list(range(start, start + n))
+
+
+# -- budget and chunked prefill ---------------------------------------------------------------------
+
+
+def tokens_then(seq: list[int]) -> Callable[[Request], int]:
+    """Sample seq[i] as the i-th output token (then 1000+i)."""
+    return lambda req: seq[req.num_output_tokens] if req.num_output_tokens < len(seq) else 1000 + req.num_output_tokens
