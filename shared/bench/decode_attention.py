@@ -43,7 +43,7 @@ def _time(fn, seconds: float) -> float:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from shared.engine.attention import cpu_kernels
+    from shared.engine import kernels as cpu_kernels
     from shared.engine.attention.torch_backend import TorchAttentionBackend
 
     torch.manual_seed(0)

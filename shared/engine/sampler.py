@@ -67,6 +67,13 @@ class Sampler:
         self._generator.manual_seed(seed)
         self._seeded_generator = torch.Generator(self.device)  # re-seeded per seeded row
 
+    @staticmethod
+    def argmax_only(row: SamplingRow) -> bool:
+        """Whether the row's token is just the argmax of its raw logits (greedy, nothing suppressed, no
+        penalty, no logprobs): the runner may then skip materialising its logits (Model.greedy_tokens)."""
+        p = row.params
+        return p.greedy and p.logprobs is None and not row.suppress_token_ids and not _has_penalty(p)
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits: expected [{len(rows)}, >={self.vocab_size}], got {list(logits.shape)}")

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from shared.bench import decode_attention
-from shared.engine.attention import cpu_kernels
+from shared.engine import kernels as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler for the native kernel")
 

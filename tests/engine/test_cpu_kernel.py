@@ -4,7 +4,7 @@ full and sliding-window attention, ragged context lengths and shuffled block tab
 import pytest
 import torch
 
-from shared.engine.attention import cpu_kernels
+from shared.engine import kernels as cpu_kernels
 from shared.engine.attention.base import AttentionMetadata
 from shared.engine.attention.torch_backend import TorchAttentionBackend
 
@@ -38,3 +38,78 @@ def test_native_decode_matches_portable_path(kv_dtype, window):
     a = native.forward(q, k, v, kv.clone(), _meta(lens, tables, bs), 0.125, **kwargs)
     b = portable.forward(q, k, v, kv.clone(), _meta(lens, tables, bs), 0.125, **kwargs)
     assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_takes_bf16_queries(kv_dtype):
+    """bf16 compute (CPUs with native bf16 matmul) stays on the in-place kernel: same numbers as fp32 queries
+    rounded to bf16, returned in bf16."""
+    torch.manual_seed(1)
+    bs, nb, heads, kv_heads, d = 16, 64, 8, 2, 64
+    lens = [3, 40, 90]
+    tables = torch.randperm(nb)[: len(lens) * 6].view(len(lens), 6).int()
+    kv = torch.randn(2, nb, bs, kv_heads, d).to(kv_dtype)
+    q = torch.randn(len(lens), heads, d).to(torch.bfloat16)
+    native = cpu_kernels.load()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = native.paged_decode(q, kv, tables, seq_lens, 0.125, 0)
+    want = native.paged_decode(q.float(), kv, tables, seq_lens, 0.125, 0)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.to(torch.bfloat16))
+
+
+# -- fused elementwise kernels against the torch ops they replace -------------------------------------------
+
+
+def _ops():
+    from shared.engine.models.ops import LayerOps, NativeLayerOps
+
+    return LayerOps(), NativeLayerOps(cpu_kernels.load())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_add_rms_norm(dtype, with_residual):
+    torch_ops, native = _ops()
+    torch.manual_seed(2)
+    x, w = torch.randn(37, 576).to(dtype), torch.randn(576).to(dtype)
+    res = torch.randn(37, 576).to(dtype) if with_residual else None
+    want, want_res = torch_ops.add_rms_norm(x.clone(), None if res is None else res.clone(), w, 1e-5)
+    got, got_res = native.add_rms_norm(x.clone(), None if res is None else res.clone(), w, 1e-5)
+    assert torch.equal(got_res, want_res)  # the residual add is exact
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # the sum of squares is vectorised: last-bit differences
+    assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_mul(dtype):
+    torch_ops, native = _ops()
+    torch.manual_seed(3)
+    gate_up = (torch.randn(19, 2 * 1536) * 4).to(dtype)
+    want, got = torch_ops.silu_mul(gate_up.clone()), native.silu_mul(gate_up.clone())
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_equals_hf_formula(dtype):
+    """q * cos + rotate_half(q) * sin, as transformers computes it: identical to the last bit (each product
+    rounds on its own), and within a rounding of the portable path (which fuses a multiply-add)."""
+    torch_ops, native = _ops()
+    torch.manual_seed(4)
+    freqs = torch.arange(4096).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64))[None, :]
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    qkv = torch.randn(23, (9 + 3 + 3) * 64).to(dtype)
+    positions = torch.randint(0, 4096, (23,))
+    a, b = qkv.clone(), qkv.clone()
+    qk_a, qk_b = a[:, : 12 * 64].view(23, 12, 64), b[:, : 12 * 64].view(23, 12, 64)
+    torch_ops.rope_(qk_a, torch_ops.rope_prepare(cos, sin, positions))
+    native.rope_(qk_b, native.rope_prepare(cos, sin, positions))
+    x = qkv[:, : 12 * 64].view(23, 12, 64)
+    c = torch.cat([cos[positions], cos[positions]], -1)[:, None]
+    s = torch.cat([sin[positions], sin[positions]], -1)[:, None]
+    x1, x2 = x.chunk(2, -1)
+    hf = x * c + torch.cat([-x2, x1], -1) * s
+    assert torch.equal(qk_b, hf)
+    assert torch.equal(b[:, 12 * 64 :], qkv[:, 12 * 64 :])  # v untouched
+    assert (qk_a.float() - hf.float()).abs().max().item() <= (1e-6 if dtype == torch.float32 else 2e-2)

@@ -235,3 +235,15 @@ def test_loader_rejects_mismatched_checkpoints(change, tmp_path):
     match = {"missing": "lacks.*model.norm.weight", "unexpected": "does not know", "shape": "k_proj.*shape"}
     with pytest.raises(ValueError, match=match[change]):
         load_model(str(path), torch.float32, torch.device("cpu"), "torch")
+
+
+@pytest.mark.parametrize("tile", [7, 100, 8192])
+def test_greedy_tokens_equal_the_argmax_of_the_logits(models, tile):
+    """The tiled head argmax (no logits materialised) picks exactly torch.argmax's token, ties included."""
+    _, _, _, model = models
+    torch.manual_seed(5)
+    hidden = torch.randn(6, model.hidden_size)
+    hidden[3] = 0.0  # all-zero logits: every token ties, the first one wins
+    logits = model.compute_logits(hidden)
+    assert torch.equal(model.greedy_tokens(hidden, tile=tile), logits.argmax(dim=-1))
+    assert model.greedy_tokens(hidden, tile=tile)[3].item() == 0

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from shared.engine import kernels as cpu_kernels
+
 from .base import AttentionBackend, AttentionMetadata, write_kv
 
 
@@ -50,7 +51,7 @@ class TorchAttentionBackend(AttentionBackend):
         return (
             self._native is not None
             and q.device.type == "cpu"
-            and q.dtype == torch.float32
+            and q.dtype in (torch.float32, torch.bfloat16)
             and kv_cache.dtype in (torch.float32, torch.bfloat16)
             and kv_cache.is_contiguous()
         )

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.engine.attention.base import AttentionBackend, AttentionMetadata
+from shared.engine.models.ops import LayerOps
 
 
 @dataclass(frozen=True)
@@ -42,20 +43,19 @@ class ArchConfig:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: LayerOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel (statistics in fp32) instead of HF's five ops; it matched HF exactly in fp32 when
-        # measured, and is within rounding in bf16 (HF rounds before scaling by the weight).
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fold the residual add into the norm: residual += x, return (norm(residual), residual)."""
-        residual.add_(x)
-        return self.forward(residual), residual
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fold the residual add into the norm: residual += x, return (norm(residual), residual); without a
+        residual (the first layer), x is the residual."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -83,16 +83,18 @@ class FusedLinear(Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
+                 ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = FusedLinear(
             cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, cfg.qkv_bias, dtype
         )
         self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_bias, dtype)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
         window = cfg.sliding_windows[layer]
@@ -102,10 +104,9 @@ class Attention(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: object,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        rope: RotaryEmbedding,
     ) -> torch.Tensor:
         t = h.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -114,15 +115,16 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qk[:, :nh] = self.q_norm(qk[:, :nh])
             qk[:, nh:] = self.k_norm(qk[:, nh:])
-        rope.apply_(qk, *cos_sin)  # q and k rotated together, in place
+        self.ops.rope_(qk, rope)  # q and k rotated together, in place
         v = qkv[:, (nh + nkv) * d :].view(t, nkv, d)
         out = self.backend.forward(qk[:, :nh], qk[:, nh:], v, kv_cache, meta, self.scale, **self.backend_kwargs)
         return self.o_proj(out.reshape(t, nh * d))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         size = cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate_proj": size, "up_proj": size}, cfg.mlp_bias, dtype)
         self.down_proj = Linear(size, cfg.hidden_size, cfg.mlp_bias, dtype)
@@ -130,45 +132,39 @@ class MLP(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(h)
-        x = F.silu(gate_up[:, : self.size])
-        x.mul_(gate_up[:, self.size :])
-        return self.down_proj(x)
+        return self.down_proj(self.ops.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, layer: int, backend: AttentionBackend, dtype: torch.dtype,
+                 ops: LayerOps) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer, backend, dtype)
-        self.mlp = MLP(cfg, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layer, backend, dtype, ops)
+        self.mlp = MLP(cfg, dtype, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
     def forward(
         self,
         h: torch.Tensor,
         residual: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: object,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        rope: RotaryEmbedding,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = h
-            h = self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm.add_forward(h, residual)
-        h = self.self_attn(h, cos_sin, kv_cache, meta, rope)
+        h, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, dtype: torch.dtype, ops: LayerOps) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, backend, dtype) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, backend, dtype, ops) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -178,10 +174,12 @@ class LlamaForCausalLM(nn.Module):
     O_BIAS: bool | None = None
     QK_NORM = False
 
-    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype,
+                 ops: LayerOps | None = None) -> None:
         super().__init__()
         self.arch = cfg = self.arch_config(hf_config)
-        self.model = DecoderModel(cfg, attn_backend, dtype)
+        self.ops = ops = ops or LayerOps()
+        self.model = DecoderModel(cfg, attn_backend, dtype, ops)
         # Tied: the head shares the embedding parameter, so it is loaded (and stored) once.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         if cfg.tie_word_embeddings:
@@ -237,10 +235,10 @@ class LlamaForCausalLM(nn.Module):
         """`on_layer_done(i)` runs once layer i has written its KV: a prefill node starts sending that
         layer's blocks while the next layers compute."""
         h = self.model.embed_tokens(input_ids)
-        cos_sin = self.rope.lookup(positions)
+        rope = self.ops.rope_prepare(self.rope.cos, self.rope.sin, positions)
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            h, residual = layer(h, residual, cos_sin, kv_cache, meta, self.rope)
+            h, residual = layer(h, residual, rope, kv_cache, meta)
             if on_layer_done is not None:
                 on_layer_done(i)
         h, _ = self.model.norm.add_forward(h, residual)
@@ -248,6 +246,26 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor, tile: int = 8192) -> torch.Tensor:
+        """argmax over the vocabulary of compute_logits(hidden), one vocabulary tile at a time.
+
+        The logits of a whole batch over a 49k vocabulary are tens of MB, written once and read once by the
+        argmax; tile by tile they stay in cache and the head's GEMMs run faster. Ties resolve to the lowest
+        token id, as torch.argmax does.
+        """
+        weight, vocab = self.lm_head.weight, self.vocab_size
+        best_val = best_idx = None
+        for start in range(0, vocab, tile):
+            logits = F.linear(hidden, weight[start : min(start + tile, vocab)])
+            val, idx = logits.max(dim=-1)
+            if best_val is None:
+                best_val, best_idx = val, idx
+            else:
+                better = val > best_val  # strictly: an equal later value loses to the earlier token
+                best_val = torch.where(better, val, best_val)
+                best_idx = torch.where(better, idx + start, best_idx)
+        return best_idx
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -313,19 +331,6 @@ class RotaryEmbedding:
         freqs = positions[:, None] * inv_freq[None, :]
         self.cos = freqs.cos().to(device=device, dtype=dtype)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
-
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each token, shaped [T, 1, head_dim / 2] to broadcast over heads."""
-        assert self.cos is not None and self.sin is not None, "init_buffers() was not called"
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    @staticmethod
-    def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotate x [T, heads, head_dim] in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated1 = torch.addcmul(x1 * cos, x2, sin, value=-1.0)
-        x2.mul_(cos).addcmul_(x1, sin)
-        x1.copy_(rotated1)
 
 
 def inverse_frequencies(head_dim: int, params: dict[str, Any], device: torch.device) -> torch.Tensor:

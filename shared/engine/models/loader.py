@@ -18,6 +18,7 @@ from torch import nn
 from shared.engine.attention.base import AttentionBackend
 
 from .llama import FusedLinear
+from .ops import layer_ops
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def load_model(
     if compute != dtype:
         logger.info("%s matmuls are slow on this CPU: computing in %s on %s-rounded weights", dtype, compute, dtype)
     with torch.device("meta"):
-        model = get_model_class(archs[0])(hf_config, attn_backend, compute)
+        model = get_model_class(archs[0])(hf_config, attn_backend, compute, layer_ops(device))
     model.to_empty(device=device)
     model.after_materialize(device)
     load_weights(model, checkpoint_files(Path(model_dir)), round_to=dtype if compute != dtype else None)

@@ -1,0 +1,71 @@
+"""Native CPU kernels, compiled once per machine with torch's C++ extension builder and cached.
+
+    paged_decode     decode attention reading K/V in place through the block table (fp32/bf16 q and cache)
+    add_rms_norm     residual add + RMSNorm in one pass
+    silu_mul         SiLU(gate) * up in one pass
+    rope_write_kv    rotary embedding of q and k in place + the KV-cache write, in one pass
+
+The build happens on first use (about a minute on 2 cores) under torch's own file lock, so concurrent node
+processes wait for one build; the sources' content keys the build folder, so an edited kernel is rebuilt.
+Any failure leaves `load()` returning None and the portable torch path in use.
+`python -m shared.engine.kernels` builds them now (`make install` does, so no request waits for it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp")
+_lock = threading.Lock()
+_module = None
+_tried = False
+
+
+def _build_dir() -> Path:
+    import torch
+
+    base = os.environ.get("KVRELAY_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvrelay"
+    )
+    digest = hashlib.sha256()
+    for name in (*_SOURCES, "common.h"):
+        digest.update((_CSRC / name).read_bytes())
+    tag = f"torch{torch.__version__.replace('+', '_')}-{digest.hexdigest()[:16]}"
+    path = Path(base) / "kernels" / tag
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load():
+    """The compiled module, or None when it cannot be built here (or KVRELAY_DISABLE_CPU_KERNELS is set)."""
+    global _module, _tried
+    if os.environ.get("KVRELAY_DISABLE_CPU_KERNELS"):
+        return None
+    with _lock:
+        if _tried:
+            return _module
+        _tried = True
+        try:
+            from torch.utils.cpp_extension import load as build
+
+            logger.info("loading the native CPU kernels (compiled once per machine)")
+            _module = build(
+                name="kvrelay_cpu_kernels",
+                sources=[str(_CSRC / name) for name in _SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(_build_dir()),
+                verbose=False,
+            )
+        except Exception as e:  # a missing compiler must not stop serving
+            logger.warning("native CPU kernels unavailable (%s); using the torch path", e)
+            _module = None
+        return _module
+
