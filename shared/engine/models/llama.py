@@ -247,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def greedy_tokens(self, hidden: torch.Tensor, tile: int = 8192) -> torch.Tensor:
+    def greedy_tokens(self, hidden: torch.Tensor, tile: int = 2048) -> torch.Tensor:
         """argmax over the vocabulary of compute_logits(hidden), one vocabulary tile at a time.
 
         The logits of a whole batch over a 49k vocabulary are tens of MB, written once and read once by the
