@@ -119,6 +119,10 @@ class EngineCore:
         schema, regex or grammar. Thread-safe."""
         return self.grammars.submit(spec)
 
+    def warm_up_grammars(self) -> None:
+        """Build the grammar backend now, in the background (else on the first constrained request)."""
+        self.grammars.warm_up()
+
     def _grammar_vocab(self) -> GrammarVocab:
         # A finished grammar allows the model's end tokens only: the request then stops as usual.
         eos = () if self.info.eos_token_id is None else (self.info.eos_token_id,)
