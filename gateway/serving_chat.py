@@ -182,7 +182,7 @@ def _message(choice: ChoiceOutput, plan: tools.ToolPlan) -> ChatResponseMessage:
     parsed = plan.parser.parse(choice.text)
     calls = parsed.calls if plan.parallel else parsed.calls[:1]
     if not calls:
-        return ChatResponseMessage(content=choice.text)
+        return ChatResponseMessage(content=choice.text or None if plan.forced else choice.text)
     return ChatResponseMessage(content=parsed.content, tool_calls=[
         ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
 

@@ -67,8 +67,10 @@ class ToolParser(ABC):
         return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n</tool_call>'
 
     def parse(self, text: str) -> ParsedOutput:
+        """The calls written out in full (one cut short by max_tokens is left out; the text stays content)."""
         scan = self.scan(text, final=True)
-        calls = [ParsedCall(self.new_call_id(), c.name, c.final_arguments()) for c in scan.calls if c.name]
+        calls = [ParsedCall(self.new_call_id(), c.name, c.final_arguments()) for c in scan.calls
+                 if c.name and (c.complete or c.arguments_done)]
         content = scan.content if scan.content.strip() else None
         return ParsedOutput(content, calls)
 
