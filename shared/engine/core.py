@@ -156,6 +156,28 @@ class EngineCore:
             self._add_one(rid, prompt, params.for_child(i), arrival_time, cache_salt)
         return ids
 
+    def resume_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+        params: SamplingParams, arrival_time: float | None = None, cache_salt: str = "",
+    ) -> str:
+        """Queue a request that already generated `output_token_ids` on another node (a migrated request).
+        Its prompt and outputs are recomputed (from the prefix cache where they can be), then it goes on:
+        a seeded draw continues at the same positions and its grammar matcher replays the outputs, so the
+        continuation is the one the first node would have produced."""
+        prompt, outputs = list(prompt_token_ids), [int(t) for t in output_token_ids]
+        self.validate(prompt, params)
+        if params.n != 1:
+            raise ValueError("n: a resumed request is one sequence")
+        if any(not 0 <= t < self.vocab_size for t in outputs):
+            raise ValueError(f"output_token_ids: outside the vocabulary [0, {self.vocab_size})")
+        req = self._make_request(request_id, prompt, params, arrival_time, cache_salt)
+        for t in outputs:
+            req.append_output_token(t)
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            raise ValueError("output_token_ids: the request has no tokens left to generate")
+        self._queue(req)
+        return request_id
+
     def _add_one(
         self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str
     ) -> None:

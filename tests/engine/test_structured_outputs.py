@@ -324,3 +324,25 @@ def test_prompt_logprobs_match_transformers(engine, default_model_dir, default_t
         assert [lp for _, lp in entry.top] == pytest.approx(row.topk(3).values.tolist(), abs=2e-3)
         target = row[prompt[pos]]
         assert int((row > target + 2e-3).sum()) + 1 <= entry.rank <= int((row > target - 2e-3).sum()) + 1
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=80),
+                                    SamplingParams(temperature=1.0, seed=21, max_tokens=80)], ids=["greedy", "seeded"])
+def test_resumed_request_replays_its_grammar(engine, default_tokenizer, params):
+    """A request moved to another node mid-way (migration) goes on exactly as it would have."""
+    from dataclasses import replace
+
+    spec = StructuredOutputs.json_schema(SCHEMA)
+    prompt = _prompt(default_tokenizer, "Describe a user account as JSON.")
+    constrained = replace(params, structured_outputs=spec)
+    (full, reason), = _run(engine, {"whole": (prompt, constrained)}).values()
+    assert len(full) > 12
+    for cut in (1, 9, len(full) - 2):
+        engine.resume_request(f"resumed-{cut}", prompt, full[:cut], constrained)
+        rest: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                rest.extend(out.new_token_ids)
+        assert full[:cut] + rest == full
+    with pytest.raises(ValueError, match="no tokens left"):
+        engine.resume_request("done", prompt, full + [0] * 80, constrained)
