@@ -2,11 +2,14 @@
 
 One engine in this process (the default model unless --model), two measurements:
 
-1. Step cost. A batch of --batch decoding requests runs --steps engine steps with 0, half and all of its
-   rows under a JSON schema whose string cannot close within the budget (every row stays constrained and
-   alive); reported per variant: mean step time, and the time each constrained row adds to a step. The
-   per-row pieces are timed in isolation too, on the real vocabulary: filling a matcher's bitmask row,
-   applying it to the logits, and advancing the matcher by the sampled token.
+1. Step cost. What constrained rows add to a step is the grammar work around the sampler: fill each
+   constrained row's bitmask, mask the logits, advance each matcher by its token. `sampler` times exactly
+   that part of a step, on the real vocabulary, for a batch of --batch rows with 0, half and all of them
+   constrained (real matchers, under a JSON schema whose string cannot close; variants interleaved, medians),
+   and reports the time each constrained row adds. `engine` runs whole engine steps of --batch decoding
+   requests the same three ways (interleaved rounds, medians): the model's forward dominates a step, so
+   there the difference is within the machine's noise unless the grammar work is large. The per-row pieces
+   (fill, apply, accept) are timed on their own too.
 2. Time to first token. --repetitions single requests each (a fresh prompt every time, so no prefix-cache
    hit): unconstrained; under a schema never seen before (its compile is on the path); and under that same
    schema again (cached). Reported as medians, with the TTFT a first-seen schema adds over the cached one
@@ -51,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="model folder, .gguf or 'default' (SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", help="auto resolves to float32 on CPUs without native bf16")
     p.add_argument("--batch", type=int, default=8, help="decoding requests in the step-cost batch")
-    p.add_argument("--steps", type=int, default=24, help="engine steps timed per variant")
+    p.add_argument("--steps", type=int, default=12, help="engine steps timed per variant and round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the engine-step variants")
     p.add_argument("--repetitions", type=int, default=5, help="requests per TTFT variant")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON result file")
@@ -101,6 +105,55 @@ def step_cost(bench: _Bench, batch: int, steps: int, constrained: int, tag: str)
     engine.abort(ids)
     engine.step()
     return elapsed / steps
+
+
+def engine_steps(bench: _Bench, batch: int, steps: int, rounds: int) -> dict:
+    variants = sorted({0, batch // 2, batch})
+    samples: dict[int, list[float]] = {k: [] for k in variants}
+    for r in range(rounds):
+        for k in variants:
+            samples[k].append(step_cost(bench, batch, steps, k, f"s{r}-{k}"))
+    return _per_variant(samples, batch)
+
+
+def sampler_steps(bench: _Bench, batch: int, reps: int) -> dict:
+    """The grammar work of one step around the sampler, for `batch` rows of which 0, half, all constrained."""
+    import torch
+
+    from shared.engine.sampler import Sampler, SamplingRow, TokenBitmask
+    from shared.engine.structured import bitmask_words
+    from shared.sampling_params import SamplingParams, StructuredOutputs
+
+    engine = bench.engine
+    vocab = engine.vocab_size
+    compiled = engine.compile_grammar(StructuredOutputs.json_schema(_LONG_SCHEMA)).result()
+    sampler = Sampler(vocab)
+    words = torch.zeros(batch, bitmask_words(vocab), dtype=torch.int32)
+    rows = [SamplingRow(SamplingParams(temperature=1.0, seed=i), [1, 2, 3], [], 100) for i in range(batch)]
+    variants = sorted({0, batch // 2, batch})
+    matchers = {k: [compiled.matcher() for _ in range(k)] for k in variants}
+    samples: dict[int, list[float]] = {k: [] for k in variants}
+    torch.manual_seed(0)
+    for _ in range(reps):
+        for k in variants:
+            logits = torch.randn(batch, vocab)
+            t0 = time.perf_counter()
+            for j, m in enumerate(matchers[k]):
+                m.fill_bitmask(words, j)
+            mask = TokenBitmask(list(range(k)), words[:k]) if k else None
+            tokens = sampler(logits, rows, mask).token_ids
+            for m, t in zip(matchers[k], tokens):
+                assert m.accept(t)
+            samples[k].append(time.perf_counter() - t0)
+    return _per_variant(samples, batch)
+
+
+def _per_variant(samples: dict[int, list[float]], batch: int) -> dict:
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    free = med[0]
+    return {f"{k}_of_{batch}_constrained": {
+        "ms": round(v * 1e3, 3), "ratio_vs_unconstrained": round(v / free, 4),
+        "added_ms_per_constrained_row": round((v - free) / k * 1e3, 3) if k else 0.0} for k, v in med.items()}
 
 
 def row_pieces(bench: _Bench) -> dict:
@@ -187,13 +240,8 @@ def measure(args: argparse.Namespace) -> dict:
         engine.compile_grammar(StructuredOutputs.json_schema({"type": "object"})).result()
         backend_start = time.perf_counter() - t0
         ttft(engine, bench.prompt("Warm up, please."), SamplingParams(max_tokens=1))
-        variants = sorted({0, args.batch // 2, args.batch})
-        per_step = {k: step_cost(bench, args.batch, args.steps, k, f"s{k}") for k in variants}
-        free = per_step[0]
-        steps = {f"{k}_of_{args.batch}_constrained": {
-            "step_ms": round(v * 1e3, 3), "ratio_vs_unconstrained": round(v / free, 4),
-            "added_ms_per_constrained_row": round((v - free) / k * 1e3, 3) if k else 0.0}
-            for k, v in per_step.items()}
+        steps = {"sampler": sampler_steps(bench, args.batch, max(20, args.steps * 4)),
+                 "engine": engine_steps(bench, args.batch, args.steps, args.rounds)}
         return {
             "benchmark": "structured", "model": engine.info.model_id, "dtype": str(engine.info.dtype),
             "vocab_size": engine.vocab_size, "backend": engine.config.structured.structured_outputs_backend,
