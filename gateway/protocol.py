@@ -318,20 +318,16 @@ class CompletionStreamResponse(CompletionResponse):
 # ------------------------------------------------------------------------- tokenize, detokenize, version
 
 
-class TokenizeCompletionRequest(_Request):
+class TokenizeRequest(_Request):
+    """vLLM's two /tokenize bodies in one: a `prompt`, or chat `messages` (with the chat options)."""
+
     model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template's)
     return_token_strs: bool | None = False
-
-
-class TokenizeChatRequest(_Request):
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    add_special_tokens: bool = False
-    return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

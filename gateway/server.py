@@ -41,8 +41,7 @@ from gateway.protocol import (
     HealthResponse,
     ModelCard,
     ModelList,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
 )
@@ -187,14 +186,8 @@ def _tokenize_routes(gateway: Gateway) -> APIRouter:
     router = APIRouter()
     serving = gateway.tokenize
 
-    @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS,
-                 openapi_extra={"requestBody": {"content": {"application/json": {"schema": {"anyOf": [
-                     TokenizeCompletionRequest.model_json_schema(), TokenizeChatRequest.model_json_schema()]}}}}})
-    async def tokenize(request: Request):
-        try:
-            body = serving.parse(await request.body())
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest):
         return Response(serving.tokenize(body).model_dump_json(exclude_none=True), media_type="application/json")
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)

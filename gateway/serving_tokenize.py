@@ -7,20 +7,9 @@ count and max_model_len; /detokenize turns ids back into text.
 
 from __future__ import annotations
 
-import json
-
-from pydantic import ValidationError
-
 from gateway.core import GatewayCore
 from gateway.errors import BadRequest
-from gateway.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    TokenizeResponse,
-    VersionResponse,
-)
+from gateway.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, VersionResponse
 from gateway.serving_common import check_model
 
 VERSION = "0.1.0"
@@ -30,23 +19,17 @@ class TokenizeServing:
     def __init__(self, core: GatewayCore, served_names: list[str], render_chat) -> None:
         self.core = core
         self.served_names = served_names
-        self._render_chat = render_chat  # (TokenizeChatRequest) -> token ids, the chat endpoint's renderer
+        self._render_chat = render_chat  # (TokenizeRequest) -> token ids, the chat endpoint's renderer
 
-    def parse(self, raw: bytes) -> TokenizeChatRequest | TokenizeCompletionRequest:
-        """The body as whichever request it is; ValidationError like any request body."""
-        try:
-            body = json.loads(raw or b"{}")
-        except ValueError:
-            raise BadRequest("the body is not valid JSON") from None
-        model = TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
-        return model.model_validate(body)
-
-    def tokenize(self, req: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         check_model(req.model, self.served_names)
-        if isinstance(req, TokenizeChatRequest):
+        if (req.prompt is None) == (req.messages is None):
+            raise BadRequest("give either prompt or messages", param="prompt")
+        if req.messages is not None:
             ids = self._render_chat(req)
         else:
-            ids = self.core.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = self.core.tokenizer.encode(req.prompt, add_special_tokens=add)
         strs = list(self.core.tokenizer.hf.convert_ids_to_tokens(ids)) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.core.max_model_len, tokens=ids, token_strs=strs)
 
@@ -62,5 +45,3 @@ class TokenizeServing:
     def version() -> VersionResponse:
         return VersionResponse(version=VERSION)
 
-
-__all__ = ["TokenizeServing", "ValidationError"]

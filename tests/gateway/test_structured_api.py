@@ -175,6 +175,7 @@ def test_tokenize_detokenize_version(http, default_tokenizer):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert http.get("/version").json()["version"]
     assert http.post("/tokenize", json={"prompt": "x", "model": "other"}).status_code == 404
+    assert http.post("/tokenize", json={"prompt": "x", "messages": msgs}).json()["error"]["param"] == "prompt"
 
 
 @pytest.mark.parametrize(("body", "param"), [
