@@ -29,3 +29,8 @@ class GatewayConfig:
     kv_lease_ms: int = 0  # reservation lease asked of decode nodes (0: the node's default)
     prefill_timeout: float = 300.0
     log_requests: bool = False
+    tool_call_parser: str | None = "hermes"  # how tool_choice "auto" reads calls (vLLM's names); None: not at all
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins allowed to call the API from a browser (empty: no CORS)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False

@@ -36,6 +36,7 @@ class GenerateInput:
     options: OutputOptions
     request_id: str = ""
     cache_salt: str = ""
+    user: str | None = None  # the OpenAI `user` field: a session-affinity hint for routing
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         self.core.active += 1
         try:
-            decision = await self.core.router.route(self.inp.prompt_token_ids, self.inp.cache_salt)
+            decision = await self.core.router.route(self.inp.prompt_token_ids, self.inp.cache_salt, self.inp.user)
             streams = [self._choice_stream(decision, i) for i in range(len(self.choices))]
             # Choice 0 first: once its prompt is computed, the other choices find it in the prefix caches
             # instead of each computing (and reserving blocks for) the same prompt at once.

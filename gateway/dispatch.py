@@ -96,7 +96,8 @@ class Dispatcher:
         first = TokenChunk((result.first_token_id,),
                            (result.first_logprobs,) if result.first_logprobs is not None else (),
                            finish_reason=result.finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
-                           num_output_tokens=1, num_cached_tokens=result.num_cached_tokens)
+                           num_output_tokens=1, num_cached_tokens=result.num_cached_tokens,
+                           prompt_logprobs=result.prompt_logprobs)
         if result.finish_reason:  # the first token ended it: the reservation is not needed
             holders.remove(decode)
             self._spawn(self._abort(decode, req.request_id))

@@ -17,7 +17,7 @@ import grpc
 from gateway.core import GenerateInput, Generation, new_request_id
 from gateway.errors import BadRequest, GatewayError, Unauthorized
 from gateway.outputs import Delta, LogprobEntry
-from gateway.serving_common import check_model, check_unsupported, output_options, sampling_params
+from gateway.serving_common import check_model, output_options, sampling_params
 from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as pb
 from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -78,7 +78,6 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
     def _input(self, msg: pb.GenerateRequest) -> GenerateInput:
         fields = _fields(msg)
-        check_unsupported(fields)
         prompt = self._prompt(msg)
         self.core.check_prompt(prompt, "prompt")
         max_tokens = self.core.fit_max_tokens(len(prompt), fields.max_tokens, "prompt", "max_tokens")

@@ -67,6 +67,7 @@ class ChoiceOutput:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # with the first chunk, when asked
 
     @property
     def finished(self) -> bool:
@@ -78,6 +79,8 @@ class ChoiceOutput:
             return Delta(self.index)
         delta = Delta(self.index, text_offset=self._sent)
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+        if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         lps = chunk.logprobs if self.options.logprobs is not None else ()
         for i, token_id in enumerate(chunk.token_ids):
             self.token_ids.append(token_id)

@@ -10,6 +10,10 @@ published number lags, and the gateway's own count misses other replicas, so nei
 Ties are broken by rendezvous hashing on the prompt's leading blocks: the same prefix prefers the same node
 in every gateway replica (no randomness, no shared state), and different prefixes spread out.
 
+A request naming its `user` is a session: among the nodes whose cost is within `session_slack` of the best
+(comparable loads), the one the user's rendezvous hash picks goes first, so a conversation keeps landing
+where its earlier turns are cached even before the index has seen them; a clearly cheaper node still wins.
+
 This runs for every request over every node (the benchmark: 100 nodes), so candidates are slotted objects
 with their load folded in once, and rendezvous hashes are computed only among equal costs.
 """
@@ -33,6 +37,7 @@ class Weights:
     transfer_per_token: float = 0.05  # moving a block costs far less than computing it
     per_running_seq: float = 32.0  # one more sequence in a decode batch, in prompt tokens
     kv_full_penalty: float = 1e9  # a node that cannot hold the prompt goes last, but stays a fallback
+    session_slack: float = 64.0  # how much costlier than the best a session's own node may be and still win
 
 
 class Candidate:
@@ -57,6 +62,7 @@ class Prompt:
     affinity_key: bytes  # identifies the prompt's leading blocks, for tie-breaks
     local_threshold: int  # a decode node prefills itself when it would compute at most this many tokens
     can_disaggregate: bool  # a prefill node is up
+    session_key: bytes | None = None  # the request's `user`, when it gave one
 
 
 def rendezvous(key: bytes, node_id: str) -> int:
@@ -97,7 +103,14 @@ class CostPolicy(Policy):
 
     def rank(self, role: str, candidates: list[Candidate], prompt: Prompt) -> list[Candidate]:
         cost = self.prefill_cost if role == "prefill" else self.decode_cost
-        return order_by_cost([(cost(c, prompt), c) for c in candidates], prompt.affinity_key)
+        scored = [(cost(c, prompt), c) for c in candidates]
+        ranked = order_by_cost(scored, prompt.affinity_key)
+        if prompt.session_key is None or len(ranked) < 2:
+            return ranked
+        limit = scored[0][0] + self.weights.session_slack  # order_by_cost sorted `scored` in place
+        band = [c for cost_, c in scored if cost_ <= limit]
+        home = min(band, key=lambda c: rendezvous(prompt.session_key, c.node.node_id))
+        return [home, *(c for c in ranked if c is not home)]
 
     @abstractmethod
     def prefill_cost(self, c: Candidate, prompt: Prompt) -> float: ...

@@ -48,13 +48,42 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class PromptTokensDetails(_Response):
     cached_tokens: int = 0
+
+
+class PromptLogprob(_Response):
+    """vLLM's shape: one entry per token id (the prompt's own token and the top k)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class UsageInfo(_Response):
@@ -92,6 +121,13 @@ class _SamplingFields(_Request):
     cache_salt: str | None = Field(default=None, max_length=256)
     priority: int = Field(default=0, ge=-(2**31), le=INT32_MAX)
     request_id: str | None = Field(default=None, max_length=128)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older names for structured_outputs
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # --------------------------------------------------------------------------------------------- chat
@@ -110,15 +146,36 @@ class ChatMessage(_Request):
     tool_calls: list[dict[str, Any]] | None = None
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -142,9 +199,33 @@ class ChatLogprobs(_Response):
     content: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
@@ -162,11 +243,13 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM extra
 
 
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):
@@ -184,6 +267,7 @@ class ChatCompletionStreamResponse(_Response):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM extra, first chunk
 
 
 # -------------------------------------------------------------------------------------- completions
@@ -201,6 +285,8 @@ class CompletionRequest(_SamplingFields):
 
 
 class CompletionLogprobs(_Response):
+    model_config = ConfigDict(extra="forbid")
+
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
@@ -213,6 +299,7 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM extra
 
 
 class CompletionResponse(_Response):
@@ -226,6 +313,45 @@ class CompletionResponse(_Response):
 
 class CompletionStreamResponse(CompletionResponse):
     pass
+
+
+# ------------------------------------------------------------------------- tokenize, detokenize, version
+
+
+class TokenizeRequest(_Request):
+    """vLLM's two /tokenize bodies in one: a `prompt`, or chat `messages` (with the chat options)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template's)
+    return_token_strs: bool | None = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str
 
 
 # ----------------------------------------------------------------------------------- models, health

@@ -86,7 +86,9 @@ class Router:
         self._lookup_is_async = index is not None and inspect.iscoroutinefunction(index.lookup)
         self.index_error: str | None = None
 
-    async def route(self, prompt_token_ids: Sequence[int], cache_salt: str = "") -> RouteDecision:
+    async def route(self, prompt_token_ids: Sequence[int], cache_salt: str = "",
+                    user: str | None = None) -> RouteDecision:
+        """`user`: a session-affinity hint (the same user goes to the same node while loads are comparable)."""
         start = time.perf_counter()
         decode_nodes = self.discovery.routable("decode")
         if not decode_nodes:
@@ -94,7 +96,7 @@ class Router:
         prefill_nodes = self.discovery.routable("prefill")
         hashes = self._hashes(prompt_token_ids, cache_salt)
         hits = await self._lookup(hashes) if hashes and self.policy.uses_cache else {}
-        decision = self.decide(prompt_token_ids, hashes, hits, prefill_nodes, decode_nodes, start)
+        decision = self.decide(prompt_token_ids, hashes, hits, prefill_nodes, decode_nodes, start, user)
         if self.metrics is not None:
             self.metrics.observe_route(decision)
         return decision
@@ -118,12 +120,14 @@ class Router:
         return result
 
     def decide(self, prompt_token_ids: Sequence[int], hashes: list[bytes], hits: dict[str, int],
-               prefill_nodes: list[Node], decode_nodes: list[Node], start: float | None = None) -> RouteDecision:
+               prefill_nodes: list[Node], decode_nodes: list[Node], start: float | None = None,
+               user: str | None = None) -> RouteDecision:
         """Score and pick; pure given its inputs (the benchmark times it without a network)."""
         start = time.perf_counter() if start is None else start
         n = len(prompt_token_ids)
+        session = None if not user else b"user\x00" + user.encode()
         prompt = Prompt(n, _affinity_key(prompt_token_ids, hashes), self.local_prefill_threshold,
-                        can_disaggregate=bool(prefill_nodes))
+                        can_disaggregate=bool(prefill_nodes), session_key=session)
         decode = self.policy.rank("decode", self._candidates(decode_nodes, hits, n), prompt)
         best = decode[0]
         prefill: list[Candidate] = []

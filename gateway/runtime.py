@@ -18,6 +18,8 @@ from gateway.policies import make_policy
 from gateway.router import Router, wait_for_nodes
 from gateway.serving_chat import ChatServing
 from gateway.serving_completions import CompletionServing
+from gateway.serving_tokenize import TokenizeServing
+from gateway.tool_parsers import create_tool_parser
 from shared.model_resolve import resolve_model
 from shared.tokenizer import Tokenizer
 
@@ -50,8 +52,10 @@ class Gateway:
         self.dispatcher = Dispatcher(self.router, self.clients, self.discovery, self.metrics, config.kv_lease_ms)
         self.core = GatewayCore(self.tokenizer, self.router, self.dispatcher, self.metrics, config.max_model_len,
                                 _model_context(resolved.path))
-        self.chat = ChatServing(self.core, self.served_names)
+        parser = create_tool_parser(config.tool_call_parser) if config.tool_call_parser else None
+        self.chat = ChatServing(self.core, self.served_names, parser)
         self.completions = CompletionServing(self.core, self.served_names)
+        self.tokenize = TokenizeServing(self.core, self.served_names, self.chat.render_for_tokenize)
         self.started_at = time.time()
 
     async def start(self) -> None:

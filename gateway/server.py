@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI), and `serve()`: HTTP + optional gRPC on one event loop.
 
 Every error, bad input included, leaves in OpenAI's shape {"error": {message, type, param, code}}: pydantic
-validation errors are 400s (OpenAI's convention), not FastAPI's 422s. SIGTERM stops new connections and new
+validation errors are 400s (OpenAI's convention), not FastAPI's 422s. An X-Request-Id header names the
+request (its id in the response and on the nodes) and comes back on the response, errors included. CORS
+headers are sent for the --allowed-origins only. SIGTERM stops new connections and new
 requests (503), lets open streams finish within --shutdown-timeout, then cancels what is left, which
 aborts those sequences on the nodes.
 """
@@ -18,24 +20,30 @@ from typing import Any
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from gateway.config import GatewayConfig
-from gateway.errors import GatewayError, Unauthorized
+from gateway.errors import BadRequest, GatewayError, Unauthorized
 from gateway.metrics import CONTENT_TYPE
 from gateway.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     HealthNode,
     HealthResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from gateway.runtime import Gateway
 
@@ -43,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+_MAX_REQUEST_ID = 128
 _OUTCOME = {400: "client_error", 401: "unauthorized", 404: "not_found", 503: "no_capacity", 502: "node_error"}
 
 
@@ -81,8 +90,15 @@ def build_app(gateway: Gateway, grpc_port: int | None = None) -> FastAPI:
     app.state.gateway = gateway
     _install_error_handlers(app, gateway)
     app.add_middleware(_ApiKeyMiddleware, gateway=gateway)
+    app.add_middleware(_RequestIdMiddleware)
+    cfg = gateway.config
+    if cfg.allowed_origins:  # outermost: a browser's preflight must not need the API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
+                           allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
+                           allow_credentials=cfg.allow_credentials, expose_headers=["X-Request-Id"])
     app.include_router(_openai_routes(gateway))
     app.include_router(_ops_routes(gateway))
+    app.include_router(_tokenize_routes(gateway))
     app.router.routes[0:0] = _fast_routes(gateway)
     return app
 
@@ -133,6 +149,58 @@ class _ApiKeyMiddleware:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
+class _RequestIdMiddleware:
+    """Echoes a valid X-Request-Id on every response; refuses an unusable one (400) before any work."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        if raw is None:
+            await self.app(scope, receive, send)
+            return
+        value = raw.decode("latin-1")
+        if not 0 < len(value) <= _MAX_REQUEST_ID or not value.isprintable():
+            err = BadRequest(f"X-Request-Id: must be 1 to {_MAX_REQUEST_ID} printable characters", param="X-Request-Id")
+            await error_response(400, err.message, err.type, err.param)(scope, receive, send)
+            return
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", raw)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def header_request_id(request: Request) -> str | None:
+    return request.headers.get("x-request-id") or None
+
+
+def _tokenize_routes(gateway: Gateway) -> APIRouter:
+    router = APIRouter()
+    serving = gateway.tokenize
+
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest):
+        return Response(serving.tokenize(body).model_dump_json(exclude_none=True), media_type="application/json")
+
+    @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest):
+        return serving.detokenize(body)
+
+    @router.get("/version", response_model=VersionResponse)
+    async def version():
+        return serving.version()
+
+    return router
+
+
 def _openai_routes(gateway: Gateway) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
@@ -145,11 +213,11 @@ def _openai_routes(gateway: Gateway) -> APIRouter:
     @router.post("/chat/completions", response_model=ChatCompletionResponse,
                  responses={**_ERRORS, 200: {"content": _SSE}})
     async def chat(body: ChatCompletionRequest, request: Request):
-        return await _respond(gateway, request, gateway.chat.create(body))
+        return await _respond(gateway, request, gateway.chat.create(body, header_request_id(request)))
 
     @router.post("/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}})
     async def completions(body: CompletionRequest, request: Request):
-        return await _respond(gateway, request, gateway.completions.create(body))
+        return await _respond(gateway, request, gateway.completions.create(body, header_request_id(request)))
 
     return router
 
@@ -161,11 +229,11 @@ def _fast_routes(gateway: Gateway) -> list[Route]:
 
     async def chat(request: Request):
         body = _parse(ChatCompletionRequest, await request.body())
-        return await _respond(gateway, request, gateway.chat.create(body))
+        return await _respond(gateway, request, gateway.chat.create(body, header_request_id(request)))
 
     async def completions(request: Request):
         body = _parse(CompletionRequest, await request.body())
-        return await _respond(gateway, request, gateway.completions.create(body))
+        return await _respond(gateway, request, gateway.completions.create(body, header_request_id(request)))
 
     return [Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"])]

@@ -1,16 +1,25 @@
-"""POST /v1/chat/completions: messages -> the model's chat template -> token ids -> routed generation."""
+"""POST /v1/chat/completions: messages -> the model's chat template -> token ids -> routed generation.
+
+Output constraints (response_format, structured_outputs, guided_*) and forced tool choices become one
+grammar in the sampling params (gateway.structured, gateway.tools). With tools, each choice's text goes
+through a tool parser: whole for a response, delta by delta for a stream (content, then each call's id and
+name, then its arguments in pieces, by index).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 
 from starlette.responses import Response
 
+from gateway import structured, tools
 from gateway.core import GatewayCore, GenerateInput, Generation, new_request_id
 from gateway.errors import BadRequest, GatewayError
-from gateway.outputs import Delta, LogprobEntry
+from gateway.outputs import ChoiceOutput, Delta, LogprobEntry
 from gateway.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -20,8 +29,12 @@ from gateway.protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     PromptTokensDetails,
+    ToolCall,
     TopLogprobEntry,
     UsageInfo,
 )
@@ -29,51 +42,77 @@ from gateway.serving_common import (
     SSE_DONE,
     SSEResponse,
     check_model,
-    check_unsupported,
     json_response,
     output_options,
+    prompt_logprobs_view,
+    request_id_headers,
     sampling_params,
     sse,
     sse_error,
 )
+from gateway.tool_parsers import StreamDelta, ToolParser
 
 logger = logging.getLogger(__name__)
 
 
 class ChatServing:
-    def __init__(self, core: GatewayCore, served_names: list[str]) -> None:
+    """`tool_parser`: how tool_choice "auto" reads the model's calls (None: auto answers with content)."""
+
+    def __init__(self, core: GatewayCore, served_names: list[str], tool_parser: ToolParser | None = None) -> None:
         self.core = core
         self.served_names = served_names
+        self.tool_parser = tool_parser
 
-    async def create(self, req: ChatCompletionRequest) -> Response:
+    async def create(self, req: ChatCompletionRequest, header_request_id: str | None = None) -> Response:
         model = check_model(req.model, self.served_names)
-        gen = self.core.generate(self._input(req))
+        plan = tools.plan(req, self.tool_parser)
+        gen = self.core.generate(self._input(req, plan, header_request_id))
         request_id = gen.request_id
+        headers = request_id_headers(header_request_id)
         if req.stream:
-            return await _stream(gen, request_id, model, req)
-        return json_response(await _collect(gen, request_id, model), gen.route_headers())
+            return await _stream(gen, request_id, model, req, plan, headers)
+        body = await _collect(gen, request_id, model, plan)
+        return json_response(body, {**gen.route_headers(), **headers})
 
-    def _input(self, req: ChatCompletionRequest) -> GenerateInput:
-        check_unsupported(req)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise BadRequest(f"response_format {req.response_format.type!r} is not supported", param="response_format")
+    def _input(self, req: ChatCompletionRequest, plan: tools.ToolPlan, header_id: str | None) -> GenerateInput:
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-        prompt = self._render(req)
+        constraint = structured.from_request(req)
+        if constraint is not None and plan.forced:
+            raise BadRequest("a forced tool_choice already constrains the output; drop response_format / "
+                             "structured_outputs", param="tool_choice")
+        prompt = self._render(req, plan)
         self.core.check_prompt(prompt, "messages")
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.core.fit_max_tokens(len(prompt), asked, "messages", param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(req, self.core, max_tokens=max_tokens, logprobs=logprobs)
-        return GenerateInput(prompt, params, output_options(req, logprobs),
-                             request_id=req.request_id or new_request_id("chatcmpl"), cache_salt=req.cache_salt or "")
+        params = sampling_params(req, self.core, max_tokens=max_tokens, logprobs=logprobs,
+                                 structured=constraint or plan.grammar, prompt_logprobs=req.prompt_logprobs)
+        options = output_options(req, logprobs)
+        if plan.parser is not None and not plan.parser.skip_special_tokens:
+            options = replace(options, skip_special_tokens=False)  # the format's markers are special tokens
+        return GenerateInput(prompt, params, options,
+                             request_id=header_id or req.request_id or new_request_id("chatcmpl"),
+                             cache_salt=req.cache_salt or "", user=req.user)
 
-    def _render(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [_message_dict(m) for m in req.messages]
+    def render_for_tokenize(self, req) -> list[int]:
+        """/tokenize with messages: the same rendering as a chat completion (tools offered as here)."""
+        return self._render(req, tools.plan(req, self.tool_parser))
+
+    def _render(self, req: ChatCompletionRequest, plan: tools.ToolPlan) -> list[int]:
+        template = getattr(self.core.tokenizer.hf, "chat_template", None) or ""
+        if not isinstance(template, str):
+            template = json.dumps(template)
+        messages = tools.template_messages([_message_dict(m) for m in req.messages], template,
+                                           plan.parser or self.tool_parser)
         kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:
-            kwargs["tools"] = req.tools
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+            offer = plan.parser or self.tool_parser
+            if "tools" not in template and req.tool_choice != "none" and offer is not None:
+                # This template cannot show tools: offer them in a system message in the parser's format.
+                messages = _with_system(messages, tools.tools_instruction(req.tools, offer))
         if req.continue_final_message:
             if req.messages[-1].role != "assistant":
                 raise BadRequest("continue_final_message needs an assistant message last", param="messages")
@@ -83,6 +122,13 @@ class ChatServing:
             return self.core.tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt, **kwargs)
         except Exception as e:  # a template rejecting the conversation (e.g. roles out of order) is bad input
             raise BadRequest(f"the chat template could not render these messages: {e}", param="messages") from None
+
+
+def _with_system(messages: list[dict], text: str) -> list[dict]:
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = messages[0]
+        return [{**first, "content": f"{first.get('content') or ''}\n\n{text}".strip()}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def _message_dict(m) -> dict:
@@ -113,22 +159,46 @@ def _usage(gen: Generation) -> UsageInfo:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
 
 
-async def _collect(gen: Generation, request_id: str, model: str) -> ChatCompletionResponse:
+async def _collect(gen: Generation, request_id: str, model: str, plan: tools.ToolPlan) -> ChatCompletionResponse:
     want_logprobs = gen.inp.options.logprobs is not None
     entries: dict[int, list[LogprobEntry]] = {c.index: [] for c in gen.choices}
     async with aclosing(gen.deltas()) as deltas:
         async for delta in deltas:
             entries[delta.index].extend(delta.logprobs)
-    choices = [
-        ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                   logprobs=_logprobs(entries[c.index]) if want_logprobs else None,
-                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        for c in gen.choices
-    ]
-    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(gen))
+    choices = []
+    for c in gen.choices:
+        message = _message(c, plan)
+        choices.append(ChatChoice(index=c.index, message=message,
+                                  logprobs=_logprobs(entries[c.index]) if want_logprobs else None,
+                                  finish_reason=_finish_reason(c.finish_reason, plan, bool(message.tool_calls)),
+                                  stop_reason=c.stop_reason))
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=_usage(gen),
+                                  prompt_logprobs=_prompt_logprobs(gen))
 
 
-async def _stream(gen: Generation, request_id: str, model: str, req: ChatCompletionRequest) -> SSEResponse:
+def _message(choice: ChoiceOutput, plan: tools.ToolPlan) -> ChatResponseMessage:
+    if plan.parser is None:
+        return ChatResponseMessage(content=choice.text)
+    parsed = plan.parser.parse(choice.text)
+    calls = parsed.calls if plan.parallel else parsed.calls[:1]
+    if not calls:
+        return ChatResponseMessage(content=choice.text or None if plan.forced else choice.text)
+    return ChatResponseMessage(content=parsed.content, tool_calls=[
+        ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
+
+
+def _finish_reason(reason: str | None, plan: tools.ToolPlan, called: bool) -> str | None:
+    return plan.finish_reason if called and reason == "stop" and plan.finish_reason else reason
+
+
+def _prompt_logprobs(gen: Generation):
+    if gen.inp.params.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_view(gen.choices[0].prompt_logprobs, gen.inp.prompt_token_ids, gen.core.texts)
+
+
+async def _stream(gen: Generation, request_id: str, model: str, req: ChatCompletionRequest, plan: tools.ToolPlan,
+                  headers: dict[str, str]) -> SSEResponse:
     deltas = gen.deltas()
     try:
         first = await anext(deltas, None)  # routing and node errors still become HTTP errors here
@@ -138,27 +208,53 @@ async def _stream(gen: Generation, request_id: str, model: str, req: ChatComplet
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
-    body = _events(gen, deltas, first, request_id, model, include_usage, continuous)
-    return SSEResponse(body, on_close=deltas.aclose, headers=gen.route_headers())
+    body = _events(gen, deltas, first, request_id, model, include_usage, continuous, plan)
+    return SSEResponse(body, on_close=deltas.aclose, headers={**gen.route_headers(), **headers})
+
+
+class _ToolDeltas:
+    """Per choice: the tool parser's stream, and each delta's text turned into content and call deltas."""
+
+    def __init__(self, gen: Generation, plan: tools.ToolPlan) -> None:
+        self.plan = plan
+        self.streams = {c.index: plan.parser.stream() for c in gen.choices} if plan.parser else {}
+
+    def message(self, delta: Delta) -> tuple[DeltaMessage, str | None]:
+        stream = self.streams.get(delta.index)
+        if stream is None:
+            return DeltaMessage(content=delta.text), delta.finish_reason
+        out: StreamDelta = stream.feed(delta.text, final=delta.finish_reason is not None)
+        calls = [c for c in out.calls if self.plan.parallel or c.index == 0]
+        tool_calls = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.id else None,
+                                    function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                      for c in calls] or None
+        content = out.content or (None if tool_calls else "")
+        return DeltaMessage(content=content, tool_calls=tool_calls), _finish_reason(
+            delta.finish_reason, self.plan, stream.called)
 
 
 async def _events(gen: Generation, deltas: AsyncIterator[Delta], first: Delta | None, request_id: str, model: str,
-                  include_usage: bool, continuous: bool) -> AsyncIterator[str]:
-    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-        return sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=choices, usage=usage))
+                  include_usage: bool, continuous: bool, plan: tools.ToolPlan) -> AsyncIterator[str]:
+    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None, prompt_logprobs=None) -> str:
+        return sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=choices, usage=usage,
+                                                prompt_logprobs=prompt_logprobs))
+
+    parsing = _ToolDeltas(gen, plan)
 
     # The role chunks go out with the first content, in one write.
     pending = "".join(chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
                       for c in gen.choices)
     try:
         delta = first
+        plp = _prompt_logprobs(gen)
         while delta is not None:
+            message, finish_reason = parsing.message(delta)
             choice = ChatStreamChoice(
-                index=delta.index, delta=DeltaMessage(content=delta.text),
-                logprobs=_logprobs(delta.logprobs) if delta.logprobs else None,
-                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-            yield pending + chunk([choice], _usage(gen) if continuous else None)
-            pending = ""
+                index=delta.index, delta=message, logprobs=_logprobs(delta.logprobs) if delta.logprobs else None,
+                finish_reason=finish_reason, stop_reason=delta.stop_reason)
+            if message.content is not None or message.tool_calls or finish_reason or delta.logprobs:
+                yield pending + chunk([choice], _usage(gen) if continuous else None, plp)
+                pending, plp = "", None
             delta = await anext(deltas, None)
     except GatewayError as e:
         logger.warning("stream %s ended by an error: %s", request_id, e.message)

@@ -11,7 +11,8 @@ from starlette.responses import Response, StreamingResponse
 
 from gateway.errors import BadRequest, GatewayError, ModelNotFound
 from gateway.outputs import OutputOptions
-from shared.sampling_params import SamplingParams
+from gateway.protocol import PromptLogprob
+from shared.sampling_params import SamplingParams, StructuredOutputs
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -25,11 +26,6 @@ def check_model(requested: str | None, served: Sequence[str]) -> str:
     return requested
 
 
-def check_unsupported(req) -> None:
-    if req.logit_bias:
-        raise BadRequest("logit_bias is not supported by this server", param="logit_bias")
-
-
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -37,8 +33,25 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(s for s in dict.fromkeys(items) if s)  # an empty stop string would end every request at once
 
 
-def sampling_params(req, core, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def logit_bias(raw: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as engine pairs; 400 for a key that is not a token id of the vocabulary."""
+    out = []
+    for key, bias in (raw or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise BadRequest(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})",
+                             param="logit_bias")
+        out.append((token, bias))
+    return tuple(out)
+
+
+def sampling_params(req, core, *, max_tokens: int, logprobs: int | None,
+                    structured: StructuredOutputs | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's sampling fields as engine params; a bad value is a 400 naming the field."""
+    bias = logit_bias(getattr(req, "logit_bias", None), core.vocab_size)
     try:
         return SamplingParams(
             n=req.n if req.n is not None else 1,
@@ -56,6 +69,9 @@ def sampling_params(req, core, *, max_tokens: int, logprobs: int | None) -> Samp
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             priority=req.priority,
+            structured_outputs=structured,
+            logit_bias=bias,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
         raise BadRequest.from_value_error(e) from None
@@ -64,6 +80,28 @@ def sampling_params(req, core, *, max_tokens: int, logprobs: int | None) -> Samp
 def output_options(req, logprobs: int | None) -> OutputOptions:
     return OutputOptions(stop=stop_strings(req.stop), include_stop_str_in_output=req.include_stop_str_in_output,
                          skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
+
+
+def request_id_headers(header_request_id: str | None) -> dict[str, str]:
+    return {"X-Request-Id": header_request_id} if header_request_id else {}
+
+
+def prompt_logprobs_view(plp, prompt_ids, texts) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token, {token id: {logprob, rank, decoded_token}} for the prompt's
+    own token and the top k; None for the first token (nothing precedes it)."""
+    if plp is None:
+        return None
+    out: list[dict[str, PromptLogprob] | None] = []
+    for entry in plp:
+        if entry is None:
+            out.append(None)
+            continue
+        view = {str(entry.token_id): PromptLogprob(logprob=entry.logprob, rank=entry.rank,
+                                                   decoded_token=texts.get(entry.token_id))}
+        for rank, (token, lp) in enumerate(entry.top, start=1):
+            view.setdefault(str(token), PromptLogprob(logprob=lp, rank=rank, decoded_token=texts.get(token)))
+        out.append(view)
+    return out
 
 
 def json_response(model: BaseModel, headers: dict[str, str]) -> Response:

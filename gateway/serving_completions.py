@@ -1,6 +1,8 @@
 """POST /v1/completions: one or more prompts (text or token ids), n choices each.
 
 Choice i of prompt p has index p * n + i, as in OpenAI's API. Every prompt is routed on its own.
+`echo` with `logprobs` returns the prompt's tokens and their logprobs too (the first token's is null), from
+the nodes' prompt logprobs; `prompt_logprobs` (vLLM) returns them in vLLM's shape.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from contextlib import aclosing
 
 from starlette.responses import Response
 
+from gateway import structured
 from gateway.core import GatewayCore, GenerateInput, Generation, merge, new_request_id
 from gateway.errors import BadRequest, GatewayError
-from gateway.outputs import Delta, LogprobEntry
+from gateway.outputs import ChoiceOutput, Delta, LogprobEntry, TokenTexts
 from gateway.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -27,9 +30,10 @@ from gateway.serving_common import (
     SSE_DONE,
     SSEResponse,
     check_model,
-    check_unsupported,
     json_response,
     output_options,
+    prompt_logprobs_view,
+    request_id_headers,
     sampling_params,
     sse,
     sse_error,
@@ -44,28 +48,28 @@ class CompletionServing:
         self.core = core
         self.served_names = served_names
 
-    async def create(self, req: CompletionRequest) -> Response:
+    async def create(self, req: CompletionRequest, header_request_id: str | None = None) -> Response:
         model = check_model(req.model, self.served_names)
-        request_id = req.request_id or new_request_id("cmpl")
+        request_id = header_request_id or req.request_id or new_request_id("cmpl")
         prompts = self._prompts(req)
-        inputs = [self._input(req, ids, f"{request_id}-p{i}") for i, ids in enumerate(prompts)]
+        constraint = structured.from_request(req)
+        inputs = [self._input(req, ids, f"{request_id}-p{i}", constraint) for i, ids in enumerate(prompts)]
         gens = [self.core.generate(inp) for inp in inputs]
         echo = [self._echo_text(req, p) for p in prompts]
-        state = _State(gens, req.n or 1, echo)
+        state = _State(gens, req.n or 1, echo, self.core.texts, req.logprobs if req.echo else None)
+        headers = request_id_headers(header_request_id)
         if req.stream:
-            return await _stream(state, request_id, model, req)
-        return json_response(await _collect(state, request_id, model), state.gens[0].route_headers())
+            return await _stream(state, request_id, model, req, headers)
+        body = await _collect(state, request_id, model)
+        return json_response(body, {**state.gens[0].route_headers(), **headers})
 
     # ------------------------------------------------------------------------------------- inputs
 
     def _prompts(self, req: CompletionRequest) -> list[list[int]]:
-        check_unsupported(req)
         if req.suffix:
             raise BadRequest("suffix is not supported by this server", param="suffix")
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise BadRequest("best_of must equal n when set (no server-side ranking)", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise BadRequest("echo with logprobs is not supported (no prompt logprobs)", param="echo")
         p = req.prompt
         if isinstance(p, str):
             prompts = [self.core.tokenizer.encode(p)]
@@ -83,11 +87,15 @@ class CompletionServing:
             self.core.check_prompt(ids, "prompt")
         return prompts
 
-    def _input(self, req: CompletionRequest, prompt: list[int], request_id: str) -> GenerateInput:
+    def _input(self, req: CompletionRequest, prompt: list[int], request_id: str, constraint) -> GenerateInput:
         max_tokens = self.core.fit_max_tokens(len(prompt), req.max_tokens, "prompt", "max_tokens")
-        params = sampling_params(req, self.core, max_tokens=max_tokens, logprobs=req.logprobs)
+        prompt_logprobs = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:  # echoed prompt tokens carry their logprobs too
+            prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
+        params = sampling_params(req, self.core, max_tokens=max_tokens, logprobs=req.logprobs,
+                                 structured=constraint, prompt_logprobs=prompt_logprobs)
         return GenerateInput(prompt, params, output_options(req, req.logprobs), request_id=request_id,
-                             cache_salt=req.cache_salt or "")
+                             cache_salt=req.cache_salt or "", user=req.user)
 
     def _echo_text(self, req: CompletionRequest, prompt: list[int]) -> str:
         if not req.echo:
@@ -98,19 +106,34 @@ class CompletionServing:
 
 
 class _State:
-    """All prompts' generations, and each choice's logprobs and text offsets so far."""
+    """All prompts' generations, and each choice's logprobs and text offsets so far.
+    `echo_logprobs`: echo with logprobs asked (top k per echoed prompt token)."""
 
-    def __init__(self, gens: list[Generation], n: int, echo: list[str]) -> None:
-        self.gens, self.n, self.echo = gens, n, echo
+    def __init__(self, gens: list[Generation], n: int, echo: list[str], texts: TokenTexts,
+                 echo_logprobs: int | None = None) -> None:
+        self.gens, self.n, self.echo, self.texts = gens, n, echo, texts
+        self.echo_logprobs = echo_logprobs
         self.offsets: dict[int, int] = {}
         self.logprobs: dict[int, CompletionLogprobs] = {}
 
     def index(self, prompt_index: int, delta: Delta) -> int:
         return prompt_index * self.n + delta.index
 
-    def logprobs_of(self, index: int, entries: list[LogprobEntry]) -> CompletionLogprobs:
+    def choice(self, index: int) -> tuple[int, ChoiceOutput]:
+        p, i = divmod(index, self.n)
+        return p, self.gens[p].choices[i]
+
+    def prompt_logprobs(self, index: int):
+        p, choice = self.choice(index)
+        if self.gens[p].inp.params.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_view(choice.prompt_logprobs, self.gens[p].inp.prompt_token_ids, self.texts)
+
+    def logprobs_of(self, index: int, entries: list[LogprobEntry], first: bool = False) -> CompletionLogprobs:
         out = CompletionLogprobs()
-        offset = self.offsets.get(index, 0)
+        if first and self.echo_logprobs is not None:
+            self._echoed(index, out)
+        offset = self.offsets.get(index, len(self.echo[index // self.n]))
         for e in entries:
             out.tokens.append(e.token)
             out.token_logprobs.append(e.logprob)
@@ -119,6 +142,20 @@ class _State:
             offset += len(e.token)
         self.offsets[index] = offset
         return out
+
+    def _echoed(self, index: int, out: CompletionLogprobs) -> None:
+        """The prompt's tokens first: their logprobs given what precedes them (none for the first)."""
+        p, choice = self.choice(index)
+        plp = choice.prompt_logprobs or ()
+        offset, k = 0, self.echo_logprobs or 0
+        for i, token in enumerate(self.gens[p].inp.prompt_token_ids):
+            entry = plp[i] if i < len(plp) else None
+            text = self.texts.get(token)
+            out.tokens.append(text)
+            out.text_offset.append(offset)
+            out.token_logprobs.append(None if entry is None else entry.logprob)
+            out.top_logprobs.append(None if entry is None else {self.texts.get(t): v for t, v in entry.top[:k]})
+            offset += len(text)
 
     def usage(self) -> UsageInfo:
         us = [g.usage for g in self.gens]
@@ -147,13 +184,15 @@ async def _collect(state: _State, request_id: str, model: str) -> CompletionResp
     for p, gen in enumerate(state.gens):
         for c in gen.choices:
             i = p * state.n + c.index
-            lps = state.logprobs_of(i, entries.get(i, [])) if want else None
+            lps = state.logprobs_of(i, entries.get(i, []), first=True) if want else None
             choices.append(CompletionChoice(index=i, text=state.echo[p] + c.text, logprobs=lps,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                            prompt_logprobs=state.prompt_logprobs(i)))
     return CompletionResponse(id=request_id, model=model, choices=choices, usage=state.usage())
 
 
-async def _stream(state: _State, request_id: str, model: str, req: CompletionRequest) -> SSEResponse:
+async def _stream(state: _State, request_id: str, model: str, req: CompletionRequest,
+                  headers: dict[str, str]) -> SSEResponse:
     deltas = state.deltas()
     try:
         first = await anext(deltas, None)
@@ -163,7 +202,7 @@ async def _stream(state: _State, request_id: str, model: str, req: CompletionReq
     opts = req.stream_options
     body = _events(state, deltas, first, request_id, model, bool(opts and opts.include_usage),
                    bool(opts and opts.continuous_usage_stats))
-    return SSEResponse(body, on_close=deltas.aclose, headers=state.gens[0].route_headers())
+    return SSEResponse(body, on_close=deltas.aclose, headers={**state.gens[0].route_headers(), **headers})
 
 
 async def _events(state: _State, deltas, first, request_id: str, model: str, include_usage: bool,
@@ -175,13 +214,14 @@ async def _events(state: _State, deltas, first, request_id: str, model: str, inc
         while item is not None:
             p, delta = item
             i = state.index(p, delta)
-            text = delta.text
-            if i not in echoed:
+            text, first = delta.text, i not in echoed
+            if first:
                 echoed.add(i)
                 text = state.echo[p] + text
             choice = CompletionChoice(index=i, text=text, finish_reason=delta.finish_reason,
                                       stop_reason=delta.stop_reason,
-                                      logprobs=state.logprobs_of(i, delta.logprobs) if want else None)
+                                      logprobs=state.logprobs_of(i, delta.logprobs, first) if want else None,
+                                      prompt_logprobs=state.prompt_logprobs(i) if first else None)
             yield sse(CompletionStreamResponse(id=request_id, model=model, choices=[choice],
                                                usage=state.usage() if continuous else None))
             item = await anext(deltas, None)

@@ -74,7 +74,7 @@ class PrefillServer(NodeServer):
             first_token_id=token, first_logprobs=out.logprobs, num_cached_tokens=out.num_cached_tokens,
             bytes_transferred=transfer.nbytes, transfer_seconds=transfer.seconds, prefill_seconds=prefill_s,
             finish_reason=self._first_finish_reason(params, token, len(prompt)),
-            last_layer_seconds=transfer.last_layer_seconds,
+            last_layer_seconds=transfer.last_layer_seconds, prompt_logprobs=out.prompt_logprobs,
         ))
 
     def _send_spec(self, request: pb.PrefillRequest, num_prompt: int) -> KVSendSpec:

@@ -43,6 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="waiting order, and who is preempted first when KV blocks run out")
     g.add_argument("--attention-backend", choices=["auto", "torch", "flash_attn"], default="auto",
                    help="auto: flash-attn on CUDA when installed, else the portable torch backend")
+    g.add_argument("--structured-outputs-backend", choices=["xgrammar"], default="xgrammar",
+                   help="grammar engine of response_format / structured_outputs / tool_choice constraints")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -58,6 +60,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         policy=args.scheduling_policy,
         attention_backend=args.attention_backend,
+        structured_outputs_backend=getattr(args, "structured_outputs_backend", "xgrammar"),
     )
 
 

@@ -84,16 +84,28 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Grammar-constrained decoding: which grammar engine, and how compiled grammars are kept."""
+
+    structured_outputs_backend: str = "xgrammar"
+    grammar_compile_threads: int = 1  # compiles run on these threads, never on the engine step's
+    grammar_cache_size: int = 256  # compiled grammars kept (least recently used go first)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 def engine_config_from_kwargs(model: str, dtype: str, **kwargs) -> EngineConfig:
     """Map vLLM-style keyword arguments onto the config records; unknown names are an error."""
-    groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
-    values: dict[str, dict] = {"model": {"model": model, "dtype": dtype}, "cache": {}, "scheduler": {}}
+    groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+              "structured": StructuredOutputsConfig}
+    values: dict[str, dict] = {"model": {"model": model, "dtype": dtype}, "cache": {}, "scheduler": {},
+                               "structured": {}}
     for key, value in kwargs.items():
         for group, cls in groups.items():
             if key in {f.name for f in dataclasses.fields(cls)}:

@@ -1,10 +1,60 @@
-"""Per-request sampling parameters (the vLLM / OpenAI set), validated on construction."""
+"""Per-request sampling parameters (the vLLM / OpenAI set), validated on construction.
+
+A grammar travels with the request as source text (`StructuredOutputs`: a JSON schema, a regex, a list of
+choices or an EBNF grammar, and its kind), never as compiled state: every node compiles it for itself (and
+caches it), so a request can be prefilled on one node and decoded, or resumed, on another.
+"""
 
 from __future__ import annotations
 
+import enum
+import json
 from dataclasses import dataclass, field, replace
 
 _MAX_LOGPROBS = 20
+_MAX_LOGIT_BIAS = 100.0
+
+
+class StructuredOutputKind(str, enum.Enum):
+    JSON = "json"  # source: a JSON schema (JSON text)
+    JSON_OBJECT = "json_object"  # any JSON object; source is empty
+    REGEX = "regex"  # source: a regular expression
+    CHOICE = "choice"  # source: a JSON array of the allowed strings
+    GRAMMAR = "grammar"  # source: an EBNF (GBNF / Lark-like) grammar
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the output must match. Equal records compile to the same grammar (the nodes' cache key)."""
+
+    kind: StructuredOutputKind
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", StructuredOutputKind(self.kind))
+        except ValueError:
+            kinds = ", ".join(k.value for k in StructuredOutputKind)
+            raise ValueError(f"structured_outputs: unknown kind {self.kind!r}; one of {kinds}") from None
+        if self.kind != StructuredOutputKind.JSON_OBJECT and not self.source:
+            raise ValueError(f"structured_outputs: a {self.kind.value} constraint needs its source")
+        if self.kind == StructuredOutputKind.CHOICE:
+            choices = _json_or_none(self.source)
+            _check(isinstance(choices, list) and bool(choices) and all(isinstance(c, str) for c in choices),
+                   "structured_outputs", "choice: must be a non-empty list of strings")
+        if self.kind == StructuredOutputKind.JSON:
+            schema = _json_or_none(self.source)
+            _check(isinstance(schema, (dict, bool)), "structured_outputs", "json: the schema must be a JSON object")
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> StructuredOutputs:
+        return cls(StructuredOutputKind.CHOICE, json.dumps(list(choices), ensure_ascii=False))
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool | str) -> StructuredOutputs:
+        # Key order kept: it is the order the grammar generates properties in.
+        text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
+        return cls(StructuredOutputKind.JSON, text)
 
 
 @dataclass(frozen=True)
@@ -24,9 +74,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
     priority: int = 0  # priority policy: lower value runs first
+    structured_outputs: StructuredOutputs | None = None  # the output must match this grammar
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by token id
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob plus the top k
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        bias = dict(self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias.items())))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
@@ -49,6 +104,10 @@ class SamplingParams:
                f"must be between 0 and {_MAX_LOGPROBS}, got {self.logprobs}")
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative token ids")
+        _check(all(t >= 0 and -_MAX_LOGIT_BIAS <= b <= _MAX_LOGIT_BIAS for t, b in self.logit_bias), "logit_bias",
+               f"token ids must be non-negative and biases in [-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= _MAX_LOGPROBS, "prompt_logprobs",
+               f"must be between 0 and {_MAX_LOGPROBS}, got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -65,6 +124,13 @@ def child_seed(seed: int, index: int) -> int:
     if index == 0:
         return seed
     return (seed * 1_000_003 + index * 0x9E3779B1) % (2**63)
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _check(ok: bool, name: str, message: str) -> None:

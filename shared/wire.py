@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from shared.records import KVLayout, NodeLoad, TokenLogprobs
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, StructuredOutputs
 
 _INT32_MAX = 2**31 - 1
 
@@ -71,6 +71,7 @@ class PrefillResult:
     prefill_seconds: float = 0.0
     finish_reason: str = ""  # set when the first token already ends the request
     last_layer_seconds: float = 0.0
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # (None, token 1's, ...) when asked
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class TokenChunk:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # first chunk: (None, token 1's, ...)
 
 
 # ------------------------------------------------------------------------------------ sampling params
@@ -107,6 +109,10 @@ def sampling_from_proto(msg: pb.SamplingParams, present: bool = True) -> Samplin
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         priority=msg.priority,
+        structured_outputs=(StructuredOutputs(msg.structured_outputs.kind, msg.structured_outputs.source)
+                            if msg.HasField("structured_outputs") else None),
+        logit_bias=tuple(msg.logit_bias.items()),
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -123,6 +129,13 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         msg.max_tokens = params.max_tokens
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.structured_outputs is not None:
+        so = params.structured_outputs
+        msg.structured_outputs.CopyFrom(pb.StructuredOutputs(kind=so.kind.value, source=so.source))
+    if params.logit_bias:
+        msg.logit_bias.update(dict(params.logit_bias))
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
 
 
@@ -154,6 +167,15 @@ def logprobs_to_proto(lp: TokenLogprobs | None) -> pb.TokenLogprobs | None:
 
 def logprobs_from_proto(msg: pb.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(msg.token_id, msg.logprob, msg.rank, tuple((t.token_id, t.logprob) for t in msg.top))
+
+
+def prompt_logprobs_to_proto(plp: Sequence[TokenLogprobs | None] | None) -> list[pb.TokenLogprobs]:
+    """Prompt tokens 1.. (token 0 has no context, so no entry on the wire)."""
+    return [] if not plp else [logprobs_to_proto(lp) for lp in plp[1:]]
+
+
+def prompt_logprobs_from_proto(msgs) -> tuple[TokenLogprobs | None, ...] | None:
+    return (None, *(logprobs_from_proto(m) for m in msgs)) if len(msgs) else None
 
 
 def layout_to_proto(layout: KVLayout | None) -> pb.KVLayout | None:
@@ -227,6 +249,7 @@ def prefill_result_to_proto(request_id: str, r: PrefillResult) -> pb.PrefillResp
         request_id=request_id, first_token_id=r.first_token_id, num_cached_tokens=r.num_cached_tokens,
         bytes_transferred=r.bytes_transferred, transfer_seconds=r.transfer_seconds,
         prefill_seconds=r.prefill_seconds, finish_reason=r.finish_reason, last_layer_seconds=r.last_layer_seconds,
+        prompt_logprobs=prompt_logprobs_to_proto(r.prompt_logprobs),
     )
     if r.first_logprobs is not None:
         msg.first_logprobs.CopyFrom(logprobs_to_proto(r.first_logprobs))
@@ -240,6 +263,7 @@ def prefill_result_from_proto(msg: pb.PrefillResponse) -> PrefillResult:
         num_cached_tokens=msg.num_cached_tokens, bytes_transferred=msg.bytes_transferred,
         transfer_seconds=msg.transfer_seconds, prefill_seconds=msg.prefill_seconds,
         finish_reason=msg.finish_reason, last_layer_seconds=msg.last_layer_seconds,
+        prompt_logprobs=prompt_logprobs_from_proto(msg.prompt_logprobs),
     )
 
 
@@ -251,7 +275,7 @@ def chunk_to_proto(chunk: TokenChunk) -> pb.TokenChunk:
     msg = pb.TokenChunk(
         token_ids=list(chunk.token_ids), finish_reason=chunk.finish_reason,
         num_prompt_tokens=chunk.num_prompt_tokens, num_output_tokens=chunk.num_output_tokens,
-        num_cached_tokens=chunk.num_cached_tokens,
+        num_cached_tokens=chunk.num_cached_tokens, prompt_logprobs=prompt_logprobs_to_proto(chunk.prompt_logprobs),
     )
     if chunk.logprobs:
         msg.logprobs.extend(logprobs_to_proto(lp) for lp in chunk.logprobs)
@@ -265,5 +289,5 @@ def chunk_from_proto(msg: pb.TokenChunk) -> TokenChunk:
         token_ids=tuple(msg.token_ids), logprobs=tuple(logprobs_from_proto(lp) for lp in msg.logprobs),
         finish_reason=msg.finish_reason, stop_reason=msg.stop_reason if msg.HasField("stop_reason") else None,
         num_prompt_tokens=msg.num_prompt_tokens, num_output_tokens=msg.num_output_tokens,
-        num_cached_tokens=msg.num_cached_tokens,
+        num_cached_tokens=msg.num_cached_tokens, prompt_logprobs=prompt_logprobs_from_proto(msg.prompt_logprobs),
     )

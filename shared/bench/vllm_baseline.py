@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -70,9 +71,16 @@ def run_vllm(python: str, model_dir: str, dtype: str, requests: Sequence[BenchRe
         spec_path.write_text(json.dumps(spec))
         log_path = Path(tmp) / "vllm.log"
         with open(log_path, "w") as log:
-            proc = subprocess.run([python, str(RUNNER), str(spec_path)], stdout=subprocess.PIPE, stderr=log,
-                                  env=env, cwd=tmp, text=True, timeout=timeout_s)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)), None)
+            # Its own session: vLLM spawns an engine core and a worker; an interrupted benchmark kills them all.
+            proc = subprocess.Popen([python, str(RUNNER), str(spec_path)], stdout=subprocess.PIPE, stderr=log,
+                                    env=env, cwd=tmp, text=True, start_new_session=True)
+            try:
+                stdout, _ = proc.communicate(timeout=timeout_s)
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        line = next((ln for ln in stdout.splitlines() if ln.startswith(_MARK)), None)
         if proc.returncode != 0 or line is None:
             tail = log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"vllm baseline failed (exit {proc.returncode}); its log ends:\n{tail}")

@@ -28,6 +28,13 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the nodes' smallest)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM lets open streams finish")
     g.add_argument("--log-requests", action="store_true", help="log every HTTP request")
+    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json", "mistral", "none"],
+                   help="how tool_choice 'auto' finds the model's tool calls (vLLM's names; 'none': never parsed)")
+    g.add_argument("--allowed-origins", nargs="+", default=[],
+                   help="CORS: origins browsers may call the API from ('*' for any; default: no CORS headers)")
+    g.add_argument("--allowed-methods", nargs="+", default=["*"], help="CORS: allowed methods")
+    g.add_argument("--allowed-headers", nargs="+", default=["*"], help="CORS: allowed request headers")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
     r = p.add_argument_group("nodes and routing")
     r.add_argument("--redis-url", default=None, help="the Redis of the block index and node registry")
     r.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a static prefill node")
@@ -58,6 +65,9 @@ def config_from_args(args: argparse.Namespace):
         refresh_interval=args.refresh_interval, health_interval=args.health_interval,
         startup_timeout=args.startup_timeout, kv_lease_ms=args.kv_lease_ms, prefill_timeout=args.prefill_timeout,
         log_requests=args.log_requests,
+        tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
     )
 
 

@@ -166,6 +166,7 @@ class AsyncEngine:
         self._check_accepting()
         q: asyncio.Queue = asyncio.Queue()
         arrival = time.monotonic() if arrival is None else arrival
+        await self._grammar_compiled(params)
 
         def add(core: EngineCore) -> list[str]:
             ids = core.add_request(request_id, prompt, params, arrival, cache_salt, kv_send)
@@ -200,6 +201,7 @@ class AsyncEngine:
         `on_reserved` runs on the engine thread right after (e.g. connector.expect); if it raises, the
         reservation is undone."""
         self._check_accepting()
+        await self._grammar_compiled(params)  # a bad grammar is refused before any block is set aside
 
         def run(core: EngineCore) -> Reservation | None:
             res = core.reserve(request_id, prompt, params, lease_s, cache_salt)
@@ -254,6 +256,14 @@ class AsyncEngine:
         self._post_command(lambda core: self._abort(core, request_id))
 
     # -- asyncio side helpers -------------------------------------------------------------------------
+    async def _grammar_compiled(self, params: SamplingParams) -> None:
+        """Wait for the request's grammar off the engine thread (ValueError when it does not compile), so the
+        request reaches the scheduler ready and a bad grammar never does."""
+        if params.structured_outputs is not None:
+            # Shielded: the compile is shared with every request of the same spec; a caller leaving must not
+            # cancel it for the others.
+            await asyncio.shield(asyncio.wrap_future(self.core.compile_grammar(params.structured_outputs)))
+
     def _check_accepting(self) -> None:
         if self._draining:
             raise EngineDraining("the node is draining (shutting down) and takes no new requests")

@@ -6,10 +6,16 @@ Request lifecycle:
 2. `step` schedules, runs the model, and turns sampled tokens into EngineCoreOutputs.
 3. A request ends on a stop condition, on max_tokens / max_model_len, or by `abort`; its blocks are
    freed at once (cached ones stay reusable).
+
+A request with structured outputs has its grammar compiled on the GrammarCompiler's threads; until the
+compile is done it waits in the scheduler (WAITING_FOR_GRAMMAR) while the others run. A compile that
+fails ends the request with "abort". `compile_grammar` may be called from any thread, so a node awaits it
+before queueing a request and refuses a bad grammar up front.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
@@ -23,8 +29,9 @@ from shared.engine.model_runner import KVSender, ModelRunner
 from shared.engine.request import KVSendSpec, Request, RequestStatus
 from shared.engine.scheduler import EngineCounters, Scheduler
 from shared.engine.scheduler_output import EngineCoreOutput, Reservation
+from shared.engine.structured import GrammarCompiler, GrammarVocab, create_grammar_compiler
 from shared.records import BlockEvent, BlockHash, KVLayout, NodeLoad
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, StructuredOutputs
 
 _COMPUTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING)
 
@@ -38,15 +45,18 @@ def child_request_id(request_id: str, index: int) -> str:
 class EngineCore:
     """`kv_sender` (prefill role): where each layer's KV goes as it is computed; the engine registers its
     caches with it once they exist. `record_block_events`: keep the prefix cache's STORED/EVICTED events
-    for `drain_block_events` (a node publishes them to the index)."""
+    for `drain_block_events` (a node publishes them to the index). `grammars`: the grammar compiler
+    (default: one for config.structured, built on first use)."""
 
     def __init__(
         self, config: EngineConfig, record_block_events: bool = False, kv_sender: KVSender | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.config = config
         t0 = time.perf_counter()
         self.info: ModelInfo = load_model_info(config.model)
-        self.runner = ModelRunner(config, self.info, kv_sender)
+        self.grammars = grammars or create_grammar_compiler(config.structured, self._grammar_vocab)
+        self.runner = ModelRunner(config, self.info, kv_sender, self.grammars)
         self.vocab_size = self.runner.vocab_size
         self.num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
@@ -58,6 +68,7 @@ class EngineCore:
         pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, record_events=record_block_events)
         self.kv = KVCacheManager(pool, block_size, self.info.model_id, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self._compiling: dict[str, concurrent.futures.Future] = {}  # request id -> its grammar's compile
         logger.info(
             "engine ready in %.1fs: %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens (%.1f MiB), "
             "max_model_len %d",
@@ -99,6 +110,24 @@ class EngineCore:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: {bad} outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:8]} outside the vocabulary [0, {self.vocab_size})")
+
+    def compile_grammar(self, spec: StructuredOutputs) -> concurrent.futures.Future:
+        """The grammar's compile (cached per spec), off the step loop; its result raises ValueError for a bad
+        schema, regex or grammar. Thread-safe."""
+        return self.grammars.submit(spec)
+
+    def warm_up_grammars(self) -> None:
+        """Build the grammar backend now, in the background (else on the first constrained request)."""
+        self.grammars.warm_up()
+
+    def _grammar_vocab(self) -> GrammarVocab:
+        # A finished grammar allows the model's end tokens only: the request then stops as usual.
+        eos = () if self.info.eos_token_id is None else (self.info.eos_token_id,)
+        stops = tuple(dict.fromkeys((*eos, *self.info.extra_eos_token_ids)))
+        return GrammarVocab(str(self.info.path), self.vocab_size, stops)
 
     def add_request(
         self,
@@ -117,7 +146,7 @@ class EngineCore:
         if kv_send is not None:
             req = self._make_request(request_id, prompt, params.for_child(0), arrival_time, cache_salt)
             req.kv_send, req.max_tokens = kv_send, 1
-            self.scheduler.add_request(req)
+            self._queue(req)
             return [request_id]
         if params.n == 1:
             self._add_one(request_id, prompt, params, arrival_time, cache_salt)
@@ -127,10 +156,58 @@ class EngineCore:
             self._add_one(rid, prompt, params.for_child(i), arrival_time, cache_salt)
         return ids
 
+    def resume_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+        params: SamplingParams, arrival_time: float | None = None, cache_salt: str = "",
+    ) -> str:
+        """Queue a request that already generated `output_token_ids` on another node (a migrated request).
+        Its prompt and outputs are recomputed (from the prefix cache where they can be), then it goes on:
+        a seeded draw continues at the same positions and its grammar matcher replays the outputs, so the
+        continuation is the one the first node would have produced."""
+        prompt, outputs = list(prompt_token_ids), [int(t) for t in output_token_ids]
+        self.validate(prompt, params)
+        if params.n != 1:
+            raise ValueError("n: a resumed request is one sequence")
+        if any(not 0 <= t < self.vocab_size for t in outputs):
+            raise ValueError(f"output_token_ids: outside the vocabulary [0, {self.vocab_size})")
+        req = self._make_request(request_id, prompt, params, arrival_time, cache_salt)
+        for t in outputs:
+            req.append_output_token(t)
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            raise ValueError("output_token_ids: the request has no tokens left to generate")
+        self._queue(req)
+        return request_id
+
     def _add_one(
         self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str
     ) -> None:
-        self.scheduler.add_request(self._make_request(rid, prompt, params, arrival, salt))
+        self._queue(self._make_request(rid, prompt, params, arrival, salt))
+
+    def _queue(self, req: Request) -> None:
+        spec = req.sampling_params.structured_outputs
+        future = None if spec is None else self.compile_grammar(spec)
+        if future is not None and future.done() and future.exception() is not None:
+            raise future.exception()  # a grammar already known to be bad: refuse it like any bad field
+        if future is not None and not future.done():
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self.scheduler.add_request(req)
+        if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            self._compiling[req.request_id] = future
+
+    def _poll_grammars(self) -> list[EngineCoreOutput]:
+        """Release the requests whose grammar compiled; end those whose compile failed."""
+        failed = []
+        for rid, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            if future.exception() is None:
+                self.scheduler.grammar_ready(rid)
+                continue
+            logger.warning("request %s: %s", rid, future.exception())
+            for req in self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED):
+                failed.append(EngineCoreOutput(rid, (), None, "abort", None, req.num_prompt_tokens, 0))
+        return failed
 
     def _make_request(
         self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str
@@ -174,6 +251,8 @@ class EngineCore:
         return self.scheduler.expire_leases()
 
     def abort(self, request_ids: Sequence[str]) -> list[str]:
+        for rid in request_ids:
+            self._compiling.pop(rid, None)
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         return [r.request_id for r in done]
 
@@ -220,6 +299,14 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self.scheduler.reserved or self.scheduler.held:
             self.scheduler.expire_leases()
+        failed = self._poll_grammars() if self._compiling else []
         sched = self.scheduler.schedule()
+        if sched.is_empty and self._compiling and not failed:
+            # Only compiles to wait for: sleep on them rather than spin.
+            concurrent.futures.wait(list(self._compiling.values()), timeout=0.01,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
         result = self.runner.execute(sched)
-        return self.scheduler.update_from_output(sched, result)
+        return failed + self.scheduler.update_from_output(sched, result)
+
+    def shutdown(self) -> None:
+        self.grammars.shutdown()

@@ -37,6 +37,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+    prompt_logprobs: tuple | None = None  # (None, TokenLogprobs per later prompt token) when asked
     metrics: dict = field(default_factory=dict)
 
 
@@ -58,6 +59,8 @@ class LLM:
         # Validate everything first: a bad prompt must not leave the others half-queued.
         for ids, sp in zip(encoded, params):
             self.engine.validate(ids, sp)
+            if sp.structured_outputs is not None:
+                self.engine.compile_grammar(sp.structured_outputs).result()  # ValueError for a bad grammar
         results: dict[str, RequestOutput] = {}
         children: dict[str, tuple[str, int]] = {}
         for prompt, ids, sp in zip(prompts, encoded, params):
@@ -103,6 +106,8 @@ class LLM:
         if comp.logprobs is not None and out.logprobs is not None:
             comp.logprobs.append(out.logprobs)
         res.num_cached_tokens = max(res.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None:
+            res.prompt_logprobs = out.prompt_logprobs
         if out.finish_reason is not None:
             comp.finish_reason = out.finish_reason
             comp.stop_reason = out.stop_reason

@@ -6,6 +6,12 @@ Per-request state lifecycle:
 3. After the forward, rows whose computed tokens reach the end of their known tokens sample one token,
    which is appended to the state.
 4. Finished and preempted ids drop the state.
+
+Structured outputs: a constrained request's state holds a grammar matcher. It is built with the state from
+the grammar's source (compiled by the engine's GrammarCompiler) and replays the output tokens the request
+already has: after a preemption, on a decode node taking over from a prefill node (the first token), or on
+a node a request migrated to. Before each sample it fills the request's bitmask row; the sampled token
+advances it.
 """
 
 from __future__ import annotations
@@ -22,14 +28,16 @@ from shared.engine.attention import get_attention_backend
 from shared.engine.attention.base import AttentionMetadata
 from shared.engine.model_info import ModelInfo
 from shared.engine.models.loader import load_model
-from shared.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from shared.engine.sampler import Sampler, SamplerOutput, SamplingRow, TokenBitmask
 from shared.engine.scheduler_output import KVSend, ModelRunnerOutput, SchedulerOutput
-from shared.records import KVLayout, kv_cache_shape
+from shared.engine.structured import GrammarCompiler, GrammarMatcher, bitmask_words
+from shared.records import KVLayout, TokenLogprobs, kv_cache_shape
 from shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _CUDA_ACTIVATION_RESERVE = 2 * 1024**3
+_PROMPT_LOGPROBS_ROWS = 256  # prompt positions per logits slice (bounds the [rows, vocab] buffers)
 
 
 class KVSender(Protocol):
@@ -47,6 +55,8 @@ class _ReqState:
     num_prompt_tokens: int
     params: SamplingParams
     block_ids: list[int]
+    matcher: GrammarMatcher | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # computed so far (none while it has outputs)
 
 
 @dataclass(frozen=True)
@@ -57,10 +67,15 @@ class _Batch:
     meta: AttentionMetadata
     sample_req_ids: list[str]
     logits_indices: torch.Tensor
+    offsets: list[int]  # each request's first row in the flat batch
+    starts: list[int]  # each request's first position this step
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, info: ModelInfo, kv_sender: KVSender | None = None) -> None:
+    """`grammars`: where constrained requests' grammars come from (None: structured outputs refused)."""
+
+    def __init__(self, config: EngineConfig, info: ModelInfo, kv_sender: KVSender | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.config = config
         self.info = info
         self.device = info.device
@@ -73,6 +88,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.states: dict[str, _ReqState] = {}
         self.kv_sender = kv_sender
+        self.grammars = grammars
+        self._bitmask: torch.Tensor | None = None  # int32 [rows, words], reused every step
 
     # -- KV cache ----------------------------------------------------------------------------------
 
@@ -114,28 +131,80 @@ class ModelRunner:
         batch = self._prepare(sched)
         on_layer_done = self._layer_sender(sched.kv_sends) if sched.kv_sends else None
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, on_layer_done)
+        self._prompt_logprobs(batch, hidden)
         if not batch.sample_req_ids:
             return ModelRunnerOutput()
         rows = [self._sampling_row(rid) for rid in batch.sample_req_ids]
-        out = self._sample(hidden[batch.logits_indices], rows)
-        sampled, logprobs = {}, {}
+        out = self._sample(hidden[batch.logits_indices], batch.sample_req_ids, rows)
+        sampled, logprobs, prompt_logprobs = {}, {}, {}
         for rid, token, lp in zip(batch.sample_req_ids, out.token_ids, out.logprobs):
-            self.states[rid].token_ids.append(token)
+            st = self.states[rid]
+            if st.prompt_logprobs is not None and len(st.token_ids) == st.num_prompt_tokens:
+                prompt_logprobs[rid] = (None, *st.prompt_logprobs)  # the first token has no context
+            st.token_ids.append(token)
             sampled[rid] = token
             if lp is not None:
                 logprobs[rid] = lp
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+            if st.matcher is not None and not st.matcher.accept(token):
+                logger.error("request %s: sampled token %d is outside its grammar; it goes on unconstrained",
+                             rid, token)
+                st.matcher = None
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
-    def _sample(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    # -- structured outputs and prompt logprobs ------------------------------------------------------
+
+    def _grammar_bitmask(self, sample_req_ids: list[str]) -> TokenBitmask | None:
+        rows = [(i, st.matcher) for i, rid in enumerate(sample_req_ids)
+                if (st := self.states[rid]).matcher is not None and not st.matcher.is_terminated()]
+        if not rows:
+            return None
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+            size = max(len(rows), self.config.scheduler.max_num_seqs)
+            self._bitmask = torch.zeros(size, bitmask_words(self.vocab_size), dtype=torch.int32)
+        for j, (_, matcher) in enumerate(rows):
+            matcher.fill_bitmask(self._bitmask, j)
+        return TokenBitmask([i for i, _ in rows], self._bitmask[: len(rows)])
+
+    def _new_matcher(self, rid: str, params: SamplingParams, outputs: list[int]) -> GrammarMatcher | None:
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured_outputs: this engine has no grammar backend")
+        matcher = self.grammars.get(spec).matcher()
+        for token in outputs:  # a request rebuilt here replays what it generated elsewhere or before
+            if not matcher.accept(token):
+                logger.error("request %s: output token %d does not replay in its grammar; unconstrained", rid, token)
+                return None
+        return matcher
+
+    def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor) -> None:
+        """Each prompt token's logprob given the tokens before it, for requests that asked (positions this
+        step computed; a request's prompt is never a prefix-cache hit, so every position is computed)."""
+        for i, rid in enumerate(batch.req_ids):
+            st = self.states[rid]
+            if st.prompt_logprobs is None or len(st.token_ids) > st.num_prompt_tokens:
+                continue
+            start = batch.starts[i]
+            end = min(start + batch.meta.query_lens_cpu[i], st.num_prompt_tokens - 1)
+            for lo in range(start, end, _PROMPT_LOGPROBS_ROWS):
+                hi = min(lo + _PROMPT_LOGPROBS_ROWS, end)
+                at = batch.offsets[i] + lo - start
+                logits = self.model.compute_logits(hidden[at : at + hi - lo])[:, : self.vocab_size].float()
+                targets = st.token_ids[lo + 1 : hi + 1]
+                st.prompt_logprobs.extend(_token_logprobs(logits, targets, st.params.prompt_logprobs or 0))
+
+    def _sample(self, hidden: torch.Tensor, req_ids: list[str], rows: list[SamplingRow]) -> SamplerOutput:
         """Rows the sampler needs only the argmax of skip their logits (the sampler says which)."""
         plain = [self.sampler.argmax_only(r) for r in rows]
         if all(plain):
             return SamplerOutput(self.model.greedy_tokens(hidden).tolist(), [None] * len(rows))
         if not any(plain):
-            return self.sampler(self.model.compute_logits(hidden), rows)
+            return self.sampler(self.model.compute_logits(hidden), rows, self._grammar_bitmask(req_ids))
         fancy = [i for i, p in enumerate(plain) if not p]
         greedy = [i for i, p in enumerate(plain) if p]
-        out = self.sampler(self.model.compute_logits(hidden[fancy]), [rows[i] for i in fancy])
+        out = self.sampler(self.model.compute_logits(hidden[fancy]), [rows[i] for i in fancy],
+                           self._grammar_bitmask([req_ids[i] for i in fancy]))
         tokens, logprobs = [0] * len(rows), [None] * len(rows)
         for i, token in zip(greedy, self.model.greedy_tokens(hidden[greedy]).tolist()):
             tokens[i] = token
@@ -159,8 +228,11 @@ class ModelRunner:
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             self.states.pop(rid, None)
         for new in sched.new_reqs:
+            params, outputs = new.sampling_params, list(new.token_ids[new.num_prompt_tokens :])
             self.states[new.req_id] = _ReqState(
-                list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids)
+                list(new.token_ids), new.num_prompt_tokens, params, list(new.block_ids),
+                matcher=self._new_matcher(new.req_id, params, outputs),
+                prompt_logprobs=[] if params.prompt_logprobs is not None and not outputs else None,
             )
         for cached in sched.cached_reqs:
             self.states[cached.req_id].block_ids.extend(cached.new_block_ids)
@@ -195,9 +267,10 @@ class ModelRunner:
         ids_parts, pos_parts, slot_parts = [], [], []
         max_blocks = max(len(self.states[r].block_ids) for r in req_ids)
         tables = np.zeros((len(req_ids), max_blocks), dtype=np.int32)
-        sample_ids, sample_rows = [], []
+        sample_ids, sample_rows, offsets = [], [], []
         offset = 0
         for i, rid in enumerate(req_ids):
+            offsets.append(offset)
             st = self.states[rid]
             table = np.asarray(st.block_ids, dtype=np.int64)
             tables[i, : len(table)] = table
@@ -234,4 +307,21 @@ class ModelRunner:
             meta=meta,
             sample_req_ids=sample_ids,
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            offsets=offsets,
+            starts=starts,
         )
+
+
+def _token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Row r: the logprob and rank of targets[r] under logits[r], and the top k (raw logits, no processing)."""
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = torch.tensor(targets, dtype=torch.long, device=lp.device)[:, None]
+    chosen_lp = lp.gather(1, chosen)
+    rank = (lp > chosen_lp).sum(dim=-1, keepdim=True) + 1
+    cols = [chosen.double(), chosen_lp.double(), rank.double()]
+    if k:
+        top_lp, top_ids = lp.topk(k, dim=-1)
+        cols += [top_ids.double(), top_lp.double()]
+    packed = torch.cat(cols, dim=1).cpu().tolist()
+    return [TokenLogprobs(int(v[0]), v[1], int(v[2]), tuple((int(t), p) for t, p in zip(v[3 : 3 + k], v[3 + k :])))
+            for v in packed]

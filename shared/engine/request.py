@@ -13,6 +13,7 @@ from shared.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"  # decode role: blocks reserved, a prefill node is filling them
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # queued, but its grammar is still compiling
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

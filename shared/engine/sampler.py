@@ -1,17 +1,24 @@
 """Token sampler: turns a step's logits into one token per row (vLLM's order of operations).
 
-suppress -> penalties -> argmax for greedy rows; for the others temperature -> min_p -> top_k -> top_p,
-then the exponential race: argmax_i(p_i / q_i) with q_i = -log(u_i) ~ Exp(1), computed in log space as
-argmax_i(x_i - log q_i) (the Gumbel-max trick: same winner, no softmax needed).
+grammar bitmask -> logit_bias -> suppress -> penalties -> argmax for greedy rows; for the others
+temperature -> min_p -> top_k -> top_p, then the exponential race: argmax_i(p_i / q_i) with
+q_i = -log(u_i) ~ Exp(1), computed in log space as argmax_i(x_i - log q_i) (the Gumbel-max trick: same
+winner, no softmax needed).
 
 Reproducibility: a seeded row's noise comes from a generator seeded with hash(seed, position), one draw of
 vocab_size values per row, so its token depends only on its own logits, params, seed and position, never
 on the rest of the batch. Which fast path a row takes also depends on that row alone, and every path
 races the same elementwise values over the same support.
+
+Structured outputs: a constrained row's disallowed tokens get -inf before anything else (as vLLM does),
+so penalties, temperature and top-k/top-p only ever choose among tokens the grammar allows. The mask is
+written into the logits of those rows only (the runner hands over a fresh logits tensor each step);
+unconstrained rows are never touched, so their tokens do not depend on their neighbours' grammars.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +44,15 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     position: int  # index in the sequence of the token being sampled (== len(prompt) + len(output))
     suppress_token_ids: tuple[int, ...] = ()  # forbidden this step (eos + stop ids while output < min_tokens)
+
+
+@dataclass(frozen=True)
+class TokenBitmask:
+    """Grammar masks for some rows of a batch: bit t % 32 of words[j, t // 32] set allows token t in row
+    rows[j] (the layout of shared.engine.structured)."""
+
+    rows: Sequence[int]
+    words: torch.Tensor  # int32 [len(rows), >= ceil(V / 32)]
 
 
 @dataclass(frozen=True)
@@ -69,18 +85,25 @@ class Sampler:
 
     @staticmethod
     def argmax_only(row: SamplingRow) -> bool:
-        """Whether the row's token is just the argmax of its raw logits (greedy, nothing suppressed, no
-        penalty, no logprobs): the runner may then skip materialising its logits (Model.greedy_tokens)."""
+        """Whether the row's token is just the argmax of its raw logits (greedy; nothing suppressed, biased or
+        masked by a grammar; no penalty, no logprobs): the runner may then skip materialising its logits
+        (Model.greedy_tokens)."""
         p = row.params
-        return p.greedy and p.logprobs is None and not row.suppress_token_ids and not _has_penalty(p)
+        return (p.greedy and p.logprobs is None and not row.suppress_token_ids and not _has_penalty(p)
+                and not p.logit_bias and p.structured_outputs is None)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: TokenBitmask | None = None,
+    ) -> SamplerOutput:
+        """`bitmask`: grammar masks, written into those rows of `logits` (the caller's tensor) in place."""
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits: expected [{len(rows)}, >={self.vocab_size}], got {list(logits.shape)}")
         if not rows:
             return SamplerOutput([], [])
         # Columns past vocab_size are embedding padding, never real tokens.
         logits = logits[:, : self.vocab_size].float()
+        if bitmask is not None and len(bitmask.rows):
+            apply_token_bitmask(logits, bitmask)
         processed = self.processed_logits(logits, rows)
         token_ids = self._choose(processed, rows)
         return SamplerOutput(token_ids.tolist(), self._logprobs(logits, token_ids, rows))
@@ -93,9 +116,14 @@ class Sampler:
         logits = logits[:, :V]
         hits = [(i, t) for i, r in enumerate(rows) for t in r.suppress_token_ids if 0 <= t < V]
         penalised = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
-        if not hits and not penalised:
+        biased = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias if t < V]
+        if not hits and not penalised and not biased:
             return logits  # untouched: later steps never write into it
         x = logits.clone()
+        if biased:  # (row, token) pairs are unique: logit_bias is a mapping
+            ri, ti, bias = zip(*biased)
+            at = (_long(ri, x.device), _long(ti, x.device))
+            x[at] = x[at] + torch.tensor(bias, dtype=x.dtype).to(x.device)
         if hits:
             ri, ti = zip(*hits)
             x[_long(ri, x.device), _long(ti, x.device)] = _NEG_INF
@@ -191,6 +219,19 @@ class Sampler:
 
 
 # -- batched logit processors (all work in place on x [R, V], in token order) ---------------------------
+
+@functools.cache
+def _bits(device: torch.device) -> torch.Tensor:
+    return (torch.ones(32, dtype=torch.int32) << torch.arange(32, dtype=torch.int32)).to(device)
+
+
+def apply_token_bitmask(x: torch.Tensor, mask: TokenBitmask) -> None:
+    """-inf where a constrained row's bit is clear, in place; other rows untouched."""
+    n, V = len(mask.rows), x.shape[1]
+    words = mask.words[:n].to(x.device, non_blocking=True)
+    disallowed = (words[:, :, None] & _bits(x.device)).eq_(0).view(n, -1)[:, :V]
+    idx = _long(list(mask.rows), x.device)
+    x[idx] = x[idx].masked_fill_(disallowed.bool(), _NEG_INF)
 
 
 def _has_penalty(p: SamplingParams) -> bool:

@@ -1,7 +1,9 @@
 """Iteration-level scheduler: each step spends a token budget bringing num_computed_tokens up to num_tokens.
 
 Request lifecycle:
-1. `add_request` puts it in the waiting queue (fcfs order, or by (priority, arrival)).
+1. `add_request` puts it in the waiting queue (fcfs order, or by (priority, arrival)). A request whose
+   grammar is still compiling (WAITING_FOR_GRAMMAR) keeps its place but is passed over until
+   `grammar_ready`; the requests behind it are admitted meanwhile.
 2. `schedule` first serves running requests (decodes and unfinished prefill chunks); when blocks run
    out it preempts the lowest-priority / latest-arrived running request (its blocks are freed, it goes
    back to waiting and is recomputed later, usually from the prefix cache). Then it admits waiting
@@ -193,8 +195,12 @@ class Scheduler:
         self.waiting.add_front(req)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        compiling: list[Request] = []
         while len(self.waiting) and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                compiling.append(self.waiting.pop())
+                continue
             hit = self._lookup(req)
             n = self._num_new_tokens(req, hit.num_tokens, plan.budget)
             if not self.config.enable_chunked_prefill and n < req.num_tokens - hit.num_tokens:
@@ -204,9 +210,19 @@ class Scheduler:
                 break
             self.waiting.pop()
             self._admit(req, hit, n, plan)
+        for req in reversed(compiling):  # back in their places, ahead of later arrivals
+            self.waiting.add_front(req)
+
+    def grammar_ready(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            req.status = RequestStatus.WAITING
 
     def _lookup(self, req: Request) -> PrefixHit:
-        return self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else NO_HIT
+        # Prompt logprobs need every prompt position computed: such a prompt never starts from the cache.
+        if req.num_computed_tokens or req.sampling_params.prompt_logprobs is not None:
+            return NO_HIT
+        return self.kv.get_computed_blocks(req)
 
     def _admit(self, req: Request, hit: PrefixHit, n: int, plan: _StepPlan) -> None:
         if req.num_cached_tokens is None:
@@ -243,14 +259,14 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt
             req.append_output_token(token)
             self._check_stop(req, token)
-            outputs.append(self._output(req, token, result.logprobs.get(rid)))
+            outputs.append(self._output(req, token, result.logprobs.get(rid), result.prompt_logprobs.get(rid)))
             if req.is_finished:
                 self.running.remove(req)
                 self._free(req)
         return outputs
 
     @staticmethod
-    def _output(req: Request, token: int, logprobs) -> EngineCoreOutput:
+    def _output(req: Request, token: int, logprobs, prompt_logprobs: tuple | None = None) -> EngineCoreOutput:
         return EngineCoreOutput(
             req_id=req.request_id,
             new_token_ids=(token,),
@@ -259,6 +275,7 @@ class Scheduler:
             stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _check_stop(self, req: Request, token: int) -> None:

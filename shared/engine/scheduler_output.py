@@ -58,6 +58,8 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     sampled_token_ids: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     logprobs: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+    # With a request's first sampled token: (None, then TokenLogprobs per prompt token after the first).
+    prompt_logprobs: Mapping[str, tuple] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class EngineCoreOutput:
     stop_reason: int | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    prompt_logprobs: tuple | None = None  # with the first token, when asked: (None, TokenLogprobs, ...)
 
 
 @dataclass(frozen=True)

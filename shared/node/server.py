@@ -128,6 +128,7 @@ class NodeServer(pb_grpc.EngineServicer):
 
     def close(self) -> None:
         self.waits.shutdown(wait=False, cancel_futures=True)
+        self.core.shutdown()
 
     def wrong_role(self, what: str) -> RpcFailure:
         other = "decode" if self.role == "prefill" else "prefill"
@@ -154,6 +155,8 @@ class NodeServer(pb_grpc.EngineServicer):
     def start(self) -> None:
         """Start the engine thread (inside the running event loop)."""
         self.engine.start()
+        # The grammar backend reads the tokenizer once (~0.5 s, on its own thread): not on a first request.
+        self.core.warm_up_grammars()
 
     @unary_rpc
     async def GetNodeInfo(self, request, context):  # noqa: N802 - gRPC method names
@@ -223,5 +226,5 @@ def token_chunk(out: EngineCoreOutput, num_output_tokens: int) -> wire.TokenChun
         token_ids=out.new_token_ids, logprobs=(out.logprobs,) if out.logprobs is not None else (),
         finish_reason=out.finish_reason or "", stop_reason=out.stop_reason,
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=num_output_tokens,
-        num_cached_tokens=out.num_cached_tokens,
+        num_cached_tokens=out.num_cached_tokens, prompt_logprobs=out.prompt_logprobs,
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import threading
 from pathlib import Path
 
@@ -24,28 +23,11 @@ from gateway.server import make_server
 from shared.hashing import prompt_block_hashes
 from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as gpb
 from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as gpb_grpc
-from tests.helpers.models import tiny_config
+from tests.helpers.models import make_tiny_with_tokenizer
 from tests.helpers.nodes import start_nodes, stop_nodes, tiny_args, wait_for
 
 API_KEY = "test-key"
 BLOCKS = 1024  # per node: n=128 reservations of a short prompt fit
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-                   "special_tokens_map.json")
-
-
-def make_tiny_with_tokenizer(path: Path, tokenizer_dir: Path) -> Path:
-    """A tiny random llama whose vocabulary matches the default model's tokenizer (49152)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config("llama")
-    config.vocab_size, config.max_position_embeddings = 49152, 2048
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, path / name)
-    return path
 
 
 class GatewayThread:

@@ -87,3 +87,24 @@ def make_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, max_shard_s
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                   "special_tokens_map.json")
+
+
+def make_tiny_with_tokenizer(path: Path, tokenizer_dir: Path) -> Path:
+    """A tiny random llama whose vocabulary matches the default model's tokenizer (49152), so text
+    round-trips and grammars compile against a real vocabulary."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.vocab_size, config.max_position_embeddings = 49152, 2048
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, path / name)
+    return path

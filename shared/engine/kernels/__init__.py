@@ -34,7 +34,9 @@ def _build_dir() -> Path:
     base = os.environ.get("KVRELAY_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvrelay"
     )
-    digest = hashlib.sha256()
+    # Keyed by the sources' content and place: torch's build files name the sources by path, so two
+    # checkouts sharing one folder would keep rebuilding over each other.
+    digest = hashlib.sha256(str(_CSRC.resolve()).encode())
     for name in (*_SOURCES, "common.h"):
         digest.update((_CSRC / name).read_bytes())
     tag = f"torch{torch.__version__.replace('+', '_')}-{digest.hexdigest()[:16]}"
