@@ -22,6 +22,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	# Compile the native CPU attention kernel once (the engine falls back to pure torch if this fails).
 	-$(BIN)/python -c 'import logging, sys; logging.basicConfig(level=logging.INFO, format="%(message)s"); \
 		from shared.engine.attention import cpu_kernels; sys.exit(cpu_kernels.load() is None)'
+	# The native helpers (block-hash chain, KV block copy); hashing and transfers fall back to Python without them.
+	-$(BIN)/python -m shared.native
 	rm -f $(VENV)/.installed-*
 	touch $@
 
