@@ -41,6 +41,15 @@ class KVSender(Protocol):
     def send_blocks(self, peer: str, transfer_id: str, layer: int, src: list[int], dst: list[int]) -> None: ...
 
 
+class KVAllocator(Protocol):
+    """Where the KV caches live, when not in plain tensors: a connector that lets peers map them (shared
+    memory) allocates them itself. The engine takes it at construction, like its KV sender."""
+
+    def allocate_kv_caches(
+        self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor]: ...
+
+
 @dataclass
 class _ReqState:
     token_ids: list[int]
@@ -60,7 +69,10 @@ class _Batch:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, info: ModelInfo, kv_sender: KVSender | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, info: ModelInfo, kv_sender: KVSender | None = None,
+        kv_allocator: KVAllocator | None = None,
+    ) -> None:
         self.config = config
         self.info = info
         self.device = info.device
@@ -73,6 +85,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.states: dict[str, _ReqState] = {}
         self.kv_sender = kv_sender
+        self.kv_allocator = kv_allocator
 
     # -- KV cache ----------------------------------------------------------------------------------
 
@@ -102,7 +115,10 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         shape = kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads, m.head_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)]
+        if self.kv_allocator is not None:
+            self.kv_caches = self.kv_allocator.allocate_kv_caches(m.num_layers, shape, self.dtype, self.device)
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)]
 
     # -- step ----------------------------------------------------------------------------------------
 

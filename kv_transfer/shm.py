@@ -1,0 +1,452 @@
+"""Same-host connector: KV moves through shared memory, one copy per layer, at memory speed.
+
+Every node's KV caches live in one memfd segment: the engine allocates them through `kv_allocator()`. A
+sender connects once per peer to the receiver's unix socket and hands over the segment's file descriptor
+(SCM_RIGHTS); the receiver maps the sender's caches read-only. Per layer the sender posts one small message
+(transfer id, layer, src and dst blocks); the receiver checks it against what it expects, copies the src
+blocks straight from the sender's cache into its reserved blocks (one pass, no staging) and acks.
+
+The receiver copies (pull), not the sender, because only the receiver knows when a reservation ends (lease,
+abort): it checks before each copy, and `wait_received` returns only once no copy for that transfer is in
+flight, so no byte lands in blocks that were freed meanwhile. A sender writing into the peer could not
+promise that.
+
+Lifecycle:
+1. Start: sweep control sockets that nobody accepts on any more (left by a SIGKILL), bind
+   kvrelay-kv-<pid>-<random>.sock in /dev/shm (or shm_dir), accept on a thread.
+2. A sender's first transfer to a peer: connect, hello {layout, layer offsets, segment size, transfer id}
+   with the segment's descriptor; the receiver refuses a layout mismatch (naming both sides' values) or
+   maps the segment and says ok.
+3. Per layer: the sender's writer thread posts the message; the receiver's connection thread checks,
+   copies and acks; the sender's ack reader books the layer.
+4. A peer that dies: its socket ends, the survivor fails that connection's unfinished transfers, and a
+   receiver unmaps the dead sender's segment (the kernel frees a segment with its last mapping). Leases
+   free the reserved and held blocks, as with any connector.
+5. close(): stop accepting, end every connection, unlink the socket.
+
+CPU caches only: CUDA IPC between processes on one device is not implemented (use ucx with CUDA memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import socket
+import threading
+
+import numpy as np
+import torch
+
+from kv_transfer._book import TransferBooks
+from kv_transfer._shm_io import (
+    Channel,
+    PeerMapping,
+    Segment,
+    copy_blocks,
+    copy_plan,
+    host_id,
+    new_socket_path,
+    socket_dir,
+    sweep_stale_sockets,
+)
+from kv_transfer.base import KVConnector
+from kv_transfer.types import ConnectorConfig, LayoutMismatchError, TransferError, TransferResult, layout_mismatch
+from shared.records import KVLayout
+
+logger = logging.getLogger(__name__)
+
+SCHEME = "shm://"
+_MAX_SEEN = 4096  # transfer ids a connection remembers, to fail the unfinished ones if it breaks
+
+
+def parse_address(peer: str) -> tuple[str, str]:
+    """(host id, socket path) of an shm:// address."""
+    rest = peer.removeprefix(SCHEME)
+    host, slash, path = rest.partition("/")
+    if not peer.startswith(SCHEME) or not host or not slash:
+        raise ValueError(f"bad shm peer address {peer!r}; expected shm://<host id>/<socket path>")
+    return host, "/" + path
+
+
+class ShmConnector(KVConnector):
+    name = "shm"
+
+    def __init__(self, config: ConnectorConfig, books: TransferBooks | None = None):
+        super().__init__(config, books)
+        folder = socket_dir(config.shm_dir)
+        for path in sweep_stale_sockets(folder):
+            logger.info("removed stale KV control socket %s", path)
+        self.host = host_id(folder)
+        self._path = new_socket_path(folder)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(self._path))
+        self._listener.listen(64)
+        self._segment: Segment | None = None
+        self._dst: list[np.ndarray] = []  # own caches as flat bytes: what received layers are copied into
+        self._sendable = False
+        self._peers: dict[str, _Outbound] = {}
+        self._inbound: set[_Inbound] = set()
+        self._lock = threading.Lock()
+        self._fence = threading.Condition()
+        self._copying: dict[str, int] = {}  # transfer id -> layer copies in flight
+        self._closed = False
+        self._accepting = threading.Thread(target=self._accept_loop, name="kvrelay-shm-accept", daemon=True)
+        self._accepting.start()
+
+    @property
+    def address(self) -> str:
+        return f"{SCHEME}{self.host}{self._path}"
+
+    @property
+    def can_send(self) -> bool:
+        """Whether peers can map this node's caches (they live in the segment this connector allocated)."""
+        return self._sendable
+
+    # -- set-up ----------------------------------------------------------------------------------------
+    def kv_allocator(self) -> ShmConnector:
+        return self
+
+    def allocate_kv_caches(
+        self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor]:
+        if torch.device(device).type != "cpu":
+            raise ValueError(
+                f"shm connector: KV caches on {device} (CUDA IPC between processes is not implemented); "
+                "use --connector ucx"
+            )
+        if self._segment is not None:
+            raise RuntimeError("shm connector: KV caches were allocated already")
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._segment = Segment(nbytes, num_layers)
+        return [self._segment.layer(i, nbytes).view(dtype).view(shape) for i in range(num_layers)]
+
+    def register_kv_caches(self, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
+        if kv_caches and kv_caches[0].device.type != "cpu":
+            raise ValueError("shm connector: CPU caches only (CUDA IPC is not implemented); use ucx")
+        super().register_kv_caches(layout, kv_caches)
+        self._dst = [c.view(torch.uint8).reshape(-1).numpy() for c in kv_caches]
+        segment = self._segment
+        self._sendable = segment is not None and all(segment.contains(c) for c in kv_caches)
+
+    # -- sender side -----------------------------------------------------------------------------------
+    def connect(self, peer: str, timeout: float | None = None) -> None:
+        parse_address(peer)
+        self._outbound(peer, None).wait_connected(self.config.connect_timeout + 1 if timeout is None else timeout)
+
+    def send_blocks(
+        self, peer: str, transfer_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> None:
+        self._check_send_args(transfer_id, layer, src_block_ids, dst_block_ids)
+        host, _ = parse_address(peer)  # a malformed address is the caller's bug: raise here
+        if self._closed:
+            raise TransferError("shm connector is closed")
+        if not self._sent.enqueue_layer(transfer_id, self.layout.num_layers, layer, peer):
+            return
+        if host != self.host or not self._sendable:
+            why = (f"peer {peer} is on another host or sees another {self._path.parent} (use ucx, or auto)"
+                   if host != self.host else "this node's KV caches are not in shared memory (allocate them "
+                   "through kv_allocator())")
+            self._sent.fail(transfer_id, TransferError(f"shm transfer {transfer_id!r} impossible: {why}"))
+            return
+        msg = {"k": "layer", "t": transfer_id, "l": layer, "s": list(src_block_ids), "d": list(dst_block_ids)}
+        self._outbound(peer, transfer_id).post(msg)
+
+    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        peer = self._sent.peer_of(transfer_id)
+        try:
+            return super().wait(transfer_id, timeout)
+        except TransferError as e:
+            with self._lock:
+                out = self._peers.get(peer) if peer is not None else None
+            if out is not None:  # let the receiver give up now rather than at its own deadline
+                out.post({"k": "abort", "t": transfer_id, "e": str(e)})
+            raise
+
+    def _outbound(self, peer: str, first_transfer_id: str | None) -> _Outbound:
+        with self._lock:
+            out = self._peers.get(peer)
+            if out is None:
+                out = self._peers[peer] = _Outbound(self, peer, first_transfer_id)
+            return out
+
+    def _drop_peer(self, out: _Outbound) -> None:
+        with self._lock:
+            if self._peers.get(out.peer) is out:
+                del self._peers[out.peer]
+
+    def hello(self, transfer_id: str | None) -> tuple[dict, int]:
+        segment = self._segment
+        assert segment is not None
+        offsets = [c.data_ptr() - segment.base for c in self._caches]
+        msg = {"k": "hello", "layout": self.layout.to_dict(), "offsets": offsets, "size": segment.nbytes,
+               "t": transfer_id}
+        return msg, segment.fd
+
+    # -- receiver side ---------------------------------------------------------------------------------
+    def wait_received(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        try:
+            return super().wait_received(transfer_id, timeout)
+        finally:
+            # Whatever the outcome, the caller may free the blocks next: no copy into them may still run.
+            with self._fence:
+                self._fence.wait_for(lambda: transfer_id not in self._copying)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            inbound = _Inbound(self, Channel(sock))
+            with self._lock:
+                if self._closed:
+                    inbound.channel.close()
+                    return
+                self._inbound.add(inbound)
+            inbound.start()
+
+    def accept_hello(self, hello: dict, fds: list[int]) -> tuple[KVLayout, PeerMapping]:
+        """The sender's layout and mapped segment; raises TransferError (LayoutMismatchError) to refuse."""
+        theirs = KVLayout.from_dict(hello["layout"])
+        if self._layout is None:
+            raise TransferError("receiver has no KV caches registered yet")
+        refusal = layout_mismatch(self.layout, theirs, "receiver", "sender")
+        if refusal is not None:
+            raise refusal
+        layer_bytes = theirs.num_blocks * 2 * theirs.block_nbytes
+        offsets, size = hello["offsets"], hello["size"]
+        if len(fds) != 1 or len(offsets) != theirs.num_layers or any(
+            not 0 <= o <= size - layer_bytes for o in offsets
+        ):
+            raise TransferError("sender's shared segment does not hold its caches")
+        return theirs, PeerMapping(fds.pop(), size)
+
+    def receive_layer(self, sender: _Inbound, msg: dict) -> tuple[str | None, int]:
+        """Check and copy one layer; (why it was refused or None, bytes copied)."""
+        transfer_id, layer, src, dst = msg["t"], msg["l"], msg["s"], msg["d"]
+        theirs = sender.layout
+        with self._fence:
+            refusal = self._received.check_layer(transfer_id, layer, dst)
+            if refusal is None and (len(src) != len(dst) or any(not 0 <= b < theirs.num_blocks for b in src)):
+                refusal = f"transfer {transfer_id!r}: src blocks outside the sender's cache"
+            if refusal is None:
+                self._copying[transfer_id] = self._copying.get(transfer_id, 0) + 1
+        if refusal is not None:
+            self._received.fail(transfer_id, TransferError(refusal))
+            return refusal, 0
+        try:
+            plan = copy_plan(src, dst, theirs.num_blocks, self.layout.num_blocks, theirs.block_nbytes)
+            start = sender.offsets[layer]
+            nbytes = copy_blocks(self._dst[layer], sender.mapping.bytes[start : start + sender.layer_bytes], plan)
+            self._received.layer_done(transfer_id, layer, nbytes)
+            return None, nbytes
+        finally:
+            with self._fence:
+                left = self._copying[transfer_id] - 1
+                if left:
+                    self._copying[transfer_id] = left
+                else:
+                    del self._copying[transfer_id]
+                    self._fence.notify_all()
+
+    def forget_inbound(self, inbound: _Inbound) -> None:
+        with self._lock:
+            self._inbound.discard(inbound)
+
+    # -- shutdown ----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers, inbound = list(self._peers.values()), list(self._inbound)
+        self._listener.close()
+        try:
+            self._path.unlink()
+        except OSError:
+            pass
+        for out in peers:
+            out.close()
+        for inb in inbound:
+            inb.channel.close()
+        for thread in [*(o.threads for o in peers), *([i.thread] for i in inbound)]:
+            for t in thread:
+                t.join(timeout=5)
+        error = TransferError("shm connector closed")
+        self._sent.fail_all(error)
+        self._received.fail_all(error)
+        if self._segment is not None:
+            self._segment.close()
+
+
+class _Outbound:
+    """One connection to a receiver, sending side: a writer thread posts the queued messages in order (the
+    engine thread only enqueues), an ack reader books the layers."""
+
+    def __init__(self, owner: ShmConnector, peer: str, first_transfer_id: str | None) -> None:
+        self.owner, self.peer = owner, peer
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.connected = threading.Event()
+        self.error: TransferError | None = None
+        self.channel: Channel | None = None
+        self.threads = [threading.Thread(target=self._write, args=(first_transfer_id,), daemon=True,
+                                         name="kvrelay-shm-send")]
+        self.threads[0].start()
+
+    def post(self, msg: dict) -> None:
+        self.queue.put(msg)
+
+    def wait_connected(self, timeout: float) -> None:
+        if not self.connected.wait(timeout):
+            raise TransferError(f"no handshake with shm peer {self.peer} within {timeout:.1f}s")
+        if self.error is not None:
+            raise self.error
+
+    def _write(self, first_transfer_id: str | None) -> None:
+        try:
+            self._handshake(first_transfer_id)
+        except TransferError as e:
+            self._break(e)
+            return
+        reader = threading.Thread(target=self._read_acks, daemon=True, name="kvrelay-shm-acks")
+        self.threads.append(reader)
+        reader.start()
+        self.connected.set()
+        try:
+            while True:
+                msg = self.queue.get()
+                if msg is None:
+                    return
+                self.channel.send(msg)
+        except OSError as e:
+            self._break(TransferError(f"connection to shm peer {self.peer} lost: {e!r}"))
+
+    def _handshake(self, transfer_id: str | None) -> None:
+        _, path = parse_address(self.peer)
+        timeout = self.owner.config.connect_timeout
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            self.channel = Channel(sock)
+            hello, fd = self.owner.hello(transfer_id)
+            self.channel.send(hello, fds=(fd,))
+            reply, _ = self.channel.recv()
+            sock.settimeout(None)  # from now on a dead peer shows as EOF, an idle one is fine
+        except (OSError, EOFError) as e:
+            sock.close()
+            raise TransferError(f"cannot connect to shm peer {self.peer} within {timeout:.1f}s: {e!r}") from None
+        if not reply["ok"]:
+            theirs = reply.get("layout")
+            layout = self.owner.layout
+            refusal = layout_mismatch(layout, KVLayout.from_dict(theirs), "sender", "receiver") if theirs else None
+            if refusal is not None:
+                raise LayoutMismatchError(f"refused by receiver {self.peer}: {refusal}", refusal.mismatches)
+            raise TransferError(f"refused by receiver {self.peer}: {reply['error']}")
+
+    def _read_acks(self) -> None:
+        book = self.owner._sent
+        try:
+            while True:
+                ack, _ = self.channel.recv()
+                if ack["e"]:
+                    book.fail(ack["t"], TransferError(f"receiver {self.peer} refused layer {ack['l']}: {ack['e']}"))
+                else:
+                    book.layer_done(ack["t"], ack["l"], ack["n"])
+        except EOFError as e:
+            self._break(TransferError(f"connection to shm peer {self.peer} lost: {e}"))
+
+    def _break(self, error: TransferError) -> None:
+        """Give up this connection: fail what went through it; the next transfer reconnects."""
+        if self.error is not None:
+            return
+        self.error = error
+        self.owner._drop_peer(self)
+        self.connected.set()
+        self.owner._sent.fail_peer(self.peer, error)
+        if self.channel is not None:
+            self.channel.close()
+        self.queue.put(None)  # ends the writer (its later messages belong to failed transfers)
+
+    def close(self) -> None:
+        if self.channel is not None and self.error is None:
+            self.queue.put({"k": "bye"})
+        self.queue.put(None)
+        self.threads[0].join(timeout=2)
+        self.error = self.error or TransferError("shm connector closed")
+        if self.channel is not None:
+            self.channel.close()
+
+
+class _Inbound:
+    """One sender's connection, receiving side: a thread that checks, copies and acks each layer."""
+
+    def __init__(self, owner: ShmConnector, channel: Channel) -> None:
+        self.owner, self.channel = owner, channel
+        self.layout: KVLayout | None = None
+        self.mapping: PeerMapping | None = None
+        self.offsets: list[int] = []
+        self.layer_bytes = 0
+        self.seen: dict[str, None] = {}  # transfer ids that came this way, oldest first (bounded)
+        self.thread = threading.Thread(target=self._run, daemon=True, name="kvrelay-shm-recv")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        error = None
+        try:
+            if self._accept():
+                self._serve()
+        except (EOFError, OSError) as e:  # the sender died (EOF, or a broken pipe when acking)
+            error = TransferError(f"connection to sender lost: {e!r}")
+        except Exception as e:  # noqa: BLE001 - a bad message ends this connection, not the node
+            logger.warning("shm connection from a sender failed: %r", e)
+            error = TransferError(f"sender connection: {e!r}")
+        # Unmapped before anyone hears of the failure: a failed transfer means the dead sender's memory is gone.
+        self.channel.close()
+        if self.mapping is not None:
+            self.mapping.close()
+        self.owner.forget_inbound(self)
+        if error is not None:
+            for transfer_id in self.seen:
+                self.owner._received.fail_unfinished(transfer_id, error)
+
+    def _accept(self) -> bool:
+        self.channel.sock.settimeout(self.owner.config.connect_timeout)
+        hello, fds = self.channel.recv()
+        self.channel.sock.settimeout(None)
+        try:
+            self.layout, self.mapping = self.owner.accept_hello(hello, fds)
+        except TransferError as e:
+            for fd in fds:
+                os.close(fd)
+            logger.error("refused shm sender: %s", e)
+            self.owner.metrics.add(refused_handshakes=1)
+            if hello.get("t") is not None:
+                mismatches = e.mismatches if isinstance(e, LayoutMismatchError) else {}
+                self.owner._received.fail(hello["t"], LayoutMismatchError(f"refused sender: {e}", mismatches))
+            layout = self.owner._layout.to_dict() if self.owner._layout else None
+            self.channel.send({"ok": False, "error": str(e), "layout": layout})
+            return False
+        self.offsets = list(hello["offsets"])
+        self.layer_bytes = self.layout.num_blocks * 2 * self.layout.block_nbytes
+        self.channel.send({"ok": True, "layout": self.owner.layout.to_dict()})
+        return True
+
+    def _serve(self) -> None:
+        while True:
+            msg, _ = self.channel.recv()
+            kind = msg["k"]
+            if kind == "layer":
+                self.seen[msg["t"]] = None
+                if len(self.seen) > _MAX_SEEN:
+                    del self.seen[next(iter(self.seen))]
+                refusal, nbytes = self.owner.receive_layer(self, msg)
+                self.channel.send({"k": "ack", "t": msg["t"], "l": msg["l"], "n": nbytes, "e": refusal})
+            elif kind == "abort":
+                self.owner._received.fail(msg["t"], TransferError(f"sender aborted: {msg['e']}"))
+            elif kind == "bye":
+                return
