@@ -164,3 +164,28 @@ def test_auto_uses_shm_on_one_host_and_the_remote_connector_across(tmp_path):
     finally:
         for connector in made:
             connector.close()
+
+
+def test_copy_plan_merges_runs_and_both_copy_paths_move_the_same_bytes(monkeypatch):
+    import numpy as np
+
+    from kv_transfer import _shm_io
+    from shared import native
+
+    plan = _shm_io.copy_plan([4, 5, 6, 9, 2], [10, 11, 12, 13, 0], src_blocks=16, dst_blocks=20, block_nbytes=8)
+    dst_off, src_off, sizes = (a.tolist() for a in plan)
+    # [4,5,6]->[10,11,12] is one run; 9->13 and 2->0 are single blocks; then the same for values.
+    assert src_off == [32, 72, 16, 160, 200, 144] and dst_off == [80, 104, 0, 240, 264, 160]
+    assert sizes == [24, 8, 8, 24, 8, 8]
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 255, 2 * 16 * 8, dtype=np.uint8)
+    results = []
+    for lib in (native.load(), None):
+        monkeypatch.setattr(native, "load", lambda lib=lib: lib)  # the compiled path, then the numpy fallback
+        dst = np.zeros(2 * 20 * 8, dtype=np.uint8)
+        assert _shm_io.copy_blocks(dst, src, plan) == 5 * 2 * 8
+        results.append(dst)
+    assert np.array_equal(results[0], results[1])
+    assert np.array_equal(results[1][80:104], src[32:56]) and not results[1][8:80].any()
+    with pytest.raises(ValueError, match="outside"):
+        _shm_io.copy_blocks(np.zeros(10, dtype=np.uint8), src, plan)
