@@ -195,6 +195,16 @@ def copy_plan(
     return dst_off, src_off, np.tile(lengths, 2) * block_nbytes
 
 
+def split_plan(plan: tuple[np.ndarray, np.ndarray, np.ndarray], parts: int) -> list[tuple]:
+    """The plan cut into `parts` plans of about equal bytes (whole pieces each)."""
+    sizes = plan[2]
+    if parts <= 1 or len(sizes) < parts:
+        return [plan]
+    bounds = np.searchsorted(np.cumsum(sizes), [sizes.sum() * k / parts for k in range(1, parts)], side="right")
+    cuts = [0, *sorted(set(int(b) for b in bounds)), len(sizes)]
+    return [tuple(a[lo:hi] for a in plan) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+
+
 def copy_blocks(
     dst: np.ndarray, src: np.ndarray, plan: tuple[np.ndarray, np.ndarray, np.ndarray]
 ) -> int:

@@ -55,9 +55,12 @@ class AutoConnector(KVConnector):
             self._shm.close()
             raise
         self._routes: dict[str, tuple[KVConnector, str]] = {}
+        self._shm_receives = False
 
     @property
     def address(self) -> str:
+        if self._layout is not None and not self._shm_receives:  # CUDA caches: shm cannot take transfers
+            return f"{SCHEME}{self._remote.address}"
         return f"{SCHEME}{self._shm.address}|{self._remote.address}"
 
     def kv_allocator(self) -> AutoConnector:
@@ -75,6 +78,7 @@ class AutoConnector(KVConnector):
         self._remote.register_kv_caches(layout, kv_caches)
         if kv_caches[0].device.type == "cpu":
             self._shm.register_kv_caches(layout, kv_caches)
+            self._shm_receives = True
 
     def route(self, peer: str) -> tuple[KVConnector, str]:
         """(the connector, its address of the peer) that a transfer to `peer` goes through."""

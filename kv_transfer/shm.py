@@ -29,12 +29,14 @@ CPU caches only: CUDA IPC between processes on one device is not implemented (us
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import os
 import queue
 import socket
 import threading
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -49,6 +51,7 @@ from kv_transfer._shm_io import (
     host_id,
     new_socket_path,
     socket_dir,
+    split_plan,
     sweep_stale_sockets,
 )
 from kv_transfer.base import KVConnector
@@ -58,6 +61,7 @@ from shared.records import KVLayout
 logger = logging.getLogger(__name__)
 
 SCHEME = "shm://"
+_PARALLEL_COPY_BYTES = 1 << 20  # a layer at least this large is copied by copy_threads threads
 _MAX_SEEN = 4096  # transfer ids a connection remembers, to fail the unfinished ones if it breaks
 
 
@@ -91,6 +95,8 @@ class ShmConnector(KVConnector):
         self._lock = threading.Lock()
         self._fence = threading.Condition()
         self._copying: dict[str, int] = {}  # transfer id -> layer copies in flight
+        self._helpers = (concurrent.futures.ThreadPoolExecutor(config.copy_threads - 1, "kvrelay-shm-copy")
+                         if config.copy_threads > 1 else None)
         self._closed = False
         self._accepting = threading.Thread(target=self._accept_loop, name="kvrelay-shm-accept", daemon=True)
         self._accepting.start()
@@ -237,9 +243,10 @@ class ShmConnector(KVConnector):
             self._received.fail(transfer_id, TransferError(refusal))
             return refusal, 0
         try:
-            plan = copy_plan(src, dst, theirs.num_blocks, self.layout.num_blocks, theirs.block_nbytes)
+            # Every layer of a transfer moves the same blocks: plan once.
+            plan = _plan(tuple(src), tuple(dst), theirs.num_blocks, self.layout.num_blocks, theirs.block_nbytes)
             start = sender.offsets[layer]
-            nbytes = copy_blocks(self._dst[layer], sender.mapping.bytes[start : start + sender.layer_bytes], plan)
+            nbytes = self._copy(self._dst[layer], sender.mapping.bytes[start : start + sender.layer_bytes], plan)
             self._received.layer_done(transfer_id, layer, nbytes)
             return None, nbytes
         finally:
@@ -250,6 +257,13 @@ class ShmConnector(KVConnector):
                 else:
                     del self._copying[transfer_id]
                     self._fence.notify_all()
+
+    def _copy(self, dst: np.ndarray, src: np.ndarray, plan: tuple) -> int:
+        parts = split_plan(plan, self.config.copy_threads) if plan[2].sum() >= _PARALLEL_COPY_BYTES else [plan]
+        if len(parts) == 1 or self._helpers is None:
+            return copy_blocks(dst, src, plan)
+        helped = [self._helpers.submit(copy_blocks, dst, src, part) for part in parts[1:]]
+        return copy_blocks(dst, src, parts[0]) + sum(f.result() for f in helped)
 
     def forget_inbound(self, inbound: _Inbound) -> None:
         with self._lock:
@@ -277,8 +291,15 @@ class ShmConnector(KVConnector):
         error = TransferError("shm connector closed")
         self._sent.fail_all(error)
         self._received.fail_all(error)
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
         if self._segment is not None:
             self._segment.close()
+
+
+@lru_cache(maxsize=64)
+def _plan(src: tuple[int, ...], dst: tuple[int, ...], src_blocks: int, dst_blocks: int, block_nbytes: int) -> tuple:
+    return copy_plan(list(src), list(dst), src_blocks, dst_blocks, block_nbytes)
 
 
 class _Outbound:

@@ -97,6 +97,9 @@ class ConnectorConfig:
     # they see the same folder on the same boot (the host id), e.g. pods sharing /dev/shm.
     shm_dir: str | None = None
     remote: str = "ucx"  # auto: the connector to peers on other hosts ("ucx" or "nccl")
+    # shm: threads that copy one received layer of 1 MiB or more (its pieces split between them). More than
+    # one helps only with idle cores: on the busy 2-core test machine two threads copied slower than one.
+    copy_threads: int = 1
 
     def max_message_blocks(self, layout: KVLayout) -> int:
         return max(1, self.max_message_bytes // layout.block_nbytes)
