@@ -147,7 +147,8 @@ class Channel:
         frame = _LEN.pack(len(data)) + data
         with self._lock:
             sent = socket.send_fds(self.sock, [frame], list(fds)) if fds else 0
-            self.sock.sendall(frame[sent:])
+            if sent < len(frame):
+                self.sock.sendall(frame[sent:])
 
     def recv(self) -> tuple[dict, list[int]]:
         """The next message and the descriptors that came with it; EOFError once the peer has gone."""

@@ -451,6 +451,11 @@ class _Inbound:
                 self.owner._received.fail(hello["t"], LayoutMismatchError(f"refused sender: {e}", mismatches))
             layout = self.owner._layout.to_dict() if self.owner._layout else None
             self.channel.send({"ok": False, "error": str(e), "layout": layout})
+            try:  # closing at once could drop the refusal in flight: let the sender hang up first
+                self.channel.sock.settimeout(self.owner.config.connect_timeout)
+                self.channel.recv()
+            except (EOFError, OSError):
+                pass
             return False
         self.offsets = list(hello["offsets"])
         self.layer_bytes = self.layout.num_blocks * 2 * self.layout.block_nbytes
