@@ -8,6 +8,7 @@ maps it lets go (its owner's exit, a crash included, and the peers' unmaps).
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
@@ -87,9 +88,11 @@ class Segment:
         stride = -(-layer_nbytes // _ALIGN) * _ALIGN
         self.offsets = [i * stride for i in range(num_layers)]
         self.nbytes = max(stride * num_layers, _ALIGN)
-        self.fd = os.memfd_create(f"{SOCKET_PREFIX}{os.getpid()}")
+        self.fd = os.memfd_create(f"{SOCKET_PREFIX}{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.nbytes)
+            # Its size can never change again: a peer that maps it cannot be hit by SIGBUS from a shrink.
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self._map = mmap.mmap(self.fd, self.nbytes)  # MAP_SHARED; zero-filled like torch.zeros
         except BaseException:
             os.close(self.fd)
@@ -116,6 +119,10 @@ class PeerMapping:
 
     def __init__(self, fd: int, nbytes: int) -> None:
         try:
+            # Map only a segment that holds what the sender claims and cannot shrink under the mapping
+            # (touching pages past a file's end raises SIGBUS).
+            if os.fstat(fd).st_size < nbytes or not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+                raise ValueError("the sender's segment is smaller than announced, or not sealed against shrinking")
             self._map = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
         finally:
             os.close(fd)  # the mapping keeps the memory; the descriptor is not needed any more

@@ -227,7 +227,10 @@ class ShmConnector(KVConnector):
             not 0 <= o <= size - layer_bytes for o in offsets
         ):
             raise TransferError("sender's shared segment does not hold its caches")
-        return theirs, PeerMapping(fds.pop(), size)
+        try:
+            return theirs, PeerMapping(fds.pop(), size)
+        except (ValueError, OSError) as e:
+            raise TransferError(f"cannot map the sender's shared segment: {e}") from None
 
     def receive_layer(self, sender: _Inbound, msg: dict) -> tuple[str | None, int]:
         """Check and copy one layer; (why it was refused or None, bytes copied)."""
@@ -457,6 +460,8 @@ class _Inbound:
             except (EOFError, OSError):
                 pass
             return False
+        if hello.get("t") is not None:  # its first transfer: fail it too if the sender dies before a layer
+            self.seen[hello["t"]] = None
         self.offsets = list(hello["offsets"])
         self.layer_bytes = self.layout.num_blocks * 2 * self.layout.block_nbytes
         self.channel.send({"ok": True, "layout": self.owner.layout.to_dict()})

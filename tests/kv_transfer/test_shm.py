@@ -189,3 +189,33 @@ def test_copy_plan_merges_runs_and_both_copy_paths_move_the_same_bytes(monkeypat
     assert np.array_equal(results[1][80:104], src[32:56]) and not results[1][8:80].any()
     with pytest.raises(ValueError, match="outside"):
         _shm_io.copy_blocks(np.zeros(10, dtype=np.uint8), src, plan)
+
+
+def test_a_segment_that_could_shrink_is_refused(tmp_path):
+    """A sender whose segment is not sealed against shrinking (or smaller than it claims) is refused: a
+    mapping past a file's end would crash the receiver with SIGBUS when touched."""
+    import socket
+
+    from kv_transfer._shm_io import Channel
+    from kv_transfer.shm import parse_address
+
+    receiver = ShmConnector(config(tmp_path))
+    receiver.register_kv_caches(LAYOUT, make_caches(LAYOUT, None, allocator=receiver.kv_allocator()))
+    size = 4 * LAYOUT.num_blocks * 2 * LAYOUT.block_nbytes
+    fd = os.memfd_create("kvrelay-kv-test")  # no seals
+    os.ftruncate(fd, size)
+    layer = LAYOUT.num_blocks * 2 * LAYOUT.block_nbytes
+    hello = {"k": "hello", "layout": LAYOUT.to_dict(), "offsets": [i * layer for i in range(4)], "size": size,
+             "t": None}
+    try:
+        for claimed in (size, size * 2):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(parse_address(receiver.address)[1])
+            channel = Channel(sock)
+            channel.send(hello | {"size": claimed}, fds=(fd,))
+            reply, _ = channel.recv()
+            assert not reply["ok"] and "cannot map the sender's shared segment" in reply["error"], reply
+            channel.close()
+    finally:
+        os.close(fd)
+        receiver.close()
