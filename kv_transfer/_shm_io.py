@@ -25,6 +25,7 @@ import torch
 
 from shared import native
 
+SCHEME = "shm://"
 SOCKET_PREFIX = "kvrelay-kv-"
 _LEN = struct.Struct("<I")
 _ALIGN = 4096  # each layer starts on a page: a peer maps the whole segment, offsets stay page-aligned
@@ -32,6 +33,15 @@ _STALE_AFTER_S = 10.0  # a socket nobody listens on is only swept once this old 
 
 
 # -- where and who -------------------------------------------------------------------------------------------
+
+
+def parse_address(peer: str) -> tuple[str, str]:
+    """(host id, socket path) of an shm:// address."""
+    rest = peer.removeprefix(SCHEME)
+    host, slash, path = rest.partition("/")
+    if not peer.startswith(SCHEME) or not host or not slash:
+        raise ValueError(f"bad shm peer address {peer!r}; expected shm://<host id>/<socket path>")
+    return host, "/" + path
 
 
 def socket_dir(configured: str | None) -> Path:
