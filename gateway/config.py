@@ -16,6 +16,7 @@ class GatewayConfig:
     port: int = 8000
     grpc_port: int | None = None  # None: no gRPC API
     redis_url: str | None = None
+    index_backend: str = "mirror"  # shared.index backend: "mirror" (in-process copy) or "redis" (round trips)
     prefill: tuple[str, ...] = ()  # static host:port addresses
     decode: tuple[str, ...] = ()
     routing_policy: str = "cache_aware"

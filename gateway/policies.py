@@ -48,8 +48,9 @@ class Candidate:
     def __init__(self, node: Node, cached_tokens: int, inflight: int = 0, inflight_tokens: int = 0) -> None:
         self.node = node
         self.cached_tokens = cached_tokens
-        self.queued_tokens = max(node.queued_tokens, inflight_tokens)
-        self.active_seqs = max(node.active_seqs, inflight)
+        queued, active = node.queued_tokens, node.active_seqs
+        self.queued_tokens = queued if queued >= inflight_tokens else inflight_tokens
+        self.active_seqs = active if active >= inflight else inflight
 
     def fits(self, num_tokens: int) -> bool:
         free = self.node.free_tokens

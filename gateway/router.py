@@ -143,7 +143,13 @@ class Router:
     def _candidates(self, nodes: list[Node], hits: dict[str, int], num_tokens: int) -> list[Candidate]:
         seqs, tokens, bs = self.inflight.seqs, self.inflight.prefill_tokens, self.block_size
         # A full-prompt hit still leaves the last token to compute (the engine needs its logits).
-        return [Candidate(node, min(hits.get(node.node_id, 0) * bs, max(num_tokens - 1, 0)),
+        cap = max(num_tokens - 1, 0)
+        cached = hits.get
+        # Runs for every node of every request: conditionals, not min/max calls; no in-flight lookups when
+        # this gateway has nothing in flight.
+        if not seqs and not tokens:
+            return [Candidate(node, c if (c := cached(node.node_id, 0) * bs) < cap else cap) for node in nodes]
+        return [Candidate(node, c if (c := cached(node.node_id, 0) * bs) < cap else cap,
                           seqs.get(node.node_id, 0), tokens.get(node.node_id, 0)) for node in nodes]
 
     # ----------------------------------------------------------------------------------- in-flight

@@ -26,11 +26,15 @@ from shared.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-def open_index(redis_url: str, model_id: str):
-    """The block index and the node registry on one Redis (shared.index; 'memory' for in-process tests)."""
+_MIRROR_READY_S = 5.0  # at start, how long the mirror may take to load before requests route without hints
+
+
+def open_index(redis_url: str, model_id: str, backend: str = "mirror"):
+    """The block index and the node registry on one Redis (shared.index; 'memory' for in-process tests).
+    `backend` "mirror" follows the index into this process (lookups without a round trip)."""
     from shared.index import create_index, create_registry
 
-    return create_index(redis_url, model_id), create_registry(redis_url)
+    return create_index(redis_url, model_id, backend=backend), create_registry(redis_url)
 
 
 class Gateway:
@@ -42,7 +46,8 @@ class Gateway:
         self.served_names = list(config.served_model_names) or [self.model_id]
         self.metrics = GatewayMetrics(self.served_names[0], config.routing_policy)
         self.clients = NodeClients(Timeouts(prefill_s=config.prefill_timeout))
-        self.index, self.registry = open_index(config.redis_url, self.model_id) if config.redis_url else (None, None)
+        self.index, self.registry = (open_index(config.redis_url, self.model_id, config.index_backend)
+                                     if config.redis_url else (None, None))
         self.discovery = Discovery(DiscoveryConfig(
             model_id=self.model_id, block_size=config.block_size, static_prefill=tuple(config.prefill),
             static_decode=tuple(config.decode), refresh_s=config.refresh_interval, health_s=config.health_interval,
@@ -59,6 +64,9 @@ class Gateway:
         self.started_at = time.time()
 
     async def start(self) -> None:
+        if self.index is not None and not await asyncio.to_thread(self.index.wait_ready, _MIRROR_READY_S):
+            logger.warning("index mirror not loaded after %.0f s; routing without prefix hints until it is",
+                           _MIRROR_READY_S)
         await self.discovery.start()
         if self.config.startup_timeout > 0 and not await wait_for_nodes(self.discovery, self.config.startup_timeout):
             logger.warning("no decode node after %.0f s; serving anyway (requests get 503 until one is up)",

@@ -32,6 +32,22 @@ class _Transfer:
     error: TransferError | None = None
 
 
+@dataclass(frozen=True)
+class TransferBooks:
+    """A connector's bookkeeping: its counters and its books of sent and received transfers. A composite
+    connector (auto) hands one TransferBooks to the connectors it is made of, so that a transfer expected
+    on it may arrive through any of them and waits see them all."""
+
+    metrics: ConnectorMetrics
+    sent: TransferBook
+    received: TransferBook
+
+    @classmethod
+    def new(cls) -> TransferBooks:
+        metrics = ConnectorMetrics()
+        return cls(metrics, TransferBook("send", metrics), TransferBook("recv", metrics))
+
+
 class TransferBook:
     def __init__(self, direction: str, metrics: ConnectorMetrics):
         assert direction in ("send", "recv")

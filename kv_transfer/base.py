@@ -10,12 +10,21 @@ admitted. Before the first transfer between two connectors they exchange `KVLayo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 
-from kv_transfer._book import TransferBook
-from kv_transfer.types import ConnectorConfig, ConnectorMetrics, TransferResult, torch_dtype
+from kv_transfer._book import TransferBooks
+from kv_transfer.types import ConnectorConfig, TransferResult, torch_dtype
 from shared.records import KVLayout
+
+
+class KVAllocator(Protocol):
+    """Allocates a node's KV caches (shared.engine.model_runner.KVAllocator has the same shape)."""
+
+    def allocate_kv_caches(
+        self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor]: ...
 
 
 class KVConnector(ABC):
@@ -23,15 +32,21 @@ class KVConnector(ABC):
 
     name: str = "base"
 
-    def __init__(self, config: ConnectorConfig):
+    def __init__(self, config: ConnectorConfig, books: TransferBooks | None = None):
         self.config = config
-        self.metrics = ConnectorMetrics()
+        self.books = books if books is not None else TransferBooks.new()
+        self.metrics = self.books.metrics
         self._layout: KVLayout | None = None
         self._caches: list[torch.Tensor] = []
-        self._sent = TransferBook("send", self.metrics)
-        self._received = TransferBook("recv", self.metrics)
+        self._sent = self.books.sent
+        self._received = self.books.received
 
     # -- set-up ----------------------------------------------------------------------------------------
+    def kv_allocator(self) -> KVAllocator | None:
+        """Where the engine must allocate its KV caches for this connector to share them with peers (the
+        engine takes it at construction), or None: anywhere (plain tensors)."""
+        return None
+
     def register_kv_caches(self, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
         _validate_caches(layout, kv_caches)
         self._layout, self._caches = layout, list(kv_caches)

@@ -14,23 +14,28 @@ from typing import Any
 
 import torch
 
-from kv_transfer.base import KVConnector
+from kv_transfer.base import KVAllocator, KVConnector
 from kv_transfer.types import ConnectorConfig, torch_dtype
 from shared.records import KVLayout
 
 logger = logging.getLogger(__name__)
 
 
-def make_caches(layout: KVLayout, seed: int | None, device: str = "cpu") -> list[torch.Tensor]:
-    """Deterministic caches: random from seed (the same values in any process), or zeros when seed is None."""
-    if seed is None:
-        shape, dtype = layout.cache_shape(), torch_dtype(layout)
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        torch.randn(layout.cache_shape(), generator=gen).to(torch_dtype(layout)).to(device)
-        for _ in range(layout.num_layers)
-    ]
+def make_caches(
+    layout: KVLayout, seed: int | None, device: str = "cpu", allocator: KVAllocator | None = None
+) -> list[torch.Tensor]:
+    """Deterministic caches: random from seed (the same values in any process), or zeros when seed is None;
+    in memory from `allocator` when given (a connector's shared memory), else plain tensors."""
+    shape, dtype = layout.cache_shape(), torch_dtype(layout)
+    if allocator is not None:
+        caches = allocator.allocate_kv_caches(layout.num_layers, shape, dtype, torch.device(device))
+    else:
+        caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        for cache in caches:
+            cache.copy_(torch.randn(shape, generator=gen).to(dtype))
+    return caches
 
 
 class PeerProcess:
@@ -63,6 +68,10 @@ class PeerProcess:
     ) -> str:
         """Start a connector with caches from seed in the child; returns its address."""
         return self.call("create", key, name, asdict(config), layout.to_dict(), seed, device, timeout=120)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     def kill(self) -> None:
         """Die abruptly, as a crashed node would."""
@@ -119,7 +128,8 @@ class _Host:
 
         connector = create_connector(name, ConnectorConfig(**config))
         kv_layout = KVLayout.from_dict(layout)
-        connector.register_kv_caches(kv_layout, make_caches(kv_layout, seed, device))
+        caches = make_caches(kv_layout, seed, device, connector.kv_allocator())
+        connector.register_kv_caches(kv_layout, caches)
         self.connectors[key] = connector
         return connector.address
 
@@ -129,9 +139,11 @@ class _Host:
     def op_expect(self, key: str, transfer_id: str, dst: list[int], num_layers: int | None = None) -> None:
         self.connectors[key].expect(transfer_id, dst, num_layers)
 
-    def op_send(self, key: str, peer: str, transfer_id: str, src: list[int], dst: list[int]) -> None:
+    def op_send(
+        self, key: str, peer: str, transfer_id: str, src: list[int], dst: list[int], layers: list[int] | None = None
+    ) -> None:
         connector = self.connectors[key]
-        for layer in range(connector.layout.num_layers):
+        for layer in range(connector.layout.num_layers) if layers is None else layers:
             connector.send_blocks(peer, transfer_id, layer, src, dst)
 
     def op_wait(self, key: str, transfer_id: str, timeout: float) -> Any:

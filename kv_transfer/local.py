@@ -10,6 +10,7 @@ import threading
 import torch
 
 from kv_transfer import _blocks
+from kv_transfer._book import TransferBooks
 from kv_transfer.base import KVConnector
 from kv_transfer.types import ConnectorConfig, LayoutMismatchError, TransferError, layout_mismatch
 
@@ -23,8 +24,8 @@ _ids = itertools.count()
 class LocalConnector(KVConnector):
     name = "local"
 
-    def __init__(self, config: ConnectorConfig):
-        super().__init__(config)
+    def __init__(self, config: ConnectorConfig, books: TransferBooks | None = None):
+        super().__init__(config, books)
         self._address = f"local://{os.getpid()}-{next(_ids)}"
         self._handshaken: set[str] = set()
         self._closed = False

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer import _blocks
+from kv_transfer._book import TransferBooks
 from kv_transfer.base import KVConnector
 from kv_transfer.types import ConnectorConfig, LayoutMismatchError, TransferError, TransferResult, layout_mismatch
 from shared.records import KVLayout
@@ -80,8 +81,8 @@ class _Job:
 class NcclConnector(KVConnector):
     name = "nccl"
 
-    def __init__(self, config: ConnectorConfig):
-        super().__init__(config)
+    def __init__(self, config: ConnectorConfig, books: TransferBooks | None = None):
+        super().__init__(config, books)
         self._closed = threading.Event()
         self._store = dist.TCPStore(
             config.host, config.port, is_master=True, wait_for_workers=False, timeout=self._connect_td

@@ -78,7 +78,7 @@ class ConnectorMetrics:
 
 @dataclass
 class ConnectorConfig:
-    name: str = "local"  # "ucx" | "nccl" | "local"
+    name: str = "local"  # "auto" | "shm" | "ucx" | "nccl" | "local"
     host: str = "127.0.0.1"  # interface the receiver listens on and advertises
     port: int = 0  # 0: pick a free port
     # ucx: "tcp", "shm" (shared memory; UCX still needs tcp for the connection handshake) or "auto"
@@ -93,6 +93,13 @@ class ConnectorConfig:
     max_inflight_layers: int = 4  # sender: layers on the wire at once (bounds staging memory)
     max_direct_runs: int = 2  # send block runs zero-copy when a layer has at most this many, else gather
     max_message_bytes: int = 1 << 20  # split a layer's data into wire messages of at most this size
+    # shm: where its control sockets live (None: /dev/shm, else the temp dir). Two nodes use shm only when
+    # they see the same folder on the same boot (the host id), e.g. pods sharing /dev/shm.
+    shm_dir: str | None = None
+    remote: str = "ucx"  # auto: the connector to peers on other hosts ("ucx" or "nccl")
+    # shm: threads that copy one received layer of 1 MiB or more (its pieces split between them). More than
+    # one helps only with idle cores: on the busy 2-core test machine two threads copied slower than one.
+    copy_threads: int = 1
 
     def max_message_blocks(self, layout: KVLayout) -> int:
         return max(1, self.max_message_bytes // layout.block_nbytes)

@@ -19,6 +19,7 @@ import logging
 import random
 
 from kv_transfer import _blocks
+from kv_transfer._book import TransferBooks
 from kv_transfer._ucx_runtime import UcxRuntime, parse_peer, recv_msg, send_msg, tag, ucx_settings, ucxx
 from kv_transfer._ucx_sender import Job, SenderPeer
 from kv_transfer.base import KVConnector
@@ -31,8 +32,8 @@ logger = logging.getLogger(__name__)
 class UcxConnector(KVConnector):
     name = "ucx"
 
-    def __init__(self, config: ConnectorConfig):
-        super().__init__(config)
+    def __init__(self, config: ConnectorConfig, books: TransferBooks | None = None):
+        super().__init__(config, books)
         tls, self._error_handling = ucx_settings(config)
         self._rt = UcxRuntime.acquire(tls, timeout=max(config.connect_timeout, 10.0))
         self._peers: dict[str, SenderPeer] = {}  # touched on the loop thread only

@@ -5,6 +5,10 @@
 
 H is xxh3-128, kept as 16 bytes. Only full blocks are hashed. The encoding of the root is fixed here:
 the UTF-8 of model_id, a NUL, block_size as little-endian uint32, a NUL, the UTF-8 of cache_salt.
+
+The chain runs in one native call when shared.native could be built (the gateway hashes every prompt: the
+Python loop and the list-to-int32 conversion took ~0.2 ms for 4,096 tokens); `_hash_blocks_py` is the
+portable path and the reference the native one is tested against.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+from shared import native
 from shared.records import BlockHash
 
 _U32 = struct.Struct("<I")
@@ -39,6 +44,17 @@ def hash_blocks(
 ) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids` from block `start_block` on, chained from `parent`
     (the hash of block start_block-1, or the root hash when start_block is 0)."""
+    lib = native.load()
+    if lib is None:
+        return _hash_blocks_py(token_ids, block_size, parent, start_block, extra_keys)
+    if not isinstance(token_ids, (list, tuple)):  # arrays and other sequences: as int32 bytes, in one go
+        token_ids = np.asarray(token_ids, dtype="<i4").tobytes()
+    return lib.hash_chain(token_ids, block_size, bytes(parent), start_block, bytes(extra_keys))
+
+
+def _hash_blocks_py(
+    token_ids: Sequence[int], block_size: int, parent: BlockHash, start_block: int = 0, extra_keys: bytes = b""
+) -> list[BlockHash]:
     num_full = len(token_ids) // block_size
     if num_full <= start_block:
         return []

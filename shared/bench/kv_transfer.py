@@ -2,7 +2,9 @@
 
 Moves the KV of N blocks for every layer of a SmolLM2-shaped cache (block 16, 3 KV heads, head 64, bf16)
 between two processes, layer by layer as a prefill node does, and times each transfer from the first
-send_blocks() to the acknowledged wait(). Prints JSON and writes it to --output.
+send_blocks() to the acknowledged wait(). Each connector allocates its caches where it wants them
+(kv_allocator(): shared memory for shm and auto), as a node's engine does. Prints JSON, each connector's
+ratio to a memcpy of the same bytes timed in the same invocation, and writes it to --output.
 """
 
 from __future__ import annotations
@@ -29,18 +31,24 @@ logger = logging.getLogger(__name__)
 # case -> (connector name, config overrides)
 CASES: dict[str, tuple[str, dict]] = {
     "local": ("local", {}),
+    "shm": ("shm", {}),
+    "shm-2threads": ("shm", {"copy_threads": 2}),
+    "auto": ("auto", {}),
     "ucx-tcp": ("ucx", {"transport": "tcp"}),
     "ucx-shm": ("ucx", {"transport": "shm"}),
     "gloo": ("nccl", {"backend": "gloo"}),
 }
 
 
+_TRANSPORTS = {"local": "in-process", "shm": "shared memory", "auto": "shared memory (same host)"}
+
 HELP = "KV transfer GB/s per connector between two processes, and each one's ratio to memcpy"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = "GB/s are 1e9 bytes of KV payload per second; ratio_to_memcpy = best GB/s / memcpy best GB/s."
-    p.add_argument("--connectors", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
+    default = ",".join(c for c in CASES if c != "shm-2threads")
+    p.add_argument("--connectors", default=default, help=f"comma-separated, from {', '.join(CASES)}")
     p.add_argument("--layers", type=int, default=30, help="model layers (SmolLM2-135M has 30)")
     p.add_argument("--blocks", type=int, default=180, help="blocks per transfer (180 x 30 layers ~ 66 MB)")
     p.add_argument("--cache-blocks", type=int, default=400, help="blocks per layer cache on each side")
@@ -137,7 +145,7 @@ def summarize(case: str, pattern: str, nbytes: int, seconds: list[float], memcpy
     return {
         "case": case,
         "connector": name,
-        "transport": overrides.get("transport") or overrides.get("backend") or "in-process",
+        "transport": overrides.get("transport") or overrides.get("backend") or _TRANSPORTS.get(name, name),
         "pattern": pattern,
         "gbps_best": round(best, 3),
         "gbps_median": round(median, 3),

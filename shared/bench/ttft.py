@@ -1,6 +1,7 @@
 """`kvrelay bench ttft`: time to first token, disaggregated vs colocated, with real node processes.
 
-Per UCX transport (tcp, shm) one prefill and one decode node run the model (one torch thread each by
+Per transport (UCX tcp, UCX shm, and `auto`: the default connector, shared memory between nodes of one host)
+one prefill and one decode node run the model (one torch thread each by
 default: two nodes share two cores). Per prompt length, repetitions alternate the two ways, each with a
 fresh random prompt (no prefix-cache hit anywhere):
 - colocated: Generate without a hand-off on the decode node (it prefills locally), max_tokens=1;
@@ -16,7 +17,7 @@ added <= last layer transfer + 5 ms (`meets_target`; `raw_meets_target` holds th
 Raw differences also carry compute noise and any slowdown of the prefill's forward by the sends running
 beside it (`prefill_compute_slowdown`): on one machine the receiving node shares the cores.
 
-    python -m shared.bench.ttft                      # default model, 512 and 2048 tokens, tcp and shm
+    python -m shared.bench.ttft                      # default model, 512 and 2048 tokens, tcp, shm and auto
     python -m shared.bench.ttft --prompt-lens 512 --transports tcp --repetitions 2
 """
 
@@ -44,14 +45,15 @@ _TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
 
 
-HELP = "TTFT disaggregated vs colocated (node processes, ucx tcp and shm)"
+HELP = "TTFT disaggregated vs colocated (node processes; ucx tcp, ucx shm, auto connector)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="model folder, .gguf or 'default' (SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", help="auto resolves to float32 on CPUs without native bf16")
     p.add_argument("--prompt-lens", default="512,2048", help="comma-separated prompt lengths, tokens")
-    p.add_argument("--transports", default="tcp,shm", help="comma-separated UCX transports: tcp, shm")
+    p.add_argument("--transports", default="tcp,shm,auto",
+                   help="comma-separated: tcp, shm (UCX transports), auto (the auto connector: shared memory)")
     p.add_argument("--repetitions", type=int, default=3, help="requests per way, length and transport")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per node")
     p.add_argument("--kv-cache-memory", type=int, default=256 * 2**20, help="bytes of KV cache per node")
@@ -103,8 +105,9 @@ def disaggregated(prefill: NodeProcess, decode: NodeProcess, rid: str, prompt: l
 
 
 def _node_args(args: argparse.Namespace, transport: str) -> list[str]:
+    connector = ["--connector", "auto"] if transport == "auto" else ["--connector", "ucx", "--ucx-transport", transport]
     return ["--model", args.model, "--dtype", args.dtype, "--num-threads", str(args.num_threads),
-            "--kv-cache-memory", str(args.kv_cache_memory), "--connector", "ucx", "--ucx-transport", transport,
+            "--kv-cache-memory", str(args.kv_cache_memory), *connector,
             "--shutdown-timeout", "10",
             # A long prompt on one CPU thread can take longer than the default 30 s lease.
             "--kv-lease-seconds", "900", "--transfer-timeout", "300"]

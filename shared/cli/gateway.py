@@ -37,6 +37,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
     r = p.add_argument_group("nodes and routing")
     r.add_argument("--redis-url", default=None, help="the Redis of the block index and node registry")
+    r.add_argument("--index-backend", choices=["mirror", "redis"], default="mirror",
+                   help="mirror: follow the index's event stream into this process and look up locally; "
+                        "redis: one Redis round trip per routing decision")
     r.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a static prefill node")
     r.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a static decode node")
     r.add_argument("--routing-policy", choices=["cache_aware", "round_robin", "least_loaded"], default="cache_aware")
@@ -64,7 +67,7 @@ def config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len, shutdown_timeout=args.shutdown_timeout,
         refresh_interval=args.refresh_interval, health_interval=args.health_interval,
         startup_timeout=args.startup_timeout, kv_lease_ms=args.kv_lease_ms, prefill_timeout=args.prefill_timeout,
-        log_requests=args.log_requests,
+        log_requests=args.log_requests, index_backend=args.index_backend,
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,

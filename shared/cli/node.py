@@ -2,8 +2,8 @@
 also come from the environment as KVRELAY_<FLAG> (e.g. KVRELAY_PORT=50061, KVRELAY_ENABLE_PREFIX_CACHING=0);
 a flag on the command line wins over the environment.
 
-    kvrelay prefill --model default --port 50061 --connector ucx --num-threads 1
-    kvrelay decode  --model default --port 50062 --connector ucx --num-threads 1
+    kvrelay prefill --model default --port 50061 --num-threads 1      # --connector auto: shm on one host
+    kvrelay decode  --model default --port 50062 --num-threads 1
 """
 
 from __future__ import annotations
@@ -51,8 +51,14 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--ready-file", default=None,
                    help="write a JSON file with the node's addresses once it serves (for launchers and tests)")
     k = p.add_argument_group("KV transfer")
-    k.add_argument("--connector", choices=["ucx", "nccl", "local"], default="ucx",
-                   help="ucx (ucxx), nccl (torch.distributed; gloo on CPU), local (in-process tests only)")
+    k.add_argument("--connector", choices=["auto", "shm", "ucx", "nccl", "local"], default="auto",
+                   help="auto (shared memory to nodes on this host, else --remote-connector), shm (same host "
+                        "only, CPU), ucx (ucxx), nccl (torch.distributed; gloo on CPU), local (in-process tests)")
+    k.add_argument("--remote-connector", choices=["ucx", "nccl"], default="ucx",
+                   help="auto: the connector to nodes on other hosts")
+    k.add_argument("--shm-dir", default=None,
+                   help="shm/auto: folder of the control sockets (default /dev/shm); nodes use shared memory "
+                        "only when they see the same folder on the same boot")
     k.add_argument("--kv-host", default=None, help="interface the connector listens on (default: --host)")
     k.add_argument("--kv-port", type=int, default=0, help="connector port; 0 picks a free one")
     k.add_argument("--ucx-transport", choices=["tcp", "shm", "auto"], default="tcp",
@@ -112,6 +118,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
 
     connector = ConnectorConfig(
         name=args.connector, host=args.kv_host or args.host, port=args.kv_port, transport=args.ucx_transport,
+        remote=args.remote_connector, shm_dir=args.shm_dir,
         connect_timeout=args.kv_connect_timeout, transfer_timeout=args.transfer_timeout,
     )
     return NodeConfig(

@@ -265,8 +265,8 @@ def register(sub) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill nodes")
     p.add_argument("--decode", type=int, default=1, help="decode nodes")
     p.add_argument("--colocated", action="store_true", help="one engine that prefills and decodes (the baseline)")
-    p.add_argument("--connector", default="ucx", choices=["ucx", "nccl"],
-                   help="KV transfer connector between processes")
+    p.add_argument("--connector", default="auto", choices=["auto", "shm", "ucx", "nccl"],
+                   help="KV transfer connector between processes: auto = shared memory on this machine")
     p.add_argument("--routing-policy", default="cache_aware", choices=["cache_aware", "round_robin", "least_loaded"],
                    help="how the gateway picks prefill and decode nodes")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded one")

@@ -25,7 +25,7 @@ from shared.config import EngineConfig
 from shared.engine.block_pool import BlockPool
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.model_info import ModelInfo, load_model_info
-from shared.engine.model_runner import KVSender, ModelRunner
+from shared.engine.model_runner import KVAllocator, KVSender, ModelRunner
 from shared.engine.request import KVSendSpec, Request, RequestStatus
 from shared.engine.scheduler import EngineCounters, Scheduler
 from shared.engine.scheduler_output import EngineCoreOutput, Reservation
@@ -44,19 +44,20 @@ def child_request_id(request_id: str, index: int) -> str:
 
 class EngineCore:
     """`kv_sender` (prefill role): where each layer's KV goes as it is computed; the engine registers its
-    caches with it once they exist. `record_block_events`: keep the prefix cache's STORED/EVICTED events
-    for `drain_block_events` (a node publishes them to the index). `grammars`: the grammar compiler
-    (default: one for config.structured, built on first use)."""
+    caches with it once they exist. `kv_allocator`: allocates the KV caches (a connector that shares them
+    with peers through shared memory); None: plain tensors. `record_block_events`: keep the prefix cache's
+    STORED/EVICTED events for `drain_block_events` (a node publishes them to the index). `grammars`: the
+    grammar compiler (default: one for config.structured, built on first use)."""
 
     def __init__(
         self, config: EngineConfig, record_block_events: bool = False, kv_sender: KVSender | None = None,
-        grammars: GrammarCompiler | None = None,
+        kv_allocator: KVAllocator | None = None, grammars: GrammarCompiler | None = None,
     ) -> None:
         self.config = config
         t0 = time.perf_counter()
         self.info: ModelInfo = load_model_info(config.model)
         self.grammars = grammars or create_grammar_compiler(config.structured, self._grammar_vocab)
-        self.runner = ModelRunner(config, self.info, kv_sender, self.grammars)
+        self.runner = ModelRunner(config, self.info, kv_sender, kv_allocator, self.grammars)
         self.vocab_size = self.runner.vocab_size
         self.num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)

@@ -49,6 +49,15 @@ class KVSender(Protocol):
     def send_blocks(self, peer: str, transfer_id: str, layer: int, src: list[int], dst: list[int]) -> None: ...
 
 
+class KVAllocator(Protocol):
+    """Where the KV caches live, when not in plain tensors: a connector that lets peers map them (shared
+    memory) allocates them itself. The engine takes it at construction, like its KV sender."""
+
+    def allocate_kv_caches(
+        self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor]: ...
+
+
 @dataclass
 class _ReqState:
     token_ids: list[int]
@@ -72,10 +81,13 @@ class _Batch:
 
 
 class ModelRunner:
-    """`grammars`: where constrained requests' grammars come from (None: structured outputs refused)."""
+    """`kv_allocator`: allocates the KV caches (None: plain tensors); `grammars`: where constrained requests'
+    grammars come from (None: structured outputs refused)."""
 
-    def __init__(self, config: EngineConfig, info: ModelInfo, kv_sender: KVSender | None = None,
-                 grammars: GrammarCompiler | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, info: ModelInfo, kv_sender: KVSender | None = None,
+        kv_allocator: KVAllocator | None = None, grammars: GrammarCompiler | None = None,
+    ) -> None:
         self.config = config
         self.info = info
         self.device = info.device
@@ -90,6 +102,7 @@ class ModelRunner:
         self.kv_sender = kv_sender
         self.grammars = grammars
         self._bitmask: torch.Tensor | None = None  # int32 [rows, words], reused every step
+        self.kv_allocator = kv_allocator
 
     # -- KV cache ----------------------------------------------------------------------------------
 
@@ -119,7 +132,10 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         shape = kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads, m.head_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)]
+        if self.kv_allocator is not None:
+            self.kv_caches = self.kv_allocator.allocate_kv_caches(m.num_layers, shape, self.dtype, self.device)
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)]
 
     # -- step ----------------------------------------------------------------------------------------
 

@@ -2,12 +2,15 @@
 
     index = create_index("unix:///run/kvrelay/redis.sock?db=0", model_id)   # or redis://host:6379/0
     index.lookup(prompt_block_hashes(...))          # {node_id: leading blocks held}, one round trip
+    mirror = create_index(url, model_id, backend="mirror")   # the same answers from an in-process copy
     publisher = IndexPublisher(index, node_id, snapshot_fn=...); publisher.submit(pool.drain_events())
     registry = create_registry(url); registry.register(reg, ttl_s=10)
     Heartbeat(registry, reg, 10, load_fn, on_lapse=publisher.request_resync).start()
 
-Backends: "redis" (redis://, rediss://, unix:// URLs) and "memory" ("memory" or "memory://<name>"), an
-in-process store with the same semantics for unit tests; backends with the same memory name share it.
+Backends (INDEX_BACKENDS): "redis" (redis://, rediss://, unix:// URLs: a round trip per lookup), "mirror"
+(a Redis URL: follows the index's events stream into an in-process copy and looks up locally; gateways)
+and "memory" ("memory" or "memory://<name>"), an in-process store with the same semantics for unit tests;
+backends with the same memory name share it. The backend defaults to the URL's.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from shared.index.heartbeat import Heartbeat
 from shared.index.publisher import IndexPublisher
 
 __all__ = [
+    "INDEX_BACKENDS",
     "BlockIndex",
     "Heartbeat",
     "IndexPublisher",
@@ -47,11 +51,26 @@ def backend_of(url_or_name: str) -> str:
     raise ValueError(f"index: expected a redis://, rediss://, unix:// URL or 'memory', got {url_or_name!r}")
 
 
-def create_index(url_or_name: str, model_id: str, *, socket_timeout_s: float = 2.0) -> BlockIndex:
-    if backend_of(url_or_name) == "memory":
+INDEX_BACKENDS = ("redis", "mirror", "memory")
+
+
+def create_index(
+    url_or_name: str, model_id: str, *, backend: str | None = None, socket_timeout_s: float = 2.0
+) -> BlockIndex:
+    store = backend_of(url_or_name)
+    backend = backend or store
+    if backend not in INDEX_BACKENDS:
+        raise ValueError(f"index backend: {backend!r}; choose one of {', '.join(INDEX_BACKENDS)}")
+    if store == "memory":  # already in process: a mirror of it would be itself
         from shared.index.memory import MemoryIndex, get_store
 
         return MemoryIndex(get_store(url_or_name), model_id)
+    if backend == "memory":
+        raise ValueError(f"index backend 'memory' takes 'memory' or 'memory://<name>', not {url_or_name!r}")
+    if backend == "mirror":
+        from shared.index.mirror import MirrorIndex
+
+        return MirrorIndex(url_or_name, model_id, socket_timeout_s=socket_timeout_s)
     from shared.index.redis_index import RedisIndex
 
     return RedisIndex(url_or_name, model_id, socket_timeout_s=socket_timeout_s)

@@ -87,6 +87,10 @@ class BlockIndex(ABC):
     def known_nodes(self) -> set[str]:
         """Node ids that have (or had, until purged) entries or a registration for this model."""
 
+    def wait_ready(self, timeout_s: float) -> bool:  # noqa: B027 - optional hook
+        """Block until lookups can be answered (a mirror's first load), at most timeout_s; True if they can."""
+        return True
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 

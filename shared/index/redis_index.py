@@ -9,6 +9,13 @@ Layout, all keys of a model under the hash tag `kvr:{<model_id>}:` (one cluster 
     kvr:{m}:free           ZSET    freed slots, lowest reused first (keeps bitmaps short)
     kvr:{m}:next_slot      STRING  slot counter
     kvr:{m}:reg:<node_id>  HASH    {reg, load} JSON under the node's lease (TTL); see registry.py
+    kvr:{m}:events         STREAM  every change of the block keys, in order: {s: sequence number, n: node id,
+                                   r: records ('+' stored / '-' removed, then 32 hex chars)}; capped
+    kvr:{m}:seq            STRING  the last sequence number given to an event
+
+The scripts that change block keys (apply, clear) append what they changed to the events stream in the same
+atomic call, with the next sequence number: a gateway's in-process mirror (mirror.py) follows the stream,
+and a gap in the numbers tells it that it missed something (the stream is capped, Redis restarted).
 
 The block key is the set of nodes holding the block, stored as a bitmap over small per-model node slots
 rather than a Redis SET of ids: the lookup walks up to 256 blocks for 100 nodes, and a bitmap makes that an
@@ -58,6 +65,8 @@ class Keys:
         self.owners = self.prefix + "owners"
         self.free = self.prefix + "free"
         self.next_slot = self.prefix + "next_slot"
+        self.seq = self.prefix + "seq"
+        self.events = self.prefix + "events"
 
     def block(self, block_hash: bytes) -> str:
         return self.block_prefix + block_hash.hex()
@@ -71,6 +80,13 @@ class Keys:
     def slot_keys(self) -> list[str]:
         return [self.slots, self.owners, self.free, self.next_slot]
 
+    def event_keys(self) -> list[str]:
+        return [self.seq, self.events]
+
+
+# Entries the events stream keeps (approximately): a follower further behind than this reloads a snapshot.
+STREAM_MAXLEN = 10_000
+
 
 # Prepended to scripts that may give a node its slot. KEYS: slots, owners, free, next_slot.
 SLOT_FN = """
@@ -83,6 +99,10 @@ local function node_slot(node)
   redis.call('HSET', KEYS[2], s, node)
   redis.call('HINCRBY', KEYS[2], 'v', 1)
   return s, 1
+end
+local function emit(seq_key, stream, maxlen, node, recs)
+  local seq = redis.call('INCR', seq_key)
+  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 's', seq, 'n', node, 'r', recs)
 end
 local function unset_bit(key, s)
   if redis.call('GETBIT', key, s) == 1 then
@@ -136,8 +156,9 @@ for q = 1, na do out[#out + 1] = pack('>HBI', pos[q], act[q], matched) end
 return {ver, table.concat(out)}
 """.replace("CHUNK", str(LOOKUP_CHUNK))
 
-# KEYS: slots, owners, free, next_slot, node set. ARGV: node_id, block key prefix, records ('+' stored or
-# '-' evicted, then 32 hex chars; concatenated). Returns 1 when the node had no slot (new or purged).
+# KEYS: slots, owners, free, next_slot, node set, seq, events. ARGV: node_id, block key prefix, records ('+'
+# stored or '-' evicted, then 32 hex chars; concatenated), stream cap. Returns 1 when the node had no slot
+# (new or purged). The records go to the events stream as they are.
 APPLY_LUA = (
     SLOT_FN
     + """
@@ -154,13 +175,15 @@ for off = 1, #recs, 33 do
   run[#run + 1] = h
 end
 flush()
+emit(KEYS[6], KEYS[7], ARGV[4], ARGV[1], recs)
 return fresh
 """
 )
 
-# KEYS: slots, owners, free, next_slot, node set, reg key. ARGV: node_id, block key prefix, batch size,
-# '1' to clear only while the node is unregistered (the janitor: a node that came back keeps its entries).
-# Returns the number of hashes left, or -1 when skipped. Frees the slot once empty, unless registered.
+# KEYS: slots, owners, free, next_slot, node set, reg key, seq, events. ARGV: node_id, block key prefix,
+# batch size, '1' to clear only while the node is unregistered (the janitor: a node that came back keeps
+# its entries), stream cap. Returns the number of hashes left, or -1 when skipped. Frees the slot once
+# empty, unless registered. The removed hashes go to the events stream as '-' records.
 CLEAR_LUA = (
     SLOT_FN
     + """
@@ -171,6 +194,7 @@ local hashes = redis.call('SPOP', KEYS[5], tonumber(ARGV[3]))
 if s then
   for _, h in ipairs(hashes) do unset_bit(ARGV[2] .. h, s) end
 end
+if #hashes > 0 then emit(KEYS[7], KEYS[8], ARGV[5], ARGV[1], '-' .. table.concat(hashes, '-')) end
 local left = redis.call('SCARD', KEYS[5])
 if left == 0 and s and not registered then
   redis.call('HDEL', KEYS[1], ARGV[1])
@@ -290,8 +314,8 @@ def event_records(events: Sequence[BlockEvent]) -> str:
 
 def clear_node_entries(keys: Keys, script: Script, node_id: str, only_if_dead: bool) -> bool:
     """Clear in batches (each one atomic and short). Returns False when skipped: the node is registered."""
-    args = [node_id, keys.block_prefix, CLEAR_BATCH, "1" if only_if_dead else "0"]
-    key_list = [*keys.slot_keys(), keys.node(node_id), keys.reg(node_id)]
+    args = [node_id, keys.block_prefix, CLEAR_BATCH, "1" if only_if_dead else "0", STREAM_MAXLEN]
+    key_list = [*keys.slot_keys(), keys.node(node_id), keys.reg(node_id), *keys.event_keys()]
     while True:
         left = script(keys=key_list, args=args)
         if left < 0:
@@ -395,11 +419,12 @@ class RedisIndex(BlockIndex):
     def apply(self, node_id: str, events: Sequence[BlockEvent]) -> bool:
         if not events:
             return False
-        key_list = [*self.keys.slot_keys(), self.keys.node(node_id)]
+        key_list = [*self.keys.slot_keys(), self.keys.node(node_id), *self.keys.event_keys()]
+        args = [node_id, self.keys.block_prefix, event_records(events), STREAM_MAXLEN]
         with self._lock:
             self.num_write_round_trips += 1
         try:
-            return bool(self._apply(keys=key_list, args=[node_id, self.keys.block_prefix, event_records(events)]))
+            return bool(self._apply(keys=key_list, args=args))
         except REDIS_ERRORS as exc:
             raise IndexUnavailable(f"index write at {self.url}: {exc}") from exc
 

@@ -87,7 +87,8 @@ async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
     torch.set_num_threads(config.num_threads)
     connector = build_connector(config)
     try:
-        core = EngineCore(config.engine, record_block_events=bool(config.registry.redis_url), kv_sender=connector)
+        core = EngineCore(config.engine, record_block_events=bool(config.registry.redis_url), kv_sender=connector,
+                          kv_allocator=connector.kv_allocator())
         grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
         try:
             port = grpc_server.add_insecure_port(f"{config.host}:{config.port}")

@@ -84,7 +84,7 @@ def test_layout_mismatch_names_both_values() -> None:
 
 
 def test_unknown_connector_lists_choices() -> None:
-    with pytest.raises(ValueError, match="local, nccl, ucx"):
+    with pytest.raises(ValueError, match="auto, local, nccl, shm, ucx"):
         create_connector("rdma")
 
 
@@ -198,6 +198,8 @@ WIRE = {
     "ucx-tcp": ("ucx", ConnectorConfig(name="ucx", transport="tcp", connect_timeout=3, transfer_timeout=20)),
     "ucx-shm": ("ucx", ConnectorConfig(name="ucx", transport="shm", connect_timeout=3, transfer_timeout=20)),
     "gloo": ("nccl", ConnectorConfig(name="nccl", connect_timeout=3, transfer_timeout=20)),
+    "shm": ("shm", ConnectorConfig(name="shm", connect_timeout=3, transfer_timeout=20)),
+    "auto": ("auto", ConnectorConfig(name="auto", connect_timeout=3, transfer_timeout=20)),
 }
 
 
@@ -213,7 +215,8 @@ def peers():
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    ("wire", "dtype"), [("ucx-tcp", "bfloat16"), ("ucx-shm", "float32"), ("gloo", "bfloat16")]
+    ("wire", "dtype"),
+    [("ucx-tcp", "bfloat16"), ("ucx-shm", "float32"), ("gloo", "bfloat16"), ("shm", "bfloat16"), ("auto", "float32")],
 )
 def test_wire_transfer_between_processes(peers, wire: str, dtype: str) -> None:
     sender_host, receiver_host = peers
@@ -240,7 +243,7 @@ def test_wire_transfer_between_processes(peers, wire: str, dtype: str) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("wire", ["ucx-tcp", "gloo"])
+@pytest.mark.parametrize("wire", ["ucx-tcp", "gloo", "shm"])
 def test_wire_layout_mismatch_refused_on_both_sides(peers, wire: str) -> None:
     sender_host, receiver_host = peers
     name, config = WIRE[wire]
@@ -279,7 +282,7 @@ def test_wire_unreachable_peer_fails_within_timeout(peers, wire: str) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("wire", ["ucx-tcp", "gloo"])
+@pytest.mark.parametrize("wire", ["ucx-tcp", "gloo", "shm"])
 def test_wire_peer_death_fails_transfers_without_hanging(peers, wire: str) -> None:
     sender_host, _ = peers
     name, config = WIRE[wire]

@@ -1,4 +1,5 @@
-"""Prefill and decode nodes as real processes on loopback, over ucx (tcp) and nccl (gloo on CPU).
+"""Prefill and decode nodes as real processes on loopback, over auto (shared memory: both run on this
+host), ucx (tcp) and nccl (gloo on CPU).
 
 Disaggregated outputs (Reserve -> Prefill -> Generate with the hand-off) must equal the colocated engine's
 (an EngineCore in this process, and the decode node prefilling locally), for prompts longer than the chunk
@@ -50,7 +51,7 @@ def reference(tiny_model):
     return colocated_engine(tiny_model)
 
 
-@pytest.fixture(scope="module", params=["ucx", "nccl"])
+@pytest.fixture(scope="module", params=["auto", "ucx", "nccl"])
 def pair(request, tiny_model):
     prefill, decode = start_nodes([("prefill", tiny_args(tiny_model, request.param)),
                                    ("decode", tiny_args(tiny_model, request.param))])
@@ -97,6 +98,8 @@ def test_disaggregated_equals_colocated(pair, reference, kind):
     # The decode node prefilling locally gives the same tokens.
     local, _ = generate(decode, f"g{next(_ids)}", longer, params)
     assert local == expected_longer
+    if prefill.info["kv_address"].startswith("auto://"):  # one host: the auto connector chose shared memory
+        assert "go over shm" in prefill.log_path.read_text()
 
     for node in pair:
         wait_for(lambda n=node: all_blocks_free(n), 5, f"{node.role} node to free every block")

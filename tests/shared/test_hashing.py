@@ -199,3 +199,50 @@ def test_same_hashes_in_another_process():
     here = prompt_block_hashes(tokens, "org/m", 16, "salt")
     assert len(here) == 4
     assert out.split(",") == [h.hex() for h in here]
+
+
+# -- the native chain (shared/native.py) ------------------------------------------------------------------
+
+
+def test_native_chain_builds_where_a_compiler_exists():
+    import shutil
+
+    from shared import native
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler: the portable path is in use (and is what the other tests check)")
+    assert native.load() is not None
+
+
+@pytest.mark.parametrize("bs", [1, 4, 16, 256])
+def test_native_chain_equals_portable_path(bs):
+    import random
+
+    import numpy as np
+
+    from shared import native
+    from shared.hashing import _hash_blocks_py
+
+    if native.load() is None:
+        pytest.skip("native helpers not built here")
+    rng = random.Random(bs)
+    for n in (0, bs - 1, bs, 3 * bs + 1, 40 * bs):
+        tokens = [rng.randrange(-(2**31), 2**31) for _ in range(n)]
+        parent = rng.randbytes(16)
+        for start in (0, 1, 2):
+            for extra in (b"", b"lora:7"):
+                ref = _hash_blocks_py(tokens, bs, parent, start, extra)
+                assert hash_blocks(tokens, bs, parent, start, extra) == ref
+                assert hash_blocks(tuple(tokens), bs, parent, start, extra) == ref
+                assert hash_blocks(np.asarray(tokens, dtype=np.int64), bs, parent, start, extra) == ref
+
+
+def test_native_chain_rejects_what_numpy_rejects():
+    from shared import native
+
+    if native.load() is None:
+        pytest.skip("native helpers not built here")
+    with pytest.raises(OverflowError):
+        hash_blocks([1, 2, 2**31, 4], 2, bytes(16))
+    with pytest.raises(TypeError):
+        hash_blocks([1, 2, "3", 4], 2, bytes(16))

@@ -1,0 +1,295 @@
+"""Same-host connector: KV moves through shared memory, one copy per layer, at memory speed.
+
+Every node's KV caches live in one memfd segment: the engine allocates them through `kv_allocator()`. A
+sender connects once per peer to the receiver's unix socket and hands over the segment's file descriptor
+(SCM_RIGHTS); the receiver maps the sender's caches read-only. Per layer the sender posts one small message
+(transfer id, layer, src and dst blocks); the receiver checks it against what it expects, copies the src
+blocks straight from the sender's cache into its reserved blocks (one pass, no staging) and acks.
+
+The receiver copies (pull), not the sender, because only the receiver knows when a reservation ends (lease,
+abort): it checks before each copy, and `wait_received` returns only once no copy for that transfer is in
+flight, so no byte lands in blocks that were freed meanwhile. A sender writing into the peer could not
+promise that.
+
+Lifecycle:
+1. Start: sweep control sockets that nobody accepts on any more (left by a SIGKILL), bind
+   kvrelay-kv-<pid>-<random>.sock in /dev/shm (or shm_dir), accept on a thread.
+2. A sender's first transfer to a peer: connect, hello {layout, layer offsets, segment size, transfer id}
+   with the segment's descriptor; the receiver refuses a layout mismatch (naming both sides' values) or
+   maps the segment and says ok.
+3. Per layer: the sender's writer thread posts the message; the receiver's connection thread checks,
+   copies and acks; the sender's ack reader books the layer.
+4. A peer that dies: its socket ends, the survivor fails that connection's unfinished transfers, and a
+   receiver unmaps the dead sender's segment (the kernel frees a segment with its last mapping). Leases
+   free the reserved and held blocks, as with any connector.
+5. close(): stop accepting, end every connection, unlink the socket.
+
+CPU caches only: CUDA IPC between processes on one device is not implemented (use ucx with CUDA memory).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import socket
+import threading
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from kv_transfer._book import TransferBooks
+from kv_transfer._shm_io import (
+    SCHEME,  # noqa: F401 - re-exported: the auto connector and callers name shm addresses by it
+    Channel,
+    PeerMapping,
+    Segment,
+    copy_blocks,
+    copy_plan,
+    host_id,
+    new_socket_path,
+    parse_address,
+    socket_dir,
+    split_plan,
+    sweep_stale_sockets,
+)
+from kv_transfer._shm_links import Inbound, Outbound
+from kv_transfer.base import KVConnector
+from kv_transfer.types import ConnectorConfig, TransferError, TransferResult, layout_mismatch
+from shared.records import KVLayout
+
+logger = logging.getLogger(__name__)
+
+_PARALLEL_COPY_BYTES = 1 << 20  # a layer at least this large is copied by copy_threads threads
+
+
+class ShmConnector(KVConnector):
+    name = "shm"
+
+    def __init__(self, config: ConnectorConfig, books: TransferBooks | None = None):
+        super().__init__(config, books)
+        folder = socket_dir(config.shm_dir)
+        for path in sweep_stale_sockets(folder):
+            logger.info("removed stale KV control socket %s", path)
+        self.host = host_id(folder)
+        self._path = new_socket_path(folder)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(self._path))
+        self._listener.listen(64)
+        self._segment: Segment | None = None
+        self._dst: list[np.ndarray] = []  # own caches as flat bytes: what received layers are copied into
+        self._sendable = False
+        self._peers: dict[str, Outbound] = {}
+        self._inbound: set[Inbound] = set()
+        self._lock = threading.Lock()
+        self._fence = threading.Condition()
+        self._copying: dict[str, int] = {}  # transfer id -> layer copies in flight
+        self._helpers = (concurrent.futures.ThreadPoolExecutor(config.copy_threads - 1, "kvrelay-shm-copy")
+                         if config.copy_threads > 1 else None)
+        self._closed = False
+        self._accepting = threading.Thread(target=self._accept_loop, name="kvrelay-shm-accept", daemon=True)
+        self._accepting.start()
+
+    @property
+    def address(self) -> str:
+        return f"{SCHEME}{self.host}{self._path}"
+
+    @property
+    def can_send(self) -> bool:
+        """Whether peers can map this node's caches (they live in the segment this connector allocated)."""
+        return self._sendable
+
+    # -- set-up ----------------------------------------------------------------------------------------
+    def kv_allocator(self) -> ShmConnector:
+        return self
+
+    def allocate_kv_caches(
+        self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor]:
+        if torch.device(device).type != "cpu":
+            raise ValueError(
+                f"shm connector: KV caches on {device} (CUDA IPC between processes is not implemented); "
+                "use --connector ucx"
+            )
+        if self._segment is not None:
+            raise RuntimeError("shm connector: KV caches were allocated already")
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._segment = Segment(nbytes, num_layers)
+        return [self._segment.layer(i, nbytes).view(dtype).view(shape) for i in range(num_layers)]
+
+    def register_kv_caches(self, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
+        if kv_caches and kv_caches[0].device.type != "cpu":
+            raise ValueError("shm connector: CPU caches only (CUDA IPC is not implemented); use ucx")
+        super().register_kv_caches(layout, kv_caches)
+        self._dst = [c.view(torch.uint8).reshape(-1).numpy() for c in kv_caches]
+        segment = self._segment
+        self._sendable = segment is not None and all(segment.contains(c) for c in kv_caches)
+
+    # -- sender side -----------------------------------------------------------------------------------
+    def connect(self, peer: str, timeout: float | None = None) -> None:
+        parse_address(peer)
+        self._outbound(peer, None).wait_connected(self.config.connect_timeout + 1 if timeout is None else timeout)
+
+    def send_blocks(
+        self, peer: str, transfer_id: str, layer: int, src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> None:
+        self._check_send_args(transfer_id, layer, src_block_ids, dst_block_ids)
+        host, _ = parse_address(peer)  # a malformed address is the caller's bug: raise here
+        if self._closed:
+            raise TransferError("shm connector is closed")
+        if not self._sent.enqueue_layer(transfer_id, self.layout.num_layers, layer, peer):
+            return
+        if host != self.host or not self._sendable:
+            why = (f"peer {peer} is on another host or sees another {self._path.parent} (use ucx, or auto)"
+                   if host != self.host else "this node's KV caches are not in shared memory (allocate them "
+                   "through kv_allocator())")
+            self._sent.fail(transfer_id, TransferError(f"shm transfer {transfer_id!r} impossible: {why}"))
+            return
+        msg = {"k": "layer", "t": transfer_id, "l": layer, "s": list(src_block_ids), "d": list(dst_block_ids)}
+        self._outbound(peer, transfer_id).post(msg)
+
+    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        peer = self._sent.peer_of(transfer_id)
+        try:
+            return super().wait(transfer_id, timeout)
+        except TransferError as e:
+            with self._lock:
+                out = self._peers.get(peer) if peer is not None else None
+            if out is not None:  # let the receiver give up now rather than at its own deadline
+                out.post({"k": "abort", "t": transfer_id, "e": str(e)})
+            raise
+
+    def _outbound(self, peer: str, first_transfer_id: str | None) -> Outbound:
+        with self._lock:
+            out = self._peers.get(peer)
+            if out is None:
+                out = self._peers[peer] = Outbound(self, peer, first_transfer_id)
+            return out
+
+    def _drop_peer(self, out: Outbound) -> None:
+        with self._lock:
+            if self._peers.get(out.peer) is out:
+                del self._peers[out.peer]
+
+    def hello(self, transfer_id: str | None) -> tuple[dict, int]:
+        segment = self._segment
+        assert segment is not None
+        offsets = [c.data_ptr() - segment.base for c in self._caches]
+        msg = {"k": "hello", "layout": self.layout.to_dict(), "offsets": offsets, "size": segment.nbytes,
+               "t": transfer_id}
+        return msg, segment.fd
+
+    # -- receiver side ---------------------------------------------------------------------------------
+    def wait_received(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        try:
+            return super().wait_received(transfer_id, timeout)
+        finally:
+            # Whatever the outcome, the caller may free the blocks next: no copy into them may still run.
+            with self._fence:
+                self._fence.wait_for(lambda: transfer_id not in self._copying)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            inbound = Inbound(self, Channel(sock))
+            with self._lock:
+                if self._closed:
+                    inbound.channel.close()
+                    return
+                self._inbound.add(inbound)
+            inbound.start()
+
+    def accept_hello(self, hello: dict, fds: list[int]) -> tuple[KVLayout, PeerMapping]:
+        """The sender's layout and mapped segment; raises TransferError (LayoutMismatchError) to refuse."""
+        theirs = KVLayout.from_dict(hello["layout"])
+        if self._layout is None:
+            raise TransferError("receiver has no KV caches registered yet")
+        refusal = layout_mismatch(self.layout, theirs, "receiver", "sender")
+        if refusal is not None:
+            raise refusal
+        layer_bytes = theirs.num_blocks * 2 * theirs.block_nbytes
+        offsets, size = hello["offsets"], hello["size"]
+        if len(fds) != 1 or len(offsets) != theirs.num_layers or any(
+            not 0 <= o <= size - layer_bytes for o in offsets
+        ):
+            raise TransferError("sender's shared segment does not hold its caches")
+        try:
+            return theirs, PeerMapping(fds.pop(), size)
+        except (ValueError, OSError) as e:
+            raise TransferError(f"cannot map the sender's shared segment: {e}") from None
+
+    def receive_layer(self, sender: Inbound, msg: dict) -> tuple[str | None, int]:
+        """Check and copy one layer; (why it was refused or None, bytes copied)."""
+        transfer_id, layer, src, dst = msg["t"], msg["l"], msg["s"], msg["d"]
+        theirs = sender.layout
+        with self._fence:
+            refusal = self._received.check_layer(transfer_id, layer, dst)
+            if refusal is None and (len(src) != len(dst) or any(not 0 <= b < theirs.num_blocks for b in src)):
+                refusal = f"transfer {transfer_id!r}: src blocks outside the sender's cache"
+            if refusal is None:
+                self._copying[transfer_id] = self._copying.get(transfer_id, 0) + 1
+        if refusal is not None:
+            self._received.fail(transfer_id, TransferError(refusal))
+            return refusal, 0
+        try:
+            # Every layer of a transfer moves the same blocks: plan once.
+            plan = _plan(tuple(src), tuple(dst), theirs.num_blocks, self.layout.num_blocks, theirs.block_nbytes)
+            start = sender.offsets[layer]
+            nbytes = self._copy(self._dst[layer], sender.mapping.bytes[start : start + sender.layer_bytes], plan)
+            self._received.layer_done(transfer_id, layer, nbytes)
+            return None, nbytes
+        finally:
+            with self._fence:
+                left = self._copying[transfer_id] - 1
+                if left:
+                    self._copying[transfer_id] = left
+                else:
+                    del self._copying[transfer_id]
+                    self._fence.notify_all()
+
+    def _copy(self, dst: np.ndarray, src: np.ndarray, plan: tuple) -> int:
+        parts = split_plan(plan, self.config.copy_threads) if plan[2].sum() >= _PARALLEL_COPY_BYTES else [plan]
+        if len(parts) == 1 or self._helpers is None:
+            return copy_blocks(dst, src, plan)
+        helped = [self._helpers.submit(copy_blocks, dst, src, part) for part in parts[1:]]
+        return copy_blocks(dst, src, parts[0]) + sum(f.result() for f in helped)
+
+    def forget_inbound(self, inbound: Inbound) -> None:
+        with self._lock:
+            self._inbound.discard(inbound)
+
+    # -- shutdown ----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers, inbound = list(self._peers.values()), list(self._inbound)
+        self._listener.close()
+        try:
+            self._path.unlink()
+        except OSError:
+            pass
+        for out in peers:
+            out.close()
+        for inb in inbound:
+            inb.channel.close()
+        for thread in [*(o.threads for o in peers), *([i.thread] for i in inbound)]:
+            for t in thread:
+                t.join(timeout=5)
+        error = TransferError("shm connector closed")
+        self._sent.fail_all(error)
+        self._received.fail_all(error)
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
+        if self._segment is not None:
+            self._segment.close()
+
+
+@lru_cache(maxsize=64)
+def _plan(src: tuple[int, ...], dst: tuple[int, ...], src_blocks: int, dst_blocks: int, block_nbytes: int) -> tuple:
+    return copy_plan(list(src), list(dst), src_blocks, dst_blocks, block_nbytes)
