@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.config import DEFAULT_BLOCK_SIZE, EngineConfig, engine_config_from_kwargs
+from shared.config import DEFAULT_BLOCK_SIZE, EngineConfig, SpeculativeConfig, engine_config_from_kwargs
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -43,6 +43,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="waiting order, and who is preempted first when KV blocks run out")
     g.add_argument("--attention-backend", choices=["auto", "torch", "flash_attn"], default="auto",
                    help="auto: flash-attn on CUDA when installed, else the portable torch backend")
+    g.add_argument("--speculative-config", type=speculative_json, default=None,
+                   help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "<folder>", '
+                        '"num_speculative_tokens": 4}\'')
+
+
+def speculative_json(text: str) -> str:
+    """Checks the JSON (argparse reports a bad one with the flag's name) and keeps the text to pass on."""
+    try:
+        SpeculativeConfig.from_dict(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -58,6 +71,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         policy=args.scheduling_policy,
         attention_backend=args.attention_backend,
+        speculative_config=getattr(args, "speculative_config", None),
     )
 
 

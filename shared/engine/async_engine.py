@@ -387,7 +387,7 @@ class AsyncEngine:
             if stream is None:
                 continue
             num_prompt, num_cached = counts[rid] or (0, 0)
-            batch.append((stream.queue, EngineCoreOutput(rid, (), None, "abort", None, num_prompt, num_cached)))
+            batch.append((stream.queue, EngineCoreOutput(rid, (), (), "abort", None, num_prompt, num_cached)))
             if self.metrics is not None:
                 self.metrics.observe_finished("abort", now - stream.arrival)
         if batch:

@@ -9,6 +9,12 @@ Request lifecycle:
 3. `update_from_output` appends sampled tokens and checks stop conditions.
 4. Finished or aborted requests free their blocks at once; the runner hears of them next step.
 
+Speculative decoding: a request's drafts (proposed by the runner after its last step) ride along as more
+scheduled tokens once its chunk reaches its last known token, within the token budget, max_tokens and
+max_model_len. After verification its computed count drops by the rejected drafts, the blocks past the
+survivors go back to the pool, and only blocks full of accepted tokens are ever hashed.
+Beam search (beam_search.py): beams are requests of a group that steps together.
+
 There is no prefill or decode phase: a prompt is simply a request far from its num_tokens, and chunked
 prefill is what happens when the budget runs out mid-prompt. The scheduler never touches tensors.
 """
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from shared.config import SchedulerConfig
+from shared.engine.beam_search import BeamSchedulerMixin
 from shared.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit, cdiv
 from shared.engine.request import Request, RequestStatus
 from shared.engine.request_queue import create_request_queue
@@ -45,22 +52,36 @@ class EngineCounters:
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
+    # Speculative decoding (vLLM's spec_decode metrics): verifications, drafts verified, drafts accepted,
+    # and accepted drafts by position in their run (index 0: the first draft of a run).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass
 class _StepPlan:
     tokens: dict[str, int] = field(default_factory=dict)
+    spec: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    propose: set[str] = field(default_factory=set)
     new: list[NewRequestData] = field(default_factory=list)
     cached: list[CachedRequestData] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
     budget: int = 0
 
 
-class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+class Scheduler(BeamSchedulerMixin):
+    """`spec_lookahead`: None without speculative decoding; else the KV slots a proposer writes past the
+    verified tokens (a draft model's own KV of its proposals, 0 for n-gram lookup)."""
+
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, spec_lookahead: int | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.spec_lookahead = spec_lookahead
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
@@ -70,7 +91,10 @@ class Scheduler:
         # transfer may still read (prefill role), and remote-prefilled requests the runner has not seen.
         self.reserved: dict[str, float] = {}  # req id -> lease deadline
         self.held: dict[str, float] = {}
+        # Requests whose runner state must be (re)built from a NewRequestData when next scheduled: admitted
+        # without a step (a hand-off), or whose block table changed other than by appending.
         self._unseen: set[str] = set()
+        self.beam_groups = {}  # beam search: group id -> BeamGroup
 
     # -- queue management -------------------------------------------------------------------------
 
@@ -99,6 +123,7 @@ class Scheduler:
         return done
 
     def _free(self, req: Request) -> None:
+        self._end_beam(req)
         if req.kv_send_started:
             self.kv.hold(req)
             self.held[req.request_id] = time.monotonic() + self.config.kv_lease_s
@@ -130,6 +155,9 @@ class Scheduler:
             finished_req_ids=frozenset(self.finished_req_ids),
             preempted_req_ids=frozenset(plan.preempted),
             kv_sends=self._kv_sends(plan),
+            scheduled_spec_tokens=MappingProxyType(dict(plan.spec)),
+            propose_req_ids=frozenset(plan.propose),
+            block_copies=self.kv.drain_block_copies(),
         )
         self.finished_req_ids = set()
         # Tokens count as computed once scheduled: the runner computes them before the next schedule.
@@ -143,6 +171,60 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return min(n, budget)
 
+    # -- speculative decoding -----------------------------------------------------------------------
+
+    def _spec_tokens(self, req: Request, num_computed: int, n: int, budget: int) -> tuple[int, ...] | None:
+        """The drafts to verify with this chunk: only a chunk that reaches the last known token carries them,
+        as many as fit the budget, max_tokens and max_model_len. None: wait for a step with budget for all
+        of them (a seeded sampled request: the drafts' positions decide its tokens, not only the seed)."""
+        spec = req.spec_token_ids
+        if not spec or num_computed + n < req.num_tokens:
+            return ()
+        limit = min(len(spec), self.max_model_len - req.num_tokens - 1)
+        if req.max_tokens is not None:
+            limit = min(limit, req.max_tokens - req.num_output_tokens - 1)
+        fits = min(limit, budget - n)
+        if fits < limit and req.sampling_params.seed is not None and not req.sampling_params.greedy:
+            return None
+        return tuple(spec[: max(0, fits)])
+
+    def _proposes(self, req: Request, num_computed: int, n: int) -> bool:
+        """Whether the proposer drafts this request's next tokens after this step's sample. Not after its
+        first token: that one comes from a prompt's computation, which a decode node never does, so every
+        request's drafts start at the same position colocated or disaggregated."""
+        if self.spec_lookahead is None or req.beam_group is not None or req.kv_send is not None:
+            return False
+        if num_computed + n < req.num_tokens or req.num_output_tokens == 0:
+            return False
+        # Room for a draft next step, even if every one of this step's drafts is rejected.
+        room = self.max_model_len - req.num_tokens - 1
+        if req.max_tokens is not None:
+            room = min(room, req.max_tokens - req.num_output_tokens - 1)
+        return room >= 2
+
+    def _plan_chunk(self, req: Request, num_computed: int, budget: int):
+        """(known tokens, drafts, lookahead slots, proposes) of this step, or None when it waits."""
+        n = self._num_new_tokens(req, num_computed, budget)
+        if n <= 0:
+            return None
+        spec = self._spec_tokens(req, num_computed, n, budget)
+        if spec is None:
+            return None
+        proposes = self._proposes(req, num_computed, n)
+        lookahead = 0
+        if proposes and self.spec_lookahead:
+            lookahead = max(0, min(self.spec_lookahead, self.max_model_len - num_computed - n - len(spec)))
+        return n, spec, lookahead, proposes
+
+    def _add_to_plan(self, req: Request, n: int, spec: tuple[int, ...], proposes: bool, plan: _StepPlan) -> None:
+        rid = req.request_id
+        plan.tokens[rid] = n + len(spec)
+        plan.budget -= n + len(spec)
+        if spec:
+            plan.spec[rid] = spec
+        if proposes:
+            plan.propose.add(rid)
+
     def _schedule_running(self, plan: _StepPlan) -> None:
         # A snapshot: preemption removes requests from self.running while we walk it.
         for req in list(self.running):
@@ -150,26 +232,28 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue
-            n = self._num_new_tokens(req, req.num_computed_tokens, plan.budget)
-            if n <= 0:
+            chunk = self._plan_chunk(req, req.num_computed_tokens, plan.budget)
+            if chunk is None:
                 continue
-            new_blocks = self._allocate_or_preempt(req, n, plan)
+            n, spec, lookahead, proposes = chunk
+            new_blocks = self._allocate_or_preempt(req, n + len(spec), lookahead, plan)
             if new_blocks is None:
                 continue
-            plan.tokens[req.request_id] = n
-            plan.budget -= n
-            if req.request_id in self._unseen:
-                self._unseen.discard(req.request_id)
+            self._add_to_plan(req, n, spec, proposes, plan)
+            rid = req.request_id
+            if rid in self._unseen or rid in self.kv.rewritten:
+                self._unseen.discard(rid)
+                self.kv.rewritten.discard(rid)
                 plan.new.append(self._new_request_data(req))
             else:
                 new_ids = tuple(b.block_id for b in new_blocks)
-                plan.cached.append(CachedRequestData(req.request_id, new_ids, req.num_computed_tokens))
+                plan.cached.append(CachedRequestData(rid, new_ids, req.num_computed_tokens))
 
-    def _allocate_or_preempt(self, req: Request, n: int, plan: _StepPlan) -> list | None:
-        while (new_blocks := self.kv.allocate_slots(req, n)) is None:
+    def _allocate_or_preempt(self, req: Request, n: int, lookahead: int, plan: _StepPlan) -> list | None:
+        while (new_blocks := self.kv.allocate_slots(req, n, num_lookahead_tokens=lookahead)) is None:
             victim = self._pick_victim()
             self._preempt(victim, plan)
-            if victim is req:
+            if req.status != RequestStatus.RUNNING:  # it was the victim, or in the victim's beam group
                 return None
         return new_blocks
 
@@ -179,12 +263,22 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, req: Request, plan: _StepPlan) -> None:
+        for member in self.preemption_unit(req):
+            self._preempt_one(member, plan)
+
+    def _preempt_one(self, req: Request, plan: _StepPlan) -> None:
         self.running.remove(req)
-        if req.request_id in plan.tokens:
+        rid = req.request_id
+        if rid in plan.tokens:
             # Priority preemption can pick a request already scheduled this step: undo that.
-            plan.budget += plan.tokens.pop(req.request_id)
-            plan.cached = [c for c in plan.cached if c.req_id != req.request_id]
+            plan.budget += plan.tokens.pop(rid)
+            plan.cached = [c for c in plan.cached if c.req_id != rid]
+            plan.new = [d for d in plan.new if d.req_id != rid]
+            plan.spec.pop(rid, None)
+            plan.propose.discard(rid)
         self.kv.free(req)
+        self._unseen.discard(rid)
+        req.kv_received = False
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -195,20 +289,29 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while len(self.waiting) and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
+            if req.beam_group is not None:
+                if not self.admit_beam_group(req, plan):
+                    break
+                continue
             hit = self._lookup(req)
-            n = self._num_new_tokens(req, hit.num_tokens, plan.budget)
+            chunk = self._plan_chunk(req, hit.num_tokens, plan.budget)
+            if chunk is None:
+                break
+            n, spec, lookahead, proposes = chunk
             if not self.config.enable_chunked_prefill and n < req.num_tokens - hit.num_tokens:
                 break
-            new_blocks = self.kv.allocate_slots(req, n, hit)
+            new_blocks = self.kv.allocate_slots(req, n + len(spec), hit, num_lookahead_tokens=lookahead)
             if new_blocks is None:
                 break
             self.waiting.pop()
-            self._admit(req, hit, n, plan)
+            self._admit(req, hit, plan)
+            self._add_to_plan(req, n, spec, proposes, plan)
+            plan.new.append(self._new_request_data(req))
 
     def _lookup(self, req: Request) -> PrefixHit:
         return self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else NO_HIT
 
-    def _admit(self, req: Request, hit: PrefixHit, n: int, plan: _StepPlan) -> None:
+    def _admit(self, req: Request, hit: PrefixHit, plan: _StepPlan) -> None:
         if req.num_cached_tokens is None:
             req.num_cached_tokens = hit.num_tokens
             self.counters.prefix_cache_queries += req.num_tokens
@@ -216,9 +319,6 @@ class Scheduler:
         req.num_computed_tokens = hit.num_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        plan.tokens[req.request_id] = n
-        plan.budget -= n
-        plan.new.append(self._new_request_data(req))
 
     def _new_request_data(self, req: Request) -> NewRequestData:
         return NewRequestData(
@@ -228,6 +328,7 @@ class Scheduler:
             sampling_params=req.sampling_params,
             block_ids=tuple(self.kv.block_ids(req.request_id)),
             num_computed_tokens=req.num_computed_tokens,
+            num_external_tokens=req.num_prompt_tokens - (req.num_cached_tokens or 0) if req.kv_received else 0,
         )
 
     # -- update ---------------------------------------------------------------------------------------
@@ -238,23 +339,56 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            token = result.sampled_token_ids.get(rid)
-            if token is None:
+            tokens = result.sampled_token_ids.get(rid)
+            if not tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            req.append_output_token(token)
-            self._check_stop(req, token)
-            outputs.append(self._output(req, token, result.logprobs.get(rid)))
+            logprobs = result.logprobs.get(rid, ())
+            if req.beam_group is not None:
+                outputs.extend(self.beam_candidates(req, logprobs[0].top))
+                continue
+            spec = sched.scheduled_spec_tokens.get(rid, ())
+            if spec:
+                self._count_verification(len(spec), len(tokens) - 1)
+                req.num_computed_tokens -= len(spec) - (len(tokens) - 1)  # the rejected drafts' KV is void
+            new = self._append_tokens(req, tokens)
+            outputs.append(self._output(req, new, logprobs[: len(new)]))
             if req.is_finished:
                 self.running.remove(req)
                 self._free(req)
+                continue
+            req.spec_token_ids = list(result.spec_token_ids.get(rid, ()))
+            if spec:
+                self.kv.cache_tokens(req)  # blocks now full of accepted tokens
+                lookahead = self.spec_lookahead if rid in sched.propose_req_ids else 0
+                if self.kv.trim(req, req.num_tokens + (lookahead or 0)):
+                    self._unseen.add(rid)  # the runner's table must shrink too
         return outputs
 
+    def _append_tokens(self, req: Request, tokens) -> tuple[int, ...]:
+        """Append until a stop condition: tokens after a stop token in an accepted run are dropped."""
+        for i, token in enumerate(tokens):
+            req.append_output_token(token)
+            self._check_stop(req, token)
+            if req.is_finished:
+                return tuple(tokens[: i + 1])
+        return tuple(tokens)
+
+    def _count_verification(self, num_drafts: int, num_accepted: int) -> None:
+        c = self.counters
+        c.spec_num_drafts += 1
+        c.spec_num_draft_tokens += num_drafts
+        c.spec_num_accepted_tokens += num_accepted
+        if len(c.spec_accepted_per_pos) < num_drafts:
+            c.spec_accepted_per_pos.extend([0] * (num_drafts - len(c.spec_accepted_per_pos)))
+        for i in range(num_accepted):
+            c.spec_accepted_per_pos[i] += 1
+
     @staticmethod
-    def _output(req: Request, token: int, logprobs) -> EngineCoreOutput:
+    def _output(req: Request, tokens: tuple[int, ...], logprobs) -> EngineCoreOutput:
         return EngineCoreOutput(
             req_id=req.request_id,
-            new_token_ids=(token,),
-            logprobs=logprobs,
+            new_token_ids=tokens,
+            logprobs=tuple(logprobs),
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
@@ -331,10 +465,11 @@ class Scheduler:
             raise KeyError(f"request_id: no reservation for {request_id!r} (expired or unknown)")
         del self.reserved[request_id]
         req.num_computed_tokens = req.num_prompt_tokens
+        req.kv_received = True
         self.kv.cache_tokens(req)  # the transferred blocks become prefix-cache hits from now on
         req.append_output_token(first_token)
         self._check_stop(req, first_token)
-        out = self._output(req, first_token, logprobs)
+        out = self._output(req, (first_token,), () if logprobs is None else (logprobs,))
         if req.is_finished:
             self._free(req)
         else:

@@ -220,7 +220,7 @@ def checked_prompt(request) -> tuple[list[int], SamplingParams]:
 
 def token_chunk(out: EngineCoreOutput, num_output_tokens: int) -> wire.TokenChunk:
     return wire.TokenChunk(
-        token_ids=out.new_token_ids, logprobs=(out.logprobs,) if out.logprobs is not None else (),
+        token_ids=out.new_token_ids, logprobs=out.logprobs,
         finish_reason=out.finish_reason or "", stop_reason=out.stop_reason,
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=num_output_tokens,
         num_cached_tokens=out.num_cached_tokens,

@@ -96,7 +96,8 @@ class Driver:
             req = self.sched.requests[rid]
             if req.num_computed_tokens == req.num_tokens:
                 sampled[rid] = self.token_fn(req)
-        for eo in self.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled)):
+        result = ModelRunnerOutput(sampled_token_ids={rid: (t,) for rid, t in sampled.items()})
+        for eo in self.sched.update_from_output(out, result):
             assert eo.new_token_ids == (sampled[eo.req_id],)
             self.outputs[eo.req_id].extend(eo.new_token_ids)
             if eo.finish_reason is not None:
