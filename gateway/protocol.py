@@ -92,6 +92,10 @@ class _SamplingFields(_Request):
     cache_salt: str | None = Field(default=None, max_length=256)
     priority: int = Field(default=0, ge=-(2**31), le=INT32_MAX)
     request_id: str | None = Field(default=None, max_length=128)
+    # beam search (vLLM): best_of (or n) beams, the n best returned; deterministic
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 # --------------------------------------------------------------------------------------------- chat

@@ -28,6 +28,7 @@ from gateway.protocol import (
 from gateway.serving_common import (
     SSE_DONE,
     SSEResponse,
+    beam_search_params,
     check_model,
     check_unsupported,
     json_response,
@@ -67,7 +68,8 @@ class ChatServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, self.core, max_tokens=max_tokens, logprobs=logprobs)
         return GenerateInput(prompt, params, output_options(req, logprobs),
-                             request_id=req.request_id or new_request_id("chatcmpl"), cache_salt=req.cache_salt or "")
+                             request_id=req.request_id or new_request_id("chatcmpl"), cache_salt=req.cache_salt or "",
+                             beam_search=beam_search_params(req, max_tokens=max_tokens))
 
     def _render(self, req: ChatCompletionRequest) -> list[int]:
         messages = [_message_dict(m) for m in req.messages]

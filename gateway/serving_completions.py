@@ -26,6 +26,7 @@ from gateway.protocol import (
 from gateway.serving_common import (
     SSE_DONE,
     SSEResponse,
+    beam_search_params,
     check_model,
     check_unsupported,
     json_response,
@@ -62,8 +63,9 @@ class CompletionServing:
         check_unsupported(req)
         if req.suffix:
             raise BadRequest("suffix is not supported by this server", param="suffix")
-        if req.best_of is not None and req.best_of != (req.n or 1):
-            raise BadRequest("best_of must equal n when set (no server-side ranking)", param="best_of")
+        if req.best_of is not None and req.best_of != (req.n or 1) and not req.use_beam_search:
+            raise BadRequest("best_of must equal n when set (no server-side ranking without use_beam_search)",
+                             param="best_of")
         if req.echo and req.logprobs is not None:
             raise BadRequest("echo with logprobs is not supported (no prompt logprobs)", param="echo")
         p = req.prompt
@@ -86,8 +88,9 @@ class CompletionServing:
     def _input(self, req: CompletionRequest, prompt: list[int], request_id: str) -> GenerateInput:
         max_tokens = self.core.fit_max_tokens(len(prompt), req.max_tokens, "prompt", "max_tokens")
         params = sampling_params(req, self.core, max_tokens=max_tokens, logprobs=req.logprobs)
+        beams = beam_search_params(req, max_tokens=max_tokens, best_of=req.best_of)
         return GenerateInput(prompt, params, output_options(req, req.logprobs), request_id=request_id,
-                             cache_salt=req.cache_salt or "")
+                             cache_salt=req.cache_salt or "", beam_search=beams)
 
     def _echo_text(self, req: CompletionRequest, prompt: list[int]) -> str:
         if not req.echo:

@@ -172,6 +172,11 @@ class BeamSchedulerMixin:
                 done.append(gid)
         return done
 
+    def beam_seats(self) -> int:
+        """Sequence slots running groups hold for the beams they will fork (a group counts as beam_width)."""
+        return sum(g.width - len(g.beams) for g in self.beam_groups.values()
+                   if g.beams and g.beams[0].req.status == RequestStatus.RUNNING)
+
     def preemption_unit(self, req: Request) -> list[Request]:
         """What goes back to waiting with `req`: its whole beam group (the round's candidates are dropped)."""
         group = self.beam_groups.get(req.beam_group) if req.beam_group is not None else None
@@ -184,7 +189,7 @@ class BeamSchedulerMixin:
         """Admit every beam of head's group, or none (False: the group waits and so does the queue)."""
         group = self.beam_groups[head.beam_group]
         members = group.members()
-        if len(self.running) + group.width > self.config.max_num_seqs:
+        if len(self.running) + self.beam_seats() + group.width > self.config.max_num_seqs:
             return False
         placed: list[tuple[Request, object, int]] = []
         for m in members:

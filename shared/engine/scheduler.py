@@ -287,7 +287,7 @@ class Scheduler(BeamSchedulerMixin):
         self.waiting.add_front(req)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        while len(self.waiting) and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while len(self.waiting) and plan.budget > 0 and len(self.running) + self.beam_seats() < self.config.max_num_seqs:
             req = self.waiting.peek()
             if req.beam_group is not None:
                 if not self.admit_beam_group(req, plan):
@@ -357,12 +357,18 @@ class Scheduler(BeamSchedulerMixin):
                 self._free(req)
                 continue
             req.spec_token_ids = list(result.spec_token_ids.get(rid, ()))
-            if spec:
-                self.kv.cache_tokens(req)  # blocks now full of accepted tokens
-                lookahead = self.spec_lookahead if rid in sched.propose_req_ids else 0
-                if self.kv.trim(req, req.num_tokens + (lookahead or 0)):
-                    self._unseen.add(rid)  # the runner's table must shrink too
+            if self.spec_lookahead is not None:
+                self._settle_blocks(req, spec, rid in sched.propose_req_ids)
         return outputs
+
+    def _settle_blocks(self, req: Request, spec: tuple[int, ...], proposed: bool) -> None:
+        """After a step with speculation: hash the blocks now full of accepted tokens, and give back the
+        blocks past the computed tokens (those of rejected drafts), but for the proposer's lookahead."""
+        if spec:
+            self.kv.cache_tokens(req)
+        lookahead = self.spec_lookahead if proposed else 0
+        if self.kv.trim(req, req.num_computed_tokens + lookahead):
+            self._unseen.add(req.request_id)  # the runner's table must shrink too
 
     def _append_tokens(self, req: Request, tokens) -> tuple[int, ...]:
         """Append until a stop condition: tokens after a stop token in an accepted run are dropped."""
