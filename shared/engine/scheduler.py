@@ -9,10 +9,7 @@ Request lifecycle:
 3. `update_from_output` appends sampled tokens and checks stop conditions.
 4. Finished or aborted requests free their blocks at once; the runner hears of them next step.
 
-Speculative decoding: a request's drafts (proposed by the runner after its last step) ride along as more
-scheduled tokens once its chunk reaches its last known token, within the token budget, max_tokens and
-max_model_len. After verification its computed count drops by the rejected drafts, the blocks past the
-survivors go back to the pool, and only blocks full of accepted tokens are ever hashed.
+Speculative decoding (spec_decode/scheduling.py): drafts ride along as more scheduled tokens of a request.
 Beam search (beam_search.py): beams are requests of a group that steps together.
 
 There is no prefill or decode phase: a prompt is simply a request far from its num_tokens, and chunked
@@ -40,6 +37,7 @@ from shared.engine.scheduler_output import (
     Reservation,
     SchedulerOutput,
 )
+from shared.engine.spec_decode.scheduling import SpecSchedulerMixin
 from shared.records import NodeLoad
 
 _COMPUTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING)
@@ -71,7 +69,7 @@ class _StepPlan:
     budget: int = 0
 
 
-class Scheduler(BeamSchedulerMixin):
+class Scheduler(SpecSchedulerMixin, BeamSchedulerMixin):
     """`spec_lookahead`: None without speculative decoding; else the KV slots a proposer writes past the
     verified tokens (a draft model's own KV of its proposals, 0 for n-gram lookup)."""
 
@@ -171,51 +169,6 @@ class Scheduler(BeamSchedulerMixin):
             n = min(n, self.config.long_prefill_token_threshold)
         return min(n, budget)
 
-    # -- speculative decoding -----------------------------------------------------------------------
-
-    def _spec_tokens(self, req: Request, num_computed: int, n: int, budget: int) -> tuple[int, ...] | None:
-        """The drafts to verify with this chunk: only a chunk that reaches the last known token carries them,
-        as many as fit the budget, max_tokens and max_model_len. None: wait for a step with budget for all
-        of them (a seeded sampled request: the drafts' positions decide its tokens, not only the seed)."""
-        spec = req.spec_token_ids
-        if not spec or num_computed + n < req.num_tokens:
-            return ()
-        limit = min(len(spec), self.max_model_len - req.num_tokens - 1)
-        if req.max_tokens is not None:
-            limit = min(limit, req.max_tokens - req.num_output_tokens - 1)
-        fits = min(limit, budget - n)
-        if fits < limit and req.sampling_params.seed is not None and not req.sampling_params.greedy:
-            return None
-        return tuple(spec[: max(0, fits)])
-
-    def _proposes(self, req: Request, num_computed: int, n: int) -> bool:
-        """Whether the proposer drafts this request's next tokens after this step's sample. Not after its
-        first token: that one comes from a prompt's computation, which a decode node never does, so every
-        request's drafts start at the same position colocated or disaggregated."""
-        if self.spec_lookahead is None or req.beam_group is not None or req.kv_send is not None:
-            return False
-        if num_computed + n < req.num_tokens or req.num_output_tokens == 0:
-            return False
-        # Room for a draft next step, even if every one of this step's drafts is rejected.
-        room = self.max_model_len - req.num_tokens - 1
-        if req.max_tokens is not None:
-            room = min(room, req.max_tokens - req.num_output_tokens - 1)
-        return room >= 2
-
-    def _plan_chunk(self, req: Request, num_computed: int, budget: int):
-        """(known tokens, drafts, lookahead slots, proposes) of this step, or None when it waits."""
-        n = self._num_new_tokens(req, num_computed, budget)
-        if n <= 0:
-            return None
-        spec = self._spec_tokens(req, num_computed, n, budget)
-        if spec is None:
-            return None
-        proposes = self._proposes(req, num_computed, n)
-        lookahead = 0
-        if proposes and self.spec_lookahead:
-            lookahead = max(0, min(self.spec_lookahead, self.max_model_len - num_computed - n - len(spec)))
-        return n, spec, lookahead, proposes
-
     def _add_to_plan(self, req: Request, n: int, spec: tuple[int, ...], proposes: bool, plan: _StepPlan) -> None:
         rid = req.request_id
         plan.tokens[rid] = n + len(spec)
@@ -287,7 +240,8 @@ class Scheduler(BeamSchedulerMixin):
         self.waiting.add_front(req)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        while len(self.waiting) and plan.budget > 0 and len(self.running) + self.beam_seats() < self.config.max_num_seqs:
+        seqs = self.config.max_num_seqs
+        while len(self.waiting) and plan.budget > 0 and len(self.running) + self.beam_seats() < seqs:
             req = self.waiting.peek()
             if req.beam_group is not None:
                 if not self.admit_beam_group(req, plan):
@@ -361,15 +315,6 @@ class Scheduler(BeamSchedulerMixin):
                 self._settle_blocks(req, spec, rid in sched.propose_req_ids)
         return outputs
 
-    def _settle_blocks(self, req: Request, spec: tuple[int, ...], proposed: bool) -> None:
-        """After a step with speculation: hash the blocks now full of accepted tokens, and give back the
-        blocks past the computed tokens (those of rejected drafts), but for the proposer's lookahead."""
-        if spec:
-            self.kv.cache_tokens(req)
-        lookahead = self.spec_lookahead if proposed else 0
-        if self.kv.trim(req, req.num_computed_tokens + lookahead):
-            self._unseen.add(req.request_id)  # the runner's table must shrink too
-
     def _append_tokens(self, req: Request, tokens) -> tuple[int, ...]:
         """Append until a stop condition: tokens after a stop token in an accepted run are dropped."""
         for i, token in enumerate(tokens):
@@ -378,16 +323,6 @@ class Scheduler(BeamSchedulerMixin):
             if req.is_finished:
                 return tuple(tokens[: i + 1])
         return tuple(tokens)
-
-    def _count_verification(self, num_drafts: int, num_accepted: int) -> None:
-        c = self.counters
-        c.spec_num_drafts += 1
-        c.spec_num_draft_tokens += num_drafts
-        c.spec_num_accepted_tokens += num_accepted
-        if len(c.spec_accepted_per_pos) < num_drafts:
-            c.spec_accepted_per_pos.extend([0] * (num_drafts - len(c.spec_accepted_per_pos)))
-        for i in range(num_accepted):
-            c.spec_accepted_per_pos[i] += 1
 
     @staticmethod
     def _output(req: Request, tokens: tuple[int, ...], logprobs) -> EngineCoreOutput:

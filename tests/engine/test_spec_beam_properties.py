@@ -279,7 +279,7 @@ class BeamMachine(RuleBasedStateMachine):
         d.check_blocks()
         assert sum(b.ref_cnt for b in d.pool.blocks) == sum(len(v) for v in d.kv.req_to_blocks.values())
         assert len(d.sched.running) <= d.config.max_num_seqs
-        for gid, group in d.sched.beam_groups.items():
+        for group in d.sched.beam_groups.values():
             members = group.members()
             assert 1 <= len(members) <= group.width
             statuses = {m.status for m in members}
