@@ -101,6 +101,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: str | None = None  # draft_model: folder, .gguf or "default"
     dtype: str | None = None  # draft_model: None = the target's
+    # No new drafts while this many requests run (verification's extra rows cost more than they save in
+    # large batches on CPU). Seeded draft-model output then depends on the load; n-gram output never does.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -115,6 +118,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.model: method 'draft_model' needs the draft model")
         if self.method == "ngram" and self.model:
             raise ValueError("speculative_config.model: method 'ngram' uses no model")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"speculative_config.disable_by_batch_size: must be >= 1, got {self.disable_by_batch_size}")
 
     @property
     def lookahead_tokens(self) -> int:

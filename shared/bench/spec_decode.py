@@ -7,7 +7,8 @@ each returning the whole function) and standard-library documentation to fix a t
 outputs repeat long spans of their prompt, which prompt lookup finds.
 
 Both engines decode the same requests greedily (their outputs must be token-identical, and the report says
-whether they were) at batch 1 (one request at a time) and batch 16 (16 requests in flight, closed loop). Per
+whether they were) at batch 1 (one request at a time) and batch 16 (16 requests in flight, closed loop),
+taking turns (request by request at batch 1) so that both see the same load from the rest of the machine. Per
 request, ITL = (time of the last token - time of the first) / (output tokens - 1): the mean time per output
 token once decoding started (TPOT). Reported: output tokens/s, mean and p50/p90 ITL, TTFT, the speed-ups
 (plain / speculative ITL), and the acceptance rate (accepted / proposed drafts) with its per-position counts.
@@ -65,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per batch size (default: 8 at batch 1, 2 x the batch size above)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most (greedy)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--output", default=DEFAULT_OUTPUT, help="where the JSON goes too")
 
 
@@ -180,54 +182,72 @@ def spec_stats(before, after) -> dict:
     }
 
 
-def measure(engine, prompts: list[list[int]], batches: list[int], counts: dict[int, int], max_tokens: int) -> dict:
-    run_closed_loop(engine, [prompts[0][:16]], 1, 4)  # first-call allocations and kernel selection
-    result = {}
-    for batch in batches:
-        before = copy.deepcopy(engine.counters())  # the engine's counters are live
-        elapsed, timings = run_closed_loop(engine, prompts[: counts[batch]], batch, max_tokens)
-        result[f"batch_{batch}"] = {**summarize(elapsed, timings), "spec": spec_stats(before, engine.counters()),
-                                    "tokens": [t.tokens for t in timings]}
-    return result
+def interleaved(engines: dict, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
+    """Both engines on the same requests, alternating (plain, speculative) per request at batch 1 and per
+    wave of requests otherwise, so that both meet the same load from whatever else runs on the machine."""
+    wave = 1 if batch == 1 else len(prompts)
+    timings: dict[str, list[_Timing]] = {name: [] for name in engines}
+    elapsed = dict.fromkeys(engines, 0.0)
+    before = {name: copy.deepcopy(e.counters()) for name, e in engines.items()}  # counters are live
+    for i in range(0, len(prompts), wave):
+        names = list(engines) if (i // wave) % 2 == 0 else list(reversed(engines))
+        for name in names:
+            seconds, t = run_closed_loop(engines[name], prompts[i : i + wave], batch, max_tokens)
+            elapsed[name] += seconds
+            timings[name].extend(t)
+    out = {name: {**summarize(elapsed[name], timings[name]), "spec": spec_stats(before[name], e.counters())}
+           for name, e in engines.items()}
+    plain, spec = timings["plain"], timings["speculative"]
+    out["greedy_outputs_identical"] = [t.tokens for t in plain] == [t.tokens for t in spec]
+    paired = [_itl(a) / _itl(b) for a, b in zip(plain, spec) if _itl(a) and _itl(b)]
+    out["itl_speedup_median_per_request"] = statistics.median(paired) if paired else None
+    return out
+
+
+def _itl(t: _Timing) -> float | None:
+    return (t.last - t.first) / (len(t.tokens) - 1) if t.first is not None and len(t.tokens) > 1 else None
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from shared.args import engine_config
     from shared.bench.throughput import machine_info
     from shared.engine.core import EngineCore
     from shared.tokenizer import Tokenizer
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     counts = {b: args.num_requests or (8 if b == 1 else 2 * b) for b in args.batch_sizes}
-    runs = {}
-    for name, spec in (("plain", None), ("speculative", args.speculative_config)):
-        args.speculative_config = spec
-        engine = EngineCore(engine_config(args))
-        tokenizer = Tokenizer(engine.info.path)
-        kinds_msgs = build_prompts(max(counts.values()))
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": m}]) for _, m in kinds_msgs]
-        runs[name] = measure(engine, prompts, args.batch_sizes, counts, args.max_tokens)
-        model_id, dtype = engine.info.model_id, str(engine.info.dtype).removeprefix("torch.")
-        del engine
-        gc.collect()
+    spec = args.speculative_config
+    engines = {}
+    for name, config in (("plain", None), ("speculative", spec)):
+        args.speculative_config = config
+        engines[name] = EngineCore(engine_config(args))
     args.speculative_config = spec
+    info = engines["plain"].info
+    tokenizer = Tokenizer(info.path)
+    kinds_msgs = build_prompts(max(counts.values()))
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": m}]) for _, m in kinds_msgs]
+    for e in engines.values():
+        run_closed_loop(e, [prompts[0][:16]], 1, 4)  # first-call allocations and kernel selection
     report = {
-        "benchmark": "spec_decode", "model": model_id, "dtype": dtype,
+        "benchmark": "spec_decode", "model": info.model_id, "dtype": str(info.dtype).removeprefix("torch."),
         "speculative_config": json.loads(spec),
         "workload": {"kinds": [k for k, _ in kinds_msgs], "max_tokens": args.max_tokens,
                      "prompt_tokens_mean": statistics.fmean(len(p) for p in prompts), "requests": counts},
         "itl_definition": "per request (last token time - first token time) / (output tokens - 1), averaged",
-        "machine": machine_info(),
+        "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
     }
     for batch in args.batch_sizes:
-        key = f"batch_{batch}"
-        plain, spec_run = runs["plain"][key], runs["speculative"][key]
-        same = plain.pop("tokens") == spec_run.pop("tokens")
-        plain.pop("spec")
-        report[key] = {
-            "plain": plain, "speculative": spec_run, "greedy_outputs_identical": same,
-            "itl_speedup": plain["itl_ms_mean"] / spec_run["itl_ms_mean"] if spec_run["itl_ms_mean"] else None,
-            "throughput_ratio": spec_run["output_tokens_per_s"] / plain["output_tokens_per_s"],
-        }
+        r = interleaved(engines, prompts[: counts[batch]], batch, args.max_tokens)
+        r["plain"].pop("spec")
+        plain, fast = r["plain"], r["speculative"]
+        r["itl_speedup"] = plain["itl_ms_mean"] / fast["itl_ms_mean"] if fast["itl_ms_mean"] else None
+        r["throughput_ratio"] = fast["output_tokens_per_s"] / plain["output_tokens_per_s"]
+        report[f"batch_{batch}"] = r
+    del engines
+    gc.collect()
     emit(report, args.output)
     return 0
 

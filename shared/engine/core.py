@@ -64,7 +64,8 @@ class EngineCore:
         self.kv = KVCacheManager(pool, block_size, self.info.model_id, config.cache.enable_prefix_caching)
         spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
-                                   spec_lookahead=None if spec is None else spec.lookahead_tokens)
+                                   spec_lookahead=None if spec is None else spec.lookahead_tokens,
+                                   spec_disable_by_batch_size=None if spec is None else spec.disable_by_batch_size)
         logger.info(
             "engine ready in %.1fs: %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens (%.1f MiB), "
             "max_model_len %d",

@@ -71,15 +71,18 @@ class _StepPlan:
 
 class Scheduler(SpecSchedulerMixin, BeamSchedulerMixin):
     """`spec_lookahead`: None without speculative decoding; else the KV slots a proposer writes past the
-    verified tokens (a draft model's own KV of its proposals, 0 for n-gram lookup)."""
+    verified tokens (a draft model's own KV of its proposals, 0 for n-gram lookup). No drafts are proposed
+    while `spec_disable_by_batch_size` or more requests run."""
 
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, spec_lookahead: int | None = None,
+        spec_disable_by_batch_size: int | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.spec_lookahead = spec_lookahead
+        self.spec_disable_by_batch_size = spec_disable_by_batch_size
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []

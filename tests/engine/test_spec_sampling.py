@@ -10,7 +10,9 @@ import itertools
 import pytest
 import torch
 
-from shared.engine.llm import LLM, SamplingParams
+from shared.config import engine_config_from_kwargs
+from shared.engine.core import EngineCore
+from shared.sampling_params import SamplingParams
 from tests.helpers.models import make_tiny_checkpoint
 
 V = 8
@@ -61,10 +63,17 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2), torch.tensor(stat / 2)))
 
 
-def sample(llm: LLM) -> torch.Tensor:
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS, ignore_eos=True) for s in range(N)]
-    outs = llm.generate([PROMPT] * N, params, use_tqdm=False)
-    return torch.tensor([o.outputs[0].token_ids for o in outs])
+def sample(engine: EngineCore) -> torch.Tensor:
+    """N seeded requests (seeds 0..N-1): the draws are fixed, so is the test's outcome."""
+    tokens: dict[str, list[int]] = {}
+    for s in range(N):
+        params = SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS, ignore_eos=True)
+        engine.add_request(str(s), PROMPT, params)
+        tokens[str(s)] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.req_id].extend(out.new_token_ids)
+    return torch.tensor([tokens[str(s)] for s in range(N)])
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
@@ -73,9 +82,10 @@ def test_speculative_sampling_matches_the_target_distribution(models, method):
     spec = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
         spec["model"] = draft
-    llm = LLM(model=target, dtype="float32", num_gpu_blocks_override=2048, max_num_seqs=256, speculative_config=spec)
-    tokens = sample(llm)
-    c = llm.engine.counters()
+    engine = EngineCore(engine_config_from_kwargs(target, "float32", num_gpu_blocks_override=2048, max_num_seqs=256,
+                                                  speculative_config=spec))
+    tokens = sample(engine)
+    c = engine.counters()
     # Positions 3..5 (0-based 2..4) come from verified drafts or the token after them.
     assert c.spec_num_draft_tokens > N and 0 < c.spec_num_accepted_tokens < c.spec_num_draft_tokens
     exact = exact_marginals(target, 5)

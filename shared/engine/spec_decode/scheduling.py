@@ -15,6 +15,7 @@ from shared.engine.request import Request
 
 class SpecSchedulerMixin:
     spec_lookahead: int | None  # None: no speculative decoding
+    spec_disable_by_batch_size: int | None = None
 
     def _spec_tokens(self, req: Request, num_computed: int, n: int, budget: int) -> tuple[int, ...] | None:
         """The drafts to verify with this chunk: only a chunk that reaches the last known token carries them,
@@ -40,6 +41,8 @@ class SpecSchedulerMixin:
         if self.spec_lookahead is None or req.beam_group is not None or req.kv_send is not None:
             return False
         if num_computed + n < req.num_tokens or req.num_output_tokens == 0:
+            return False
+        if self.spec_disable_by_batch_size is not None and len(self.running) >= self.spec_disable_by_batch_size:
             return False
         # Room for a draft next step, even if every one of this step's drafts is rejected.
         room = self.max_model_len - req.num_tokens - 1
