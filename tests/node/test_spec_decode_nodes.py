@@ -118,7 +118,7 @@ def test_speculative_decode_node_matches_colocated(fleet, specs, plain, prompts,
     drafts = sum(v for k, v in metrics.items() if k.startswith("vllm:spec_decode_num_drafts_total"))
     tokens = sum(v for k, v in metrics.items() if k.startswith("vllm:spec_decode_num_draft_tokens_total"))
     accepted = sum(v for k, v in metrics.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total"))
-    per_pos = sum(v for k, v in metrics.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos"))
+    per_pos = sum(v for k, v in metrics.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total"))
     assert drafts > 0 and tokens >= drafts and per_pos == accepted, metrics
     if method != "tiny_draft":
         assert accepted > 0
