@@ -3,6 +3,8 @@ engine tokens into per-choice text deltas, keep request metrics.
 
 n > 1 runs n engine sequences on the nodes routing chose, each with its own seed stream
 (SamplingParams.for_child); they share the prompt's blocks through the nodes' prefix caches.
+Beam search runs as one engine request on the routed decode node (it prefills the prompt itself: the beams
+fork its KV there); its last chunk carries the beams, the n best of which become the choices.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.dispatch import Dispatcher
 from gateway.errors import BadRequest, ShuttingDown
 from gateway.node_client import EngineRequest
 from gateway.outputs import ChoiceOutput, Delta, OutputOptions, TokenTexts
 from gateway.router import Router
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import BeamSearchParams, SamplingParams
 from shared.tokenizer import Tokenizer
 from shared.wire import TokenChunk
 
@@ -37,6 +39,7 @@ class GenerateInput:
     request_id: str = ""
     cache_salt: str = ""
     user: str | None = None  # the OpenAI `user` field: a session-affinity hint for routing
+    beam_search: BeamSearchParams | None = None  # set: the choices are the n best of its beams
 
 
 @dataclass(frozen=True)
@@ -152,10 +155,13 @@ class Generation:
         self.core.active += 1
         try:
             decision = await self.core.router.route(self.inp.prompt_token_ids, self.inp.cache_salt, self.inp.user)
-            streams = [self._choice_stream(decision, i) for i in range(len(self.choices))]
-            # Choice 0 first: once its prompt is computed, the other choices find it in the prefix caches
-            # instead of each computing (and reserving blocks for) the same prompt at once.
-            source = streams[0] if len(streams) == 1 else merge(streams, lead_first=True)
+            if self.inp.beam_search is not None:
+                source = self._beam_stream(decision)
+            else:
+                streams = [self._choice_stream(decision, i) for i in range(len(self.choices))]
+                # Choice 0 first: once its prompt is computed, the other choices find it in the prefix caches
+                # instead of each computing (and reserving blocks for) the same prompt at once.
+                source = streams[0] if len(streams) == 1 else merge(streams, lead_first=True)
             async with aclosing(source):
                 async for index, chunk in source:
                     delta = self._consume(index, chunk)
@@ -175,6 +181,16 @@ class Generation:
                 yield index, chunk
                 if choice.finished:  # a stop string ended it: closing the stream aborts it on the node
                     return
+
+    async def _beam_stream(self, decision) -> AsyncIterator[tuple[int, TokenChunk]]:
+        local = replace(decision, prefill=None, prefill_fallbacks=())
+        req = EngineRequest(f"{self.request_id}-beams", self.inp.prompt_token_ids, self.inp.params,
+                            self.inp.cache_salt, beam_search=self.inp.beam_search)
+        async with aclosing(self.core.dispatcher.stream(local, req, self.traces[0])) as stream:
+            async for chunk in stream:
+                for i, beam in enumerate(chunk.beams[: len(self.choices)]):
+                    yield i, TokenChunk(beam.token_ids, (), beam.finish_reason, beam.stop_reason,
+                                        chunk.num_prompt_tokens, len(beam.token_ids), chunk.num_cached_tokens)
 
     def _consume(self, index: int, chunk: TokenChunk) -> Delta | None:
         now = time.perf_counter()

@@ -17,7 +17,7 @@ from shared import wire
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 from shared.records import NodeLoad
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import BeamSearchParams, SamplingParams
 from shared.wire import Health, NodeInfo, PrefillResult, ReserveResult, TokenChunk
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class EngineRequest:
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     cache_salt: str = ""
+    beam_search: BeamSearchParams | None = None  # set: a beam search (Generate only, no hand-off)
     _proto_params: pb.SamplingParams | None = field(default=None, repr=False)
 
     def proto_params(self) -> pb.SamplingParams:
@@ -127,6 +128,8 @@ class NodeClient:
                                  params=req.proto_params(), cache_salt=req.cache_salt)
         if handoff is not None:
             msg.handoff.CopyFrom(wire.handoff_to_proto(handoff))
+        if req.beam_search is not None:
+            msg.beam_search.CopyFrom(wire.beam_search_to_proto(req.beam_search))
         call = self._stub.Generate(msg)
         try:
             async for chunk in call:

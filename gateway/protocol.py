@@ -128,6 +128,10 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # beam search (vLLM): best_of (or n) beams, the n best returned; deterministic
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 # --------------------------------------------------------------------------------------------- chat

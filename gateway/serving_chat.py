@@ -41,6 +41,7 @@ from gateway.protocol import (
 from gateway.serving_common import (
     SSE_DONE,
     SSEResponse,
+    beam_search_params,
     check_model,
     json_response,
     output_options,
@@ -94,7 +95,8 @@ class ChatServing:
             options = replace(options, skip_special_tokens=False)  # the format's markers are special tokens
         return GenerateInput(prompt, params, options,
                              request_id=header_id or req.request_id or new_request_id("chatcmpl"),
-                             cache_salt=req.cache_salt or "", user=req.user)
+                             cache_salt=req.cache_salt or "", user=req.user,
+                             beam_search=beam_search_params(req, max_tokens=max_tokens))
 
     def render_for_tokenize(self, req) -> list[int]:
         """/tokenize with messages: the same rendering as a chat completion (tools offered as here)."""

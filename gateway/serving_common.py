@@ -12,7 +12,7 @@ from starlette.responses import Response, StreamingResponse
 from gateway.errors import BadRequest, GatewayError, ModelNotFound
 from gateway.outputs import OutputOptions
 from gateway.protocol import PromptLogprob
-from shared.sampling_params import SamplingParams, StructuredOutputs
+from shared.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -73,6 +73,26 @@ def sampling_params(req, core, *, max_tokens: int, logprobs: int | None,
             logit_bias=bias,
             prompt_logprobs=prompt_logprobs,
         )
+    except ValueError as e:
+        raise BadRequest.from_value_error(e) from None
+
+
+def beam_search_params(req, *, max_tokens: int, best_of: int | None = None) -> BeamSearchParams | None:
+    """use_beam_search as vLLM takes it: best_of (else n) beams, the n best returned; None when not asked."""
+    if not req.use_beam_search:
+        return None
+    if req.temperature not in (None, 0.0):
+        raise BadRequest("beam search is deterministic: temperature must be 0 or unset", param="temperature")
+    logprobs = getattr(req, "logprobs", None)
+    if logprobs is not None and logprobs is not False:
+        raise BadRequest("logprobs are not supported with use_beam_search", param="logprobs")
+    n = req.n if req.n is not None else 1
+    width = best_of if best_of is not None else n
+    if width < n:
+        raise BadRequest(f"best_of ({width}) must be at least n ({n}) with use_beam_search", param="best_of")
+    try:
+        return BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=req.length_penalty,
+                                ignore_eos=req.ignore_eos, early_stopping=req.early_stopping)
     except ValueError as e:
         raise BadRequest.from_value_error(e) from None
 

@@ -29,6 +29,7 @@ from gateway.protocol import (
 from gateway.serving_common import (
     SSE_DONE,
     SSEResponse,
+    beam_search_params,
     check_model,
     json_response,
     output_options,
@@ -68,8 +69,9 @@ class CompletionServing:
     def _prompts(self, req: CompletionRequest) -> list[list[int]]:
         if req.suffix:
             raise BadRequest("suffix is not supported by this server", param="suffix")
-        if req.best_of is not None and req.best_of != (req.n or 1):
-            raise BadRequest("best_of must equal n when set (no server-side ranking)", param="best_of")
+        if req.best_of is not None and req.best_of != (req.n or 1) and not req.use_beam_search:
+            raise BadRequest("best_of must equal n when set (no server-side ranking without use_beam_search)",
+                             param="best_of")
         p = req.prompt
         if isinstance(p, str):
             prompts = [self.core.tokenizer.encode(p)]
@@ -94,8 +96,9 @@ class CompletionServing:
             prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
         params = sampling_params(req, self.core, max_tokens=max_tokens, logprobs=req.logprobs,
                                  structured=constraint, prompt_logprobs=prompt_logprobs)
+        beams = beam_search_params(req, max_tokens=max_tokens, best_of=req.best_of)
         return GenerateInput(prompt, params, output_options(req, req.logprobs), request_id=request_id,
-                             cache_salt=req.cache_salt or "", user=req.user)
+                             cache_salt=req.cache_salt or "", user=req.user, beam_search=beams)
 
     def _echo_text(self, req: CompletionRequest, prompt: list[int]) -> str:
         if not req.echo:

@@ -70,8 +70,9 @@ class PrefillServer(NodeServer):
             if rid not in self._settling:  # else _settle lets the id go once the transfer is over
                 self._inflight.discard(rid)
         token = out.new_token_ids[0]
+        first_logprobs = out.logprobs[0] if out.logprobs else None
         return wire.prefill_result_to_proto(rid, wire.PrefillResult(
-            first_token_id=token, first_logprobs=out.logprobs, num_cached_tokens=out.num_cached_tokens,
+            first_token_id=token, first_logprobs=first_logprobs, num_cached_tokens=out.num_cached_tokens,
             bytes_transferred=transfer.nbytes, transfer_seconds=transfer.seconds, prefill_seconds=prefill_s,
             finish_reason=self._first_finish_reason(params, token, len(prompt)),
             last_layer_seconds=transfer.last_layer_seconds, prompt_logprobs=out.prompt_logprobs,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.config import DEFAULT_BLOCK_SIZE, EngineConfig, engine_config_from_kwargs
+from shared.config import DEFAULT_BLOCK_SIZE, EngineConfig, SpeculativeConfig, engine_config_from_kwargs
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -45,6 +45,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: flash-attn on CUDA when installed, else the portable torch backend")
     g.add_argument("--structured-outputs-backend", choices=["xgrammar"], default="xgrammar",
                    help="grammar engine of response_format / structured_outputs / tool_choice constraints")
+    g.add_argument("--speculative-config", type=speculative_json, default=None,
+                   help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "<folder>", '
+                        '"num_speculative_tokens": 4}\'')
+
+
+def speculative_json(text: str) -> str:
+    """Checks the JSON (argparse reports a bad one with the flag's name) and keeps the text to pass on."""
+    try:
+        SpeculativeConfig.from_dict(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -61,6 +74,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         policy=args.scheduling_policy,
         attention_backend=args.attention_backend,
         structured_outputs_backend=getattr(args, "structured_outputs_backend", "xgrammar"),
+        speculative_config=getattr(args, "speculative_config", None),
     )
 
 

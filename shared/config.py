@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -83,6 +84,73 @@ class SchedulerConfig:
     kv_lease_s: float = 30.0
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, configured with vLLM's keys (`--speculative-config '{"method": "ngram", ...}'`).
+
+    ngram: prompt lookup over the request's own tokens, the continuation of the latest match of its last
+    n tokens (n from prompt_lookup_max down to prompt_lookup_min). draft_model: `model` (same vocabulary)
+    proposes autoregressively from its own paged KV cache."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None  # draft_model: folder, .gguf or "default"
+    dtype: str | None = None  # draft_model: None = the target's
+    # No new drafts while this many requests run (verification's extra rows cost more than they save in
+    # large batches on CPU). Seeded draft-model output then depends on the load; n-gram output never does.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method: {self.method!r} is not one of {', '.join(SPEC_METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= 32:
+            raise ValueError(f"speculative_config.num_speculative_tokens: must be an integer in [1, 32], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"speculative_config.prompt_lookup_min/max: need 1 <= min <= max, got {lo}, {hi}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model: method 'draft_model' needs the draft model")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative_config.model: method 'ngram' uses no model")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"speculative_config.disable_by_batch_size: must be >= 1, got {self.disable_by_batch_size}")
+
+    @property
+    def lookahead_tokens(self) -> int:
+        """KV slots past the verified tokens a proposer writes while proposing (a draft model's own KV)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+    @classmethod
+    def from_dict(cls, data: dict | SpeculativeConfig | str | None) -> SpeculativeConfig | None:
+        """From vLLM's dict (or its JSON text); unknown keys are an error naming them. None/{}: off."""
+        if data is None or isinstance(data, SpeculativeConfig):
+            return data
+        if isinstance(data, str):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"speculative_config: expected a JSON object, got {type(data).__name__}")
+        if not data:
+            return None
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
+        values = dict(data)
+        if "method" not in values:  # vLLM: a model without a method means a draft model
+            values["method"] = "draft_model" if values.get("model") else "ngram"
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     """Grammar-constrained decoding: which grammar engine, and how compiled grammars are kept."""
@@ -98,6 +166,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig | None = None
 
 
 def engine_config_from_kwargs(model: str, dtype: str, **kwargs) -> EngineConfig:
@@ -106,6 +175,7 @@ def engine_config_from_kwargs(model: str, dtype: str, **kwargs) -> EngineConfig:
               "structured": StructuredOutputsConfig}
     values: dict[str, dict] = {"model": {"model": model, "dtype": dtype}, "cache": {}, "scheduler": {},
                                "structured": {}}
+    speculative = SpeculativeConfig.from_dict(kwargs.pop("speculative_config", None))
     for key, value in kwargs.items():
         for group, cls in groups.items():
             if key in {f.name for f in dataclasses.fields(cls)}:
@@ -115,4 +185,4 @@ def engine_config_from_kwargs(model: str, dtype: str, **kwargs) -> EngineConfig:
             raise TypeError(f"LLM: unknown argument {key!r}")
     if "policy" in values["scheduler"]:
         values["scheduler"]["policy"] = SchedulingPolicy(values["scheduler"]["policy"])
-    return EngineConfig(**{g: cls(**values[g]) for g, cls in groups.items()})
+    return EngineConfig(**{g: cls(**values[g]) for g, cls in groups.items()}, speculative=speculative)

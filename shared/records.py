@@ -4,6 +4,7 @@
 - `NodeLoad`: a node's load as the engine counts it, GetLoad and the registry heartbeat report it, and the
   gateway routes by it.
 - `TokenLogprobs`: one sampled token's logprobs, from the sampler to the client.
+- `BeamSequence`: one finished beam of a beam search, from the engine to the client.
 - `BlockEvent`: a block stored in or evicted from a node's prefix cache, for the index.
 
 Nothing here imports torch at module import time: the gateway and `kvrelay --help` load this module too.
@@ -136,6 +137,15 @@ class TokenLogprobs:
     logprob: float  # of the sampled token, under the raw model logits
     rank: int  # 1-based: 1 + the number of tokens with a strictly higher logprob
     top: tuple[tuple[int, float], ...] = ()  # the requested number of most likely (token_id, logprob)
+
+
+@dataclass(frozen=True)
+class BeamSequence:
+    token_ids: tuple[int, ...]  # generated tokens (an end token that finished the beam included)
+    cumulative_logprob: float  # sum of the tokens' logprobs
+    score: float  # what beams are ranked by: cumulative_logprob / len(token_ids) ** length_penalty
+    finish_reason: str  # "stop" (an end token) or "length"
+    stop_reason: int | None = None  # the stop token id, when it is not the model's eos
 
 
 class BlockEventKind(enum.Enum):

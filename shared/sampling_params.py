@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from dataclasses import dataclass, field, replace
 
 _MAX_LOGPROBS = 20
@@ -117,6 +118,30 @@ class SamplingParams:
         """The params of the index-th of n parallel samples: n=1, and a distinct seed stream."""
         seed = None if self.seed is None else child_seed(self.seed, index)
         return replace(self, n=1, seed=seed)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search (vLLM's offline `LLM.beam_search` and the API's use_beam_search), deterministic: the
+    beam_width best continuations by cumulative logprob, scored finished with HF's length penalty
+    (sum of logprobs / generated_length ** length_penalty) and stopped by HF's early_stopping rule."""
+
+    beam_width: int
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    early_stopping: bool | str = False  # True, False (HF's heuristic) or "never"
+    temperature: float = 0.0  # only 0: the beams are the highest-scoring, never sampled
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width",
+               f"must be an integer >= 1, got {self.beam_width!r}")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+               f"must be >= 1, got {self.max_tokens!r}")
+        _check(self.temperature == 0.0, "temperature", "beam search is deterministic: only 0 is supported")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping",
+               f"must be true, false or 'never', got {self.early_stopping!r}")
+        _check(math.isfinite(self.length_penalty), "length_penalty", f"must be finite, got {self.length_penalty}")
 
 
 def child_seed(seed: int, index: int) -> int:

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.records import KVLayout, NodeLoad, TokenLogprobs
-from shared.sampling_params import SamplingParams, StructuredOutputs
+from shared.records import BeamSequence, KVLayout, NodeLoad, TokenLogprobs
+from shared.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
 
 _INT32_MAX = 2**31 - 1
 
@@ -84,6 +84,7 @@ class TokenChunk:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # first chunk: (None, token 1's, ...)
+    beams: tuple[BeamSequence, ...] = ()  # beam search: the finished beams, best first (in the last chunk)
 
 
 # ------------------------------------------------------------------------------------ sampling params
@@ -137,6 +138,27 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
     return msg
+
+
+_EARLY_STOPPING = {"": False, "false": False, "true": True, "never": "never"}
+
+
+def beam_search_to_proto(params: BeamSearchParams) -> pb.BeamSearchParams:
+    early = params.early_stopping
+    return pb.BeamSearchParams(
+        beam_width=params.beam_width, max_tokens=params.max_tokens, length_penalty=params.length_penalty,
+        ignore_eos=params.ignore_eos, early_stopping="never" if early == "never" else str(bool(early)).lower(),
+    )
+
+
+def beam_search_from_proto(msg: pb.BeamSearchParams) -> BeamSearchParams:
+    """Raises ValueError naming the field when a value is out of range."""
+    if msg.early_stopping not in _EARLY_STOPPING:
+        raise ValueError(f"early_stopping: must be true, false or never, got {msg.early_stopping!r}")
+    return BeamSearchParams(
+        beam_width=msg.beam_width, max_tokens=msg.max_tokens or 16, length_penalty=msg.length_penalty,
+        ignore_eos=msg.ignore_eos, early_stopping=_EARLY_STOPPING[msg.early_stopping],
+    )
 
 
 def request_params(request) -> SamplingParams:
@@ -271,11 +293,25 @@ def handoff_to_proto(result: PrefillResult) -> pb.Handoff:
     return pb.Handoff(first_token_id=result.first_token_id, first_logprobs=logprobs_to_proto(result.first_logprobs))
 
 
+def beam_to_proto(beam: BeamSequence) -> pb.BeamSequence:
+    msg = pb.BeamSequence(token_ids=list(beam.token_ids), cumulative_logprob=beam.cumulative_logprob,
+                          score=beam.score, finish_reason=beam.finish_reason)
+    if beam.stop_reason is not None:
+        msg.stop_reason = beam.stop_reason
+    return msg
+
+
+def beam_from_proto(msg: pb.BeamSequence) -> BeamSequence:
+    return BeamSequence(tuple(msg.token_ids), msg.cumulative_logprob, msg.score, msg.finish_reason,
+                        msg.stop_reason if msg.HasField("stop_reason") else None)
+
+
 def chunk_to_proto(chunk: TokenChunk) -> pb.TokenChunk:
     msg = pb.TokenChunk(
         token_ids=list(chunk.token_ids), finish_reason=chunk.finish_reason,
         num_prompt_tokens=chunk.num_prompt_tokens, num_output_tokens=chunk.num_output_tokens,
         num_cached_tokens=chunk.num_cached_tokens, prompt_logprobs=prompt_logprobs_to_proto(chunk.prompt_logprobs),
+        beams=[beam_to_proto(b) for b in chunk.beams],
     )
     if chunk.logprobs:
         msg.logprobs.extend(logprobs_to_proto(lp) for lp in chunk.logprobs)
@@ -290,4 +326,5 @@ def chunk_from_proto(msg: pb.TokenChunk) -> TokenChunk:
         finish_reason=msg.finish_reason, stop_reason=msg.stop_reason if msg.HasField("stop_reason") else None,
         num_prompt_tokens=msg.num_prompt_tokens, num_output_tokens=msg.num_output_tokens,
         num_cached_tokens=msg.num_cached_tokens, prompt_logprobs=prompt_logprobs_from_proto(msg.prompt_logprobs),
+        beams=tuple(beam_from_proto(b) for b in msg.beams),
     )

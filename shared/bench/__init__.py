@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "index-lookup": "shared.bench.index_lookup",
     "decode-attention": "shared.bench.decode_attention",
     "structured": "shared.bench.structured",
+    "spec-decode": "shared.bench.spec_decode",
 }
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from shared.args import HelpFormatter
+from shared.args import HelpFormatter, speculative_json
 from shared.system import die_with_parent, free_port
 
 logger = logging.getLogger("kvrelay.up")
@@ -56,6 +56,11 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _decode_flags(args: argparse.Namespace) -> list[str]:
+    """Flags only decode nodes (and the colocated engine) take: prefill nodes never decode."""
+    return ["--speculative-config", args.speculative_config] if args.speculative_config else []
+
+
 def plan_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
     """The node and gateway processes, with ports picked up front so the gateway can be told them."""
     engines = 1 if args.colocated else args.prefill + args.decode
@@ -69,6 +74,8 @@ def plan_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
             port = free_port()
             argv = _kvrelay(role, "--port", str(port), "--metrics-port", str(free_port()),
                             "--connector", args.connector, "--node-id", f"{role}-{i}", *common)
+            if role == "decode":
+                argv += _decode_flags(args)
             children.append(Child(f"{role}-{i}", argv))
     gateway = _kvrelay("gateway", "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
                        "--redis-url", redis_url, "--model", args.model,
@@ -262,6 +269,8 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per node (CPU)")
+    p.add_argument("--speculative-config", type=speculative_json, default=None,
+                   help="speculative decoding on the decode nodes, as vLLM takes it (JSON; see `kvrelay decode -h`)")
     p.add_argument("--prefill", type=int, default=1, help="prefill nodes")
     p.add_argument("--decode", type=int, default=1, help="decode nodes")
     p.add_argument("--colocated", action="store_true", help="one engine that prefills and decodes (the baseline)")

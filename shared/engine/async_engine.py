@@ -34,7 +34,7 @@ from shared.engine.request import KVSendSpec
 from shared.engine.scheduler import EngineCounters
 from shared.engine.scheduler_output import EngineCoreOutput, Reservation
 from shared.records import BlockEvent, BlockHash, NodeLoad
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -159,17 +159,22 @@ class AsyncEngine:
 
     async def generate(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str = "",
-        arrival: float | None = None, kv_send: KVSendSpec | None = None,
+        arrival: float | None = None, kv_send: KVSendSpec | None = None, beam_search: BeamSearchParams | None = None,
     ) -> AsyncIterator[EngineCoreOutput]:
-        """Stream a request's outputs (n > 1: the children's, interleaved, by child id). Leaving the loop
-        early aborts what is unfinished. Raises ValueError for a bad request, EngineDraining when closing."""
+        """Stream a request's outputs (n > 1: the children's, interleaved, by child id; beam_search: one
+        output at the end, with the beams). Leaving the loop early aborts what is unfinished. Raises
+        ValueError for a bad request, EngineDraining when closing."""
         self._check_accepting()
         q: asyncio.Queue = asyncio.Queue()
         arrival = time.monotonic() if arrival is None else arrival
         await self._grammar_compiled(params)
 
         def add(core: EngineCore) -> list[str]:
-            ids = core.add_request(request_id, prompt, params, arrival, cache_salt, kv_send)
+            if beam_search is not None:
+                core.add_beam_search(request_id, prompt, beam_search, arrival, cache_salt)
+                ids = [request_id]
+            else:
+                ids = core.add_request(request_id, prompt, params, arrival, cache_salt, kv_send)
             parent = request_id if len(ids) > 1 else None
             for rid in ids:
                 self._streams[rid] = _Stream(q, arrival, computes_prompt=True, parent=parent)
@@ -397,7 +402,7 @@ class AsyncEngine:
             if stream is None:
                 continue
             num_prompt, num_cached = counts[rid] or (0, 0)
-            batch.append((stream.queue, EngineCoreOutput(rid, (), None, "abort", None, num_prompt, num_cached)))
+            batch.append((stream.queue, EngineCoreOutput(rid, (), (), "abort", None, num_prompt, num_cached)))
             if self.metrics is not None:
                 self.metrics.observe_finished("abort", now - stream.arrival)
         if batch:

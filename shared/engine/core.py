@@ -3,7 +3,8 @@
 Request lifecycle:
 1. `add_request` validates (a bad request raises ValueError naming the field, holding nothing) and
    queues it; n > 1 becomes n child requests that share the prompt's blocks through the prefix cache.
-2. `step` schedules, runs the model, and turns sampled tokens into EngineCoreOutputs.
+2. `step` schedules, runs the model, and turns sampled tokens into EngineCoreOutputs (with speculative
+   decoding, an output may carry several tokens: the accepted drafts and one sampled token).
 3. A request ends on a stop condition, on max_tokens / max_model_len, or by `abort`; its blocks are
    freed at once (cached ones stay reusable).
 
@@ -11,6 +12,9 @@ A request with structured outputs has its grammar compiled on the GrammarCompile
 compile is done it waits in the scheduler (WAITING_FOR_GRAMMAR) while the others run. A compile that
 fails ends the request with "abort". `compile_grammar` may be called from any thread, so a node awaits it
 before queueing a request and refuses a bad grammar up front.
+
+Beam search (`add_beam_search`) runs a group of beams under one request id; its one output, at the end,
+carries the finished beams.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from shared.config import EngineConfig
+from shared.engine.beam_search import BeamGroup, num_candidates
 from shared.engine.block_pool import BlockPool
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.model_info import ModelInfo, load_model_info
@@ -31,9 +36,10 @@ from shared.engine.scheduler import EngineCounters, Scheduler
 from shared.engine.scheduler_output import EngineCoreOutput, Reservation
 from shared.engine.structured import GrammarCompiler, GrammarVocab, create_grammar_compiler
 from shared.records import BlockEvent, BlockHash, KVLayout, NodeLoad
-from shared.sampling_params import SamplingParams, StructuredOutputs
+from shared.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
 
 _COMPUTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING)
+MAX_BEAM_CANDIDATES = 20  # a beam's candidates come back as its row's top logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +74,10 @@ class EngineCore:
         self.max_model_len = self._max_model_len(capacity)
         pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, record_events=record_block_events)
         self.kv = KVCacheManager(pool, block_size, self.info.model_id, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        spec = config.speculative
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
+                                   spec_lookahead=None if spec is None else spec.lookahead_tokens,
+                                   spec_disable_by_batch_size=None if spec is None else spec.disable_by_batch_size)
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id -> its grammar's compile
         logger.info(
             "engine ready in %.1fs: %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens (%.1f MiB), "
@@ -178,6 +187,33 @@ class EngineCore:
             raise ValueError("output_token_ids: the request has no tokens left to generate")
         self._queue(req)
         return request_id
+    def add_beam_search(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: BeamSearchParams,
+        arrival_time: float | None = None, cache_salt: str = "",
+    ) -> None:
+        """Queue a beam search; its one output (at the end) carries the finished beams, best first."""
+        prompt = list(prompt_token_ids)
+        self.validate(prompt, SamplingParams())
+        end_ids = () if params.ignore_eos or self.info.eos_token_id is None else (
+            self.info.eos_token_id, *self.info.extra_eos_token_ids)
+        candidates = num_candidates(params.beam_width, len(end_ids))
+        if candidates > MAX_BEAM_CANDIDATES:
+            raise ValueError(f"beam_width: at most {MAX_BEAM_CANDIDATES // max(2, 1 + len(end_ids))} for this "
+                             f"model (each beam ranks its top {max(2, 1 + len(end_ids))} x beam_width tokens)")
+        if params.beam_width > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"beam_width: {params.beam_width} exceeds max_num_seqs "
+                             f"{self.config.scheduler.max_num_seqs}")
+        max_new = min(params.max_tokens, self.max_model_len - len(prompt))
+        bs = self.config.cache.block_size
+        if params.beam_width * -(-(len(prompt) + max_new) // bs) > self.num_blocks:
+            raise ValueError(f"beam_width: {params.beam_width} beams of up to {len(prompt) + max_new} tokens may "
+                             f"need more than the {self.num_blocks} KV blocks this engine has")
+        root = SamplingParams(temperature=0.0, max_tokens=None, logprobs=candidates, ignore_eos=True)
+        req = Request(f"{request_id}:beam0", prompt, root, eos_token_id=None, cache_salt=cache_salt)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        group = BeamGroup(request_id, params, len(prompt), end_ids, max_new)
+        self.scheduler.add_beam_group(group, req)
 
     def _add_one(
         self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str
@@ -252,10 +288,12 @@ class EngineCore:
         return self.scheduler.expire_leases()
 
     def abort(self, request_ids: Sequence[str]) -> list[str]:
+        """Abort requests (a beam search by its id); returns the ids that were unfinished."""
         for rid in request_ids:
             self._compiling.pop(rid, None)
+        groups = self.scheduler.abort_beam_groups(request_ids)
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [r.request_id for r in done]
+        return groups + [r.request_id for r in done]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -283,15 +321,21 @@ class EngineCore:
         return self.kv.pool.drain_events() if self.kv.pool.record_events else []
 
     def request_ids(self, computing_only: bool = False) -> list[str]:
-        """Unfinished requests (reservations included); computing_only: those a step may be running."""
+        """Unfinished requests (reservations included; a beam search by its id); computing_only: those a
+        step may be running."""
         reqs = self.scheduler.requests
-        return [rid for rid, r in reqs.items() if not computing_only or r.status in _COMPUTING]
+        ids = [r.beam_group or rid for rid, r in reqs.items() if not computing_only or r.status in _COMPUTING]
+        return list(dict.fromkeys(ids))
 
     def held_request_ids(self) -> list[str]:
         return list(self.scheduler.held)
 
     def token_counts(self, request_id: str) -> tuple[int, int] | None:
         """(prompt tokens, prefix-cache hit tokens) of an unfinished request, or None."""
+        group = self.scheduler.beam_groups.get(request_id)
+        if group is not None:
+            root = group.beams[0].req
+            return root.num_prompt_tokens, root.num_cached_tokens or 0
         req = self.scheduler.requests.get(request_id)
         return None if req is None else (req.num_prompt_tokens, req.num_cached_tokens or 0)
 

@@ -4,8 +4,11 @@ Lifecycle of a request's blocks:
 1. Admission: `get_computed_blocks` finds the longest cached prefix (whole blocks, hash-chained).
 2. `allocate_slots` takes references on the hit blocks and allocates new ones for the tokens scheduled
    this step; blocks that become full get their hash (so later requests hit them).
-3. Each later step `allocate_slots` grows the table as tokens are added.
-4. `free` (finish, abort or preemption) drops the references, tail first.
+3. Each later step `allocate_slots` grows the table as tokens are added. A block another request also
+   references (a beam's fork) is copied before this request writes into it (copy-on-write): the copy
+   is queued for the runner (`drain_block_copies`) and the table changes in place (`rewritten`).
+4. Speculative decoding: `trim` gives back the blocks past the tokens that survived verification.
+5. `free` (finish, abort or preemption) drops the references, tail first.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self._roots: dict[str, bytes] = {}
         self.held: dict[str, list[KVBlock]] = {}
+        self._copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner, in order
+        self.rewritten: set[str] = set()  # requests whose table changed other than by appending
 
     @property
     def num_free_blocks(self) -> int:
@@ -85,19 +90,24 @@ class KVCacheManager:
         return PrefixHit(tuple(hit), len(hit) * self.block_size)
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT, cache: bool = True
+        self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT, cache: bool = True,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVBlock] | None:
-        """Blocks for `num_new_tokens` more tokens after the computed ones (and the hit), or None when
-        the pool cannot supply them (nothing is changed then). `cache=False` leaves the new blocks
-        unhashed: their KV arrives later (a transfer), and `cache_tokens` hashes them then."""
+        """Blocks for `num_new_tokens` more tokens after the computed ones (and the hit), plus
+        `num_lookahead_tokens` slots past them (a draft model's KV for its proposals), or None when the
+        pool cannot supply them (nothing is changed then). `cache=False` leaves the new blocks unhashed:
+        their KV arrives later (a transfer), and `cache_tokens` hashes them then."""
         blocks = self.req_to_blocks.get(req.request_id, [])
         num_computed = req.num_computed_tokens + hit.num_tokens
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new = max(0, num_required - len(blocks) - len(hit.blocks))
+        shared = self._shared_write_targets(blocks, num_computed, num_computed + num_new_tokens)
         # Hit blocks sitting in the free queue stop being allocatable once touched.
         num_revived = sum(1 for b in hit.blocks if b.ref_cnt == 0)
-        if num_new + num_revived > self.pool.num_free_blocks:
+        if num_new + num_revived + len(shared) > self.pool.num_free_blocks:
             return None
+        if shared:
+            self._copy_on_write(req.request_id, blocks, shared)
         if hit.blocks:
             self.pool.touch(hit.blocks)
         new_blocks = self.pool.get_new_blocks(num_new)
@@ -109,6 +119,46 @@ class KVCacheManager:
         if cache:
             self._cache_full_blocks(req, num_computed + num_new_tokens)
         return new_blocks
+
+    def _shared_write_targets(self, blocks: list[KVBlock], start: int, end: int) -> list[int]:
+        """Indexes of this table's blocks that positions [start, end) write into and another table shares."""
+        first, last = start // self.block_size, min(cdiv(end, self.block_size), len(blocks))
+        return [i for i in range(first, last) if blocks[i].ref_cnt > 1]
+
+    def _copy_on_write(self, request_id: str, blocks: list[KVBlock], indexes: list[int]) -> None:
+        for i, fresh in zip(indexes, self.pool.get_new_blocks(len(indexes))):
+            old = blocks[i]
+            self._copies.append((old.block_id, fresh.block_id))
+            blocks[i] = fresh  # unhashed: a shared block is written only while partial
+            self.pool.free_blocks([old])
+        self.rewritten.add(request_id)
+
+    def drain_block_copies(self) -> tuple[tuple[int, int], ...]:
+        copies, self._copies = tuple(self._copies), []
+        return copies
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (one more reference each) and its block hashes."""
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        self.pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+        child.block_hashes = list(parent.block_hashes)
+
+    def trim(self, req: Request, num_tokens: int) -> bool:
+        """Give back the blocks past the first `num_tokens` slots (they held rejected drafts); True if any."""
+        blocks = self.req_to_blocks.get(req.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return False
+        tail = blocks[keep:]
+        del blocks[keep:]
+        num_cached = self.num_cached_blocks.get(req.request_id, 0)
+        for block in tail[: max(0, num_cached - keep)]:
+            self.pool.uncache_block(block)
+        self.num_cached_blocks[req.request_id] = min(num_cached, keep)
+        self.pool.free_blocks(reversed(tail))
+        return True
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         if not self.enable_caching:
@@ -129,6 +179,7 @@ class KVCacheManager:
         self._cache_full_blocks(req, req.num_computed_tokens)
 
     def free(self, req: Request) -> None:
+        self.rewritten.discard(req.request_id)
         blocks = self.req_to_blocks.pop(req.request_id, [])
         num_cached = self.num_cached_blocks.pop(req.request_id, 0)
         # Blocks hashed for tokens scheduled but never computed (a request preempted in the very step that

@@ -1,4 +1,7 @@
-"""Offline inference: `LLM(model="default").generate(prompts, SamplingParams(...))`."""
+"""Offline inference: `LLM(model="default").generate(prompts, SamplingParams(...))`, and
+`LLM(...).beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))` as vLLM has them.
+
+Speculative decoding: `LLM(..., speculative_config={"method": "ngram", "num_speculative_tokens": 4})`."""
 
 from __future__ import annotations
 
@@ -11,10 +14,11 @@ from tqdm.auto import tqdm
 from shared.config import engine_config_from_kwargs
 from shared.engine.core import EngineCore
 from shared.engine.scheduler_output import EngineCoreOutput
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import BeamSearchParams, SamplingParams
 from shared.tokenizer import Tokenizer
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "BeamSearchOutput",
+           "BeamSearchSequence"]
 
 Prompt = str | Sequence[int]
 
@@ -39,6 +43,25 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: tuple | None = None  # (None, TokenLogprobs per later prompt token) when asked
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam, as vLLM reports it: `tokens` are the prompt's and the generated ones; `text` the generated
+    text without a final end token."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str
+    finish_reason: str
+    stop_reason: int | None = None
+    score: float = 0.0  # the length-penalised score the beams are ranked by
+    logprobs: list = field(default_factory=list)
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
 
 
 class LLM:
@@ -76,6 +99,40 @@ class LLM:
             out.finished = True
         return list(results.values())
 
+    def beam_search(
+        self, prompts: Prompt | dict | Sequence[Prompt | dict], params: BeamSearchParams, use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...})."""
+        prompts = [prompts] if isinstance(prompts, dict) else _as_list(prompts)
+        encoded = [self._encode(_prompt_of(p)) for p in prompts]
+        for ids in encoded:
+            self.engine.validate(ids, SamplingParams())
+        rids = [str(next(self._ids)) for _ in encoded]
+        for rid, ids in zip(rids, encoded):
+            self.engine.add_beam_search(rid, ids, params)
+        done: dict[str, object] = {}
+        bar = tqdm(total=len(rids), desc="beam search", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finish_reason is not None:
+                        done[out.req_id] = out
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort(rids)
+            raise
+        finally:
+            bar.close()
+        end_ids = set() if params.ignore_eos else {self.engine.info.eos_token_id, *self.engine.info.extra_eos_token_ids}
+        return [BeamSearchOutput([self._sequence(ids, beam, end_ids) for beam in done[rid].beams])
+                for rid, ids in zip(rids, encoded)]
+
+    def _sequence(self, prompt: list[int], beam, end_ids: set) -> BeamSearchSequence:
+        gen = list(beam.token_ids)
+        text_ids = gen[:-1] if gen and gen[-1] in end_ids else gen
+        return BeamSearchSequence([*prompt, *gen], beam.cumulative_logprob, self.tokenizer.decode(text_ids),
+                                  beam.finish_reason, beam.stop_reason, beam.score)
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True):
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c) for c in convs]
@@ -103,8 +160,8 @@ class LLM:
         res = results[rid]
         comp = res.outputs[index]
         comp.token_ids.extend(out.new_token_ids)
-        if comp.logprobs is not None and out.logprobs is not None:
-            comp.logprobs.append(out.logprobs)
+        if comp.logprobs is not None:
+            comp.logprobs.extend(out.logprobs)
         res.num_cached_tokens = max(res.num_cached_tokens, out.num_cached_tokens)
         if out.prompt_logprobs is not None:
             res.prompt_logprobs = out.prompt_logprobs
@@ -113,6 +170,14 @@ class LLM:
             comp.stop_reason = out.stop_reason
             return True
         return False
+
+
+def _prompt_of(prompt: Prompt | dict) -> Prompt:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        return prompt["prompt"]
+    return prompt
 
 
 def _as_list(prompts) -> list:

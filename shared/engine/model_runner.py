@@ -4,14 +4,19 @@ Per-request state lifecycle:
 1. A NewRequestData creates (or, after preemption, recreates) the request's state: tokens, block ids.
 2. Each CachedRequestData appends the step's new block ids.
 3. After the forward, rows whose computed tokens reach the end of their known tokens sample one token,
-   which is appended to the state.
+   which is appended to the state. With speculative decoding such a request also carries the drafts the
+   scheduler passed on: the target's logits at its last known token and at each draft verify them
+   (spec_decode.verify), the accepted drafts and one sampled token are appended, and the proposer drafts
+   the next ones for the requests the scheduler names.
 4. Finished and preempted ids drop the state.
 
 Structured outputs: a constrained request's state holds a grammar matcher. It is built with the state from
 the grammar's source (compiled by the engine's GrammarCompiler) and replays the output tokens the request
 already has: after a preemption, on a decode node taking over from a prefill node (the first token), or on
 a node a request migrated to. Before each sample it fills the request's bitmask row; the sampled token
-advances it.
+advances it. (The scheduler never gives a constrained request drafts.)
+
+Block copies the scheduler orders (copy-on-write of a beam's shared block) run before the forward pass.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from shared.engine.model_info import ModelInfo
 from shared.engine.models.loader import load_model
 from shared.engine.sampler import Sampler, SamplerOutput, SamplingRow, TokenBitmask
 from shared.engine.scheduler_output import KVSend, ModelRunnerOutput, SchedulerOutput
+from shared.engine.spec_decode import Draft, ProposeRequest, Verified, Verifier, VerifyGroup, create_proposer
 from shared.engine.structured import GrammarCompiler, GrammarMatcher, bitmask_words
 from shared.records import KVLayout, TokenLogprobs, kv_cache_shape
 from shared.sampling_params import SamplingParams
@@ -75,9 +81,9 @@ class _Batch:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_req_ids: list[str]
-    logits_indices: torch.Tensor
-    offsets: list[int]  # each request's first row in the flat batch
-    starts: list[int]  # each request's first position this step
+    logits_indices: torch.Tensor  # per sampling request: its last known token's row, then its drafts' rows
+    offsets: list[int]  # per attention row (req_ids): its first row in the flat batch
+    starts: list[int]  # per attention row: its first position this step
 
 
 class ModelRunner:
@@ -97,6 +103,10 @@ class ModelRunner:
         self.model = load_model(info.path, self.dtype, self.device, self.attn)
         self.vocab_size = self.model.vocab_size
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.model.seed)
+        self.verifier = Verifier(self.sampler, config.model.seed, self.device)
+        self.proposer = (create_proposer(config, self.vocab_size, self.dtype, self.device)
+                         if config.speculative is not None else None)
+        self.drafts: dict[str, Draft] = {}  # proposed last step, verified when scheduled
         self.kv_caches: list[torch.Tensor] = []
         self.states: dict[str, _ReqState] = {}
         self.kv_sender = kv_sender
@@ -110,7 +120,8 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         m = self.model
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_size * elem
+        draft = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
+        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_size * elem + draft
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -136,12 +147,23 @@ class ModelRunner:
             self.kv_caches = self.kv_allocator.allocate_kv_caches(m.num_layers, shape, self.dtype, self.device)
         else:
             self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)]
+        if self.proposer is not None:
+            self.proposer.allocate_kv_cache(num_blocks)
+
+    def _copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        draft = self.proposer.kv_caches if self.proposer is not None else []
+        for cache in [*self.kv_caches, *draft]:
+            cache.index_copy_(1, dst, cache.index_select(1, src))
 
     # -- step ----------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
+        if sched.block_copies:
+            self._copy_blocks(sched.block_copies)
         if sched.is_empty:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
@@ -150,22 +172,62 @@ class ModelRunner:
         self._prompt_logprobs(batch, hidden)
         if not batch.sample_req_ids:
             return ModelRunnerOutput()
-        rows = [self._sampling_row(rid) for rid in batch.sample_req_ids]
-        out = self._sample(hidden[batch.logits_indices], batch.sample_req_ids, rows)
+        if any(sched.scheduled_spec_tokens.get(rid) for rid in batch.sample_req_ids):
+            verified = self._verify(sched, hidden[batch.logits_indices], batch.sample_req_ids)
+        else:
+            rows = [self._sampling_rows(rid)[0] for rid in batch.sample_req_ids]
+            out = self._sample(hidden[batch.logits_indices], batch.sample_req_ids, rows)
+            verified = {rid: Verified((token,), () if lp is None else (lp,))
+                        for rid, token, lp in zip(batch.sample_req_ids, out.token_ids, out.logprobs)}
         sampled, logprobs, prompt_logprobs = {}, {}, {}
-        for rid, token, lp in zip(batch.sample_req_ids, out.token_ids, out.logprobs):
+        for rid, v in verified.items():
             st = self.states[rid]
             if st.prompt_logprobs is not None and len(st.token_ids) == st.num_prompt_tokens:
                 prompt_logprobs[rid] = (None, *st.prompt_logprobs)  # the first token has no context
-            st.token_ids.append(token)
-            sampled[rid] = token
-            if lp is not None:
-                logprobs[rid] = lp
-            if st.matcher is not None and not st.matcher.accept(token):
-                logger.error("request %s: sampled token %d is outside its grammar; it goes on unconstrained",
-                             rid, token)
+            st.token_ids.extend(v.token_ids)
+            sampled[rid] = v.token_ids
+            if v.logprobs:
+                logprobs[rid] = v.logprobs
+            if st.matcher is not None and not all(st.matcher.accept(t) for t in v.token_ids):
+                logger.error("request %s: sampled tokens %s leave its grammar; it goes on unconstrained",
+                             rid, v.token_ids)
                 st.matcher = None
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        drafts = self._propose(sched, sampled)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, spec_token_ids=drafts,
+                                 prompt_logprobs=prompt_logprobs)
+
+    def _verify(self, sched: SchedulerOutput, hidden: torch.Tensor, req_ids: list[str]) -> dict[str, Verified]:
+        """A step with drafts: every row's logits (a draft's row scores the position after it); rows of
+        requests without drafts sample as usual, grammar masks included."""
+        rows, groups, row_req_ids = [], [], []
+        for rid in req_ids:
+            drafts = sched.scheduled_spec_tokens.get(rid, ())
+            groups.append(VerifyGroup(rid, len(rows), drafts, self._draft_probs(rid, drafts)))
+            new_rows = self._sampling_rows(rid, drafts)
+            rows.extend(new_rows)
+            row_req_ids.extend([rid] * len(new_rows))
+        bitmask = self._grammar_bitmask(row_req_ids)
+        return self.verifier(self.model.compute_logits(hidden), rows, groups, bitmask)
+
+    def _draft_probs(self, rid: str, drafts: tuple[int, ...]) -> torch.Tensor | None:
+        draft = self.drafts.pop(rid, None)
+        if not drafts or draft is None or draft.probs is None:
+            return None
+        if draft.token_ids[: len(drafts)] != drafts:
+            raise RuntimeError(f"request {rid}: scheduled drafts {drafts} are not the ones proposed")
+        return draft.probs[: len(drafts)]
+
+    def _propose(self, sched: SchedulerOutput, sampled: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        if self.proposer is None or not sched.propose_req_ids:
+            return {}
+        reqs = []
+        for rid in sched.propose_req_ids:
+            if rid in sampled:
+                st = self.states[rid]
+                reqs.append(ProposeRequest(rid, st.token_ids, st.num_prompt_tokens, st.params, st.block_ids))
+        drafts = self.proposer.propose(reqs)
+        self.drafts.update(drafts)
+        return {rid: d.token_ids for rid, d in drafts.items() if d.token_ids}
 
     # -- structured outputs and prompt logprobs ------------------------------------------------------
 
@@ -243,6 +305,10 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             self.states.pop(rid, None)
+        for rid in sched.finished_req_ids:
+            self.drafts.pop(rid, None)  # a preempted request keeps its drafts: it verifies them on resuming
+        if self.proposer is not None:
+            self.proposer.on_schedule(sched)
         for new in sched.new_reqs:
             params, outputs = new.sampling_params, list(new.token_ids[new.num_prompt_tokens :])
             self.states[new.req_id] = _ReqState(
@@ -253,32 +319,41 @@ class ModelRunner:
         for cached in sched.cached_reqs:
             self.states[cached.req_id].block_ids.extend(cached.new_block_ids)
 
-    def _sampling_row(self, rid: str) -> SamplingRow:
+    def _sampling_rows(self, rid: str, drafts: tuple[int, ...] = ()) -> list[SamplingRow]:
+        """The row at the request's next position, then one after each draft (which counts as output)."""
         st = self.states[rid]
         params = st.params
+        prompt = st.token_ids[: st.num_prompt_tokens]
         outputs = st.token_ids[st.num_prompt_tokens :]
-        suppress: tuple[int, ...] = ()
-        if len(outputs) < params.min_tokens:
-            eos = () if params.ignore_eos or self.info.eos_token_id is None else (self.info.eos_token_id,)
-            suppress = eos + params.stop_token_ids
-        return SamplingRow(
-            params=params,
-            prompt_token_ids=st.token_ids[: st.num_prompt_tokens],
-            output_token_ids=outputs,
-            position=len(st.token_ids),
-            suppress_token_ids=suppress,
-        )
+        eos = () if params.ignore_eos or self.info.eos_token_id is None else (self.info.eos_token_id,)
+        rows = []
+        for j in range(len(drafts) + 1):
+            out = outputs if j == 0 else [*outputs, *drafts[:j]]
+            suppress = eos + params.stop_token_ids if len(out) < params.min_tokens else ()
+            rows.append(SamplingRow(params=params, prompt_token_ids=prompt, output_token_ids=out,
+                                    position=len(st.token_ids) + j, suppress_token_ids=suppress))
+        return rows
 
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
-        counts = sched.num_scheduled_tokens
+        counts, specs = sched.num_scheduled_tokens, sched.scheduled_spec_tokens
         computed = {c.req_id: c.num_computed_tokens for c in sched.cached_reqs}
         computed.update({n.req_id: n.num_computed_tokens for n in sched.new_reqs})
-        # Decodes first: backends batch the single-token rows together.
-        req_ids = sorted(counts, key=lambda r: counts[r] != 1)
-        num_decodes = sum(1 for r in req_ids if counts[r] == 1)
+        # Attention rows: (request, first position, query length). A decode that carries drafts becomes one
+        # single-token row per token, so each of its logits is computed exactly as a plain decode's would be.
+        attn_rows = []
+        for rid, count in counts.items():
+            num_drafts = len(specs.get(rid, ()))
+            if num_drafts and count == num_drafts + 1:
+                attn_rows.extend((rid, computed[rid] + j, 1) for j in range(count))
+            else:
+                attn_rows.append((rid, computed[rid], count))
+        # Decodes first: backends batch the single-token rows together (stable: a request's rows stay in order).
+        attn_rows.sort(key=lambda r: r[2] != 1)
+        req_ids = [r[0] for r in attn_rows]
+        num_decodes = sum(1 for r in attn_rows if r[2] == 1)
         bs = self.block_size
-        q_lens = [counts[r] for r in req_ids]
-        starts = [computed[r] for r in req_ids]
+        q_lens = [r[2] for r in attn_rows]
+        starts = [r[1] for r in attn_rows]
         seq_lens = [s + q for s, q in zip(starts, q_lens)]
         ids_parts, pos_parts, slot_parts = [], [], []
         max_blocks = max(len(self.states[r].block_ids) for r in req_ids)
@@ -288,16 +363,17 @@ class ModelRunner:
         for i, rid in enumerate(req_ids):
             offsets.append(offset)
             st = self.states[rid]
+            drafts = specs.get(rid, ())
             table = np.asarray(st.block_ids, dtype=np.int64)
             tables[i, : len(table)] = table
             pos = np.arange(starts[i], seq_lens[i], dtype=np.int64)
-            ids_parts.append(st.token_ids[starts[i] : seq_lens[i]])
+            ids_parts.append(_tokens(st.token_ids, drafts, starts[i], seq_lens[i]))
             pos_parts.append(pos)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
             offset += q_lens[i]
-            if seq_lens[i] == len(st.token_ids):
+            if seq_lens[i] == len(st.token_ids) + len(drafts):  # reaches the end: it samples (and verifies)
                 sample_ids.append(rid)
-                sample_rows.append(offset - 1)
+                sample_rows.extend(range(offset - len(drafts) - 1, offset))
         dev = self.device
         qsl = np.zeros(len(req_ids) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=qsl[1:])
@@ -341,3 +417,9 @@ def _token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[To
     packed = torch.cat(cols, dim=1).cpu().tolist()
     return [TokenLogprobs(int(v[0]), v[1], int(v[2]), tuple((int(t), p) for t, p in zip(v[3 : 3 + k], v[3 + k :])))
             for v in packed]
+def _tokens(known: list[int], drafts: tuple[int, ...], start: int, end: int) -> list[int]:
+    """Positions [start, end) of the known tokens followed by the drafts."""
+    n = len(known)
+    if end <= n:
+        return known[start:end]
+    return [*known[start:n], *drafts[max(0, start - n) : end - n]]

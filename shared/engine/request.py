@@ -59,6 +59,10 @@ class Request:
     kv_send: KVSendSpec | None = None
     kv_send_started: bool = False  # its blocks may be in flight: hold them past the request's end
     max_tokens: int | None = None  # effective limit (the engine folds in max_model_len); None: no limit
+    kv_received: bool = False  # decode role: its prompt's KV came from a prefill node (until preempted)
+    # Speculative decoding: drafts proposed for the tokens after the known ones, verified next step.
+    spec_token_ids: list[int] = field(default_factory=list)
+    beam_group: str | None = None  # beam search: the group this beam belongs to
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

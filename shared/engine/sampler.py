@@ -191,6 +191,12 @@ class Sampler:
 
     # -- logprobs ---------------------------------------------------------------------------------------
 
+    def logprobs_of(
+        self, logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> list[TokenLogprobs | None]:
+        """The logprobs of given tokens (chosen elsewhere: speculative decoding's verification)."""
+        return self._logprobs(logits[:, : self.vocab_size].float(), token_ids, rows)
+
     def _logprobs(
         self, logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
     ) -> list[TokenLogprobs | None]:

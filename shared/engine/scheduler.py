@@ -11,6 +11,9 @@ Request lifecycle:
 3. `update_from_output` appends sampled tokens and checks stop conditions.
 4. Finished or aborted requests free their blocks at once; the runner hears of them next step.
 
+Speculative decoding (spec_decode/scheduling.py): drafts ride along as more scheduled tokens of a request.
+Beam search (beam_search.py): beams are requests of a group that steps together.
+
 There is no prefill or decode phase: a prompt is simply a request far from its num_tokens, and chunked
 prefill is what happens when the budget runs out mid-prompt. The scheduler never touches tensors.
 """
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from shared.config import SchedulerConfig
+from shared.engine.beam_search import BeamSchedulerMixin
 from shared.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit, cdiv
 from shared.engine.request import Request, RequestStatus
 from shared.engine.request_queue import create_request_queue
@@ -35,6 +39,7 @@ from shared.engine.scheduler_output import (
     Reservation,
     SchedulerOutput,
 )
+from shared.engine.spec_decode.scheduling import SpecSchedulerMixin
 from shared.records import NodeLoad
 
 _COMPUTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING)
@@ -47,22 +52,39 @@ class EngineCounters:
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
+    # Speculative decoding (vLLM's spec_decode metrics): verifications, drafts verified, drafts accepted,
+    # and accepted drafts by position in their run (index 0: the first draft of a run).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass
 class _StepPlan:
     tokens: dict[str, int] = field(default_factory=dict)
+    spec: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    propose: set[str] = field(default_factory=set)
     new: list[NewRequestData] = field(default_factory=list)
     cached: list[CachedRequestData] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
     budget: int = 0
 
 
-class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+class Scheduler(SpecSchedulerMixin, BeamSchedulerMixin):
+    """`spec_lookahead`: None without speculative decoding; else the KV slots a proposer writes past the
+    verified tokens (a draft model's own KV of its proposals, 0 for n-gram lookup). No drafts are proposed
+    while `spec_disable_by_batch_size` or more requests run."""
+
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, spec_lookahead: int | None = None,
+        spec_disable_by_batch_size: int | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.spec_lookahead = spec_lookahead
+        self.spec_disable_by_batch_size = spec_disable_by_batch_size
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
@@ -72,7 +94,10 @@ class Scheduler:
         # transfer may still read (prefill role), and remote-prefilled requests the runner has not seen.
         self.reserved: dict[str, float] = {}  # req id -> lease deadline
         self.held: dict[str, float] = {}
+        # Requests whose runner state must be (re)built from a NewRequestData when next scheduled: admitted
+        # without a step (a hand-off), or whose block table changed other than by appending.
         self._unseen: set[str] = set()
+        self.beam_groups = {}  # beam search: group id -> BeamGroup
 
     # -- queue management -------------------------------------------------------------------------
 
@@ -101,6 +126,7 @@ class Scheduler:
         return done
 
     def _free(self, req: Request) -> None:
+        self._end_beam(req)
         if req.kv_send_started:
             self.kv.hold(req)
             self.held[req.request_id] = time.monotonic() + self.config.kv_lease_s
@@ -132,6 +158,9 @@ class Scheduler:
             finished_req_ids=frozenset(self.finished_req_ids),
             preempted_req_ids=frozenset(plan.preempted),
             kv_sends=self._kv_sends(plan),
+            scheduled_spec_tokens=MappingProxyType(dict(plan.spec)),
+            propose_req_ids=frozenset(plan.propose),
+            block_copies=self.kv.drain_block_copies(),
         )
         self.finished_req_ids = set()
         # Tokens count as computed once scheduled: the runner computes them before the next schedule.
@@ -145,6 +174,15 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return min(n, budget)
 
+    def _add_to_plan(self, req: Request, n: int, spec: tuple[int, ...], proposes: bool, plan: _StepPlan) -> None:
+        rid = req.request_id
+        plan.tokens[rid] = n + len(spec)
+        plan.budget -= n + len(spec)
+        if spec:
+            plan.spec[rid] = spec
+        if proposes:
+            plan.propose.add(rid)
+
     def _schedule_running(self, plan: _StepPlan) -> None:
         # A snapshot: preemption removes requests from self.running while we walk it.
         for req in list(self.running):
@@ -152,26 +190,28 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue
-            n = self._num_new_tokens(req, req.num_computed_tokens, plan.budget)
-            if n <= 0:
+            chunk = self._plan_chunk(req, req.num_computed_tokens, plan.budget)
+            if chunk is None:
                 continue
-            new_blocks = self._allocate_or_preempt(req, n, plan)
+            n, spec, lookahead, proposes = chunk
+            new_blocks = self._allocate_or_preempt(req, n + len(spec), lookahead, plan)
             if new_blocks is None:
                 continue
-            plan.tokens[req.request_id] = n
-            plan.budget -= n
-            if req.request_id in self._unseen:
-                self._unseen.discard(req.request_id)
+            self._add_to_plan(req, n, spec, proposes, plan)
+            rid = req.request_id
+            if rid in self._unseen or rid in self.kv.rewritten:
+                self._unseen.discard(rid)
+                self.kv.rewritten.discard(rid)
                 plan.new.append(self._new_request_data(req))
             else:
                 new_ids = tuple(b.block_id for b in new_blocks)
-                plan.cached.append(CachedRequestData(req.request_id, new_ids, req.num_computed_tokens))
+                plan.cached.append(CachedRequestData(rid, new_ids, req.num_computed_tokens))
 
-    def _allocate_or_preempt(self, req: Request, n: int, plan: _StepPlan) -> list | None:
-        while (new_blocks := self.kv.allocate_slots(req, n)) is None:
+    def _allocate_or_preempt(self, req: Request, n: int, lookahead: int, plan: _StepPlan) -> list | None:
+        while (new_blocks := self.kv.allocate_slots(req, n, num_lookahead_tokens=lookahead)) is None:
             victim = self._pick_victim()
             self._preempt(victim, plan)
-            if victim is req:
+            if req.status != RequestStatus.RUNNING:  # it was the victim, or in the victim's beam group
                 return None
         return new_blocks
 
@@ -181,12 +221,22 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, req: Request, plan: _StepPlan) -> None:
+        for member in self.preemption_unit(req):
+            self._preempt_one(member, plan)
+
+    def _preempt_one(self, req: Request, plan: _StepPlan) -> None:
         self.running.remove(req)
-        if req.request_id in plan.tokens:
+        rid = req.request_id
+        if rid in plan.tokens:
             # Priority preemption can pick a request already scheduled this step: undo that.
-            plan.budget += plan.tokens.pop(req.request_id)
-            plan.cached = [c for c in plan.cached if c.req_id != req.request_id]
+            plan.budget += plan.tokens.pop(rid)
+            plan.cached = [c for c in plan.cached if c.req_id != rid]
+            plan.new = [d for d in plan.new if d.req_id != rid]
+            plan.spec.pop(rid, None)
+            plan.propose.discard(rid)
         self.kv.free(req)
+        self._unseen.discard(rid)
+        req.kv_received = False
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -196,20 +246,30 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         compiling: list[Request] = []
-        while len(self.waiting) and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seqs = self.config.max_num_seqs
+        while len(self.waiting) and plan.budget > 0 and len(self.running) + self.beam_seats() < seqs:
             req = self.waiting.peek()
             if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 compiling.append(self.waiting.pop())
                 continue
+            if req.beam_group is not None:
+                if not self.admit_beam_group(req, plan):
+                    break
+                continue
             hit = self._lookup(req)
-            n = self._num_new_tokens(req, hit.num_tokens, plan.budget)
+            chunk = self._plan_chunk(req, hit.num_tokens, plan.budget)
+            if chunk is None:
+                break
+            n, spec, lookahead, proposes = chunk
             if not self.config.enable_chunked_prefill and n < req.num_tokens - hit.num_tokens:
                 break
-            new_blocks = self.kv.allocate_slots(req, n, hit)
+            new_blocks = self.kv.allocate_slots(req, n + len(spec), hit, num_lookahead_tokens=lookahead)
             if new_blocks is None:
                 break
             self.waiting.pop()
-            self._admit(req, hit, n, plan)
+            self._admit(req, hit, plan)
+            self._add_to_plan(req, n, spec, proposes, plan)
+            plan.new.append(self._new_request_data(req))
         for req in reversed(compiling):  # back in their places, ahead of later arrivals
             self.waiting.add_front(req)
 
@@ -224,7 +284,7 @@ class Scheduler:
             return NO_HIT
         return self.kv.get_computed_blocks(req)
 
-    def _admit(self, req: Request, hit: PrefixHit, n: int, plan: _StepPlan) -> None:
+    def _admit(self, req: Request, hit: PrefixHit, plan: _StepPlan) -> None:
         if req.num_cached_tokens is None:
             req.num_cached_tokens = hit.num_tokens
             self.counters.prefix_cache_queries += req.num_tokens
@@ -232,9 +292,6 @@ class Scheduler:
         req.num_computed_tokens = hit.num_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        plan.tokens[req.request_id] = n
-        plan.budget -= n
-        plan.new.append(self._new_request_data(req))
 
     def _new_request_data(self, req: Request) -> NewRequestData:
         return NewRequestData(
@@ -244,6 +301,7 @@ class Scheduler:
             sampling_params=req.sampling_params,
             block_ids=tuple(self.kv.block_ids(req.request_id)),
             num_computed_tokens=req.num_computed_tokens,
+            num_external_tokens=req.num_prompt_tokens - (req.num_cached_tokens or 0) if req.kv_received else 0,
         )
 
     # -- update ---------------------------------------------------------------------------------------
@@ -254,23 +312,44 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            token = result.sampled_token_ids.get(rid)
-            if token is None:
+            tokens = result.sampled_token_ids.get(rid)
+            if not tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            req.append_output_token(token)
-            self._check_stop(req, token)
-            outputs.append(self._output(req, token, result.logprobs.get(rid), result.prompt_logprobs.get(rid)))
+            logprobs = result.logprobs.get(rid, ())
+            if req.beam_group is not None:
+                outputs.extend(self.beam_candidates(req, logprobs[0].top))
+                continue
+            spec = sched.scheduled_spec_tokens.get(rid, ())
+            if spec:
+                self._count_verification(len(spec), len(tokens) - 1)
+                req.num_computed_tokens -= len(spec) - (len(tokens) - 1)  # the rejected drafts' KV is void
+            new = self._append_tokens(req, tokens)
+            outputs.append(self._output(req, new, logprobs[: len(new)], result.prompt_logprobs.get(rid)))
             if req.is_finished:
                 self.running.remove(req)
                 self._free(req)
+                continue
+            req.spec_token_ids = list(result.spec_token_ids.get(rid, ()))
+            if self.spec_lookahead is not None:
+                self._settle_blocks(req, spec, rid in sched.propose_req_ids)
         return outputs
 
+    def _append_tokens(self, req: Request, tokens) -> tuple[int, ...]:
+        """Append until a stop condition: tokens after a stop token in an accepted run are dropped."""
+        for i, token in enumerate(tokens):
+            req.append_output_token(token)
+            self._check_stop(req, token)
+            if req.is_finished:
+                return tuple(tokens[: i + 1])
+        return tuple(tokens)
+
     @staticmethod
-    def _output(req: Request, token: int, logprobs, prompt_logprobs: tuple | None = None) -> EngineCoreOutput:
+    def _output(req: Request, tokens: tuple[int, ...], logprobs, prompt_logprobs: tuple | None = None
+                ) -> EngineCoreOutput:
         return EngineCoreOutput(
             req_id=req.request_id,
-            new_token_ids=(token,),
-            logprobs=logprobs,
+            new_token_ids=tokens,
+            logprobs=tuple(logprobs),
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
@@ -348,10 +427,11 @@ class Scheduler:
             raise KeyError(f"request_id: no reservation for {request_id!r} (expired or unknown)")
         del self.reserved[request_id]
         req.num_computed_tokens = req.num_prompt_tokens
+        req.kv_received = True
         self.kv.cache_tokens(req)  # the transferred blocks become prefix-cache hits from now on
         req.append_output_token(first_token)
         self._check_stop(req, first_token)
-        out = self._output(req, first_token, logprobs)
+        out = self._output(req, (first_token,), () if logprobs is None else (logprobs,))
         if req.is_finished:
             self._free(req)
         else:

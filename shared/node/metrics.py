@@ -7,6 +7,9 @@ Where a number is counted:
 - vllm:prompt_tokens: prompts computed here; vllm:generation_tokens: tokens sampled here.
 - vllm:prefix_cache_*, vllm:num_preemptions: the scheduler's cumulative counters (reservations included).
 - kvrelay:kv_transfer_*: per finished transfer, direction "send" on prefill nodes, "recv" on decode nodes.
+- vllm:spec_decode_*: speculative decoding's verifications (num_drafts), drafts verified and accepted, and
+  accepted drafts by their position in a run (label position, 0 = first draft): acceptance rate is
+  num_accepted_tokens / num_draft_tokens, mean accepted run num_accepted_tokens / num_drafts.
 """
 
 from __future__ import annotations
@@ -58,11 +61,21 @@ class NodeMetrics:
                                           buckets=_TRANSFER_BUCKETS, registry=reg)
         self.transfer_failures = Counter("kvrelay:kv_transfer_failures", "KV transfers that failed", t,
                                          registry=reg)
-        self._last_stats: tuple[int, int, int] = (0, 0, 0)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Speculative verifications (draft runs)", m,
+                                   registry=reg)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", m,
+                                         registry=reg)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", m,
+                                     registry=reg)
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in their run", m + ["position"],
+                                             registry=reg)
+        self._last_stats: tuple[int, ...] = (0,) * 6
+        self._last_per_pos: list[int] = []
         # Export every series from the start (at 0), as vLLM does: dashboards and rate() need them present.
         for metric in (self.running, self.waiting, self.kv_usage, self.queued_prefill, self.ttft, self.itl,
                        self.e2e, self.cache_hits, self.cache_queries, self.preemptions, self.prompt_tokens,
-                       self.generation_tokens):
+                       self.generation_tokens, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
             metric.labels(model_name)
         for metric in (self.transfer_bytes, self.transfer_seconds, self.transfer_failures):
             for direction in ("send", "recv"):
@@ -77,18 +90,28 @@ class NodeMetrics:
         self.waiting.labels(name).set(load.num_waiting)
         self.kv_usage.labels(name).set(load.kv_cache_usage)
         self.queued_prefill.labels(name).set(load.queued_prefill_tokens)
-        now = (stats.prefix_cache_hits, stats.prefix_cache_queries, stats.num_preemptions)
-        for counter, new, old in zip((self.cache_hits, self.cache_queries, self.preemptions), now, self._last_stats):
+        now = (stats.prefix_cache_hits, stats.prefix_cache_queries, stats.num_preemptions, stats.spec_num_drafts,
+               stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+        counters = (self.cache_hits, self.cache_queries, self.preemptions, self.spec_drafts, self.spec_draft_tokens,
+                    self.spec_accepted)
+        for counter, new, old in zip(counters, now, self._last_stats):
             if new > old:
                 counter.labels(name).inc(new - old)
         self._last_stats = now
+        per_pos = stats.spec_accepted_per_pos
+        for pos, count in enumerate(per_pos):
+            old = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
+            if count > old or pos >= len(self._last_per_pos):
+                self.spec_accepted_per_pos.labels(name, str(pos)).inc(count - old)
+        self._last_per_pos = list(per_pos)
 
     def observe_output(self, out, since_arrival: float, last_token_at: float | None, now: float,
                        computes_prompt: bool) -> None:
         """One engine output (shared.engine.scheduler_output.EngineCoreOutput) of a request this node serves."""
         if last_token_at is None and computes_prompt:
             self.observe_first_token(since_arrival, out.num_prompt_tokens)
-        self.observe_token(None if last_token_at is None else now - last_token_at)
+        num_tokens = len(out.new_token_ids) + sum(len(b.token_ids) for b in out.beams)
+        self.observe_token(None if last_token_at is None else now - last_token_at, num_tokens)
         if out.finish_reason is not None:
             self.observe_finished(out.finish_reason, since_arrival)
 
@@ -96,8 +119,9 @@ class NodeMetrics:
         self.ttft.labels(self.model_name).observe(seconds)
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
 
-    def observe_token(self, gap_seconds: float | None) -> None:
-        self.generation_tokens.labels(self.model_name).inc()
+    def observe_token(self, gap_seconds: float | None, num_tokens: int = 1) -> None:
+        """An output of `num_tokens` tokens (more than one: accepted drafts); its gap is one ITL sample."""
+        self.generation_tokens.labels(self.model_name).inc(num_tokens)
         if gap_seconds is not None:
             self.itl.labels(self.model_name).observe(gap_seconds)
 

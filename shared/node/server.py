@@ -184,7 +184,14 @@ class NodeServer(pb_grpc.EngineServicer):
     async def Generate(self, request, context):  # noqa: N802
         arrival = time.monotonic()
         require_request_id(request.request_id)
-        if request.HasField("handoff"):
+        if request.HasField("beam_search"):
+            if request.HasField("handoff"):
+                raise ValueError("beam_search: runs on one node from the prompt; it takes no hand-off")
+            prompt, params = checked_prompt(request)
+            beams = wire.beam_search_from_proto(request.beam_search)
+            stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt, arrival,
+                                          beam_search=beams)
+        elif request.HasField("handoff"):
             stream = self.generate_handoff(request, arrival)
         else:
             prompt, params = checked_prompt(request)
@@ -223,8 +230,8 @@ def checked_prompt(request) -> tuple[list[int], SamplingParams]:
 
 def token_chunk(out: EngineCoreOutput, num_output_tokens: int) -> wire.TokenChunk:
     return wire.TokenChunk(
-        token_ids=out.new_token_ids, logprobs=(out.logprobs,) if out.logprobs is not None else (),
+        token_ids=out.new_token_ids, logprobs=out.logprobs,
         finish_reason=out.finish_reason or "", stop_reason=out.stop_reason,
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=num_output_tokens,
-        num_cached_tokens=out.num_cached_tokens, prompt_logprobs=out.prompt_logprobs,
+        num_cached_tokens=out.num_cached_tokens, prompt_logprobs=out.prompt_logprobs, beams=out.beams,
     )

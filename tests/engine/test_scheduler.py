@@ -139,7 +139,7 @@ def test_prefix_hit_reported_in_outputs():
     d.run()
     d.add("b", prompt(40), max_tokens=2)
     out = d.sched.schedule()
-    eos = d.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"b": 7}))
+    eos = d.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"b": (7,)}))
     assert eos[0].num_cached_tokens == 32 and eos[0].num_prompt_tokens == 40
 
 
@@ -299,7 +299,7 @@ def test_abort_between_schedule_and_update_drops_the_sample():
     d.add("a", prompt(5), max_tokens=5)
     out = d.sched.schedule()
     d.abort("a")
-    assert d.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": 9})) == []
+    assert d.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": (9,)})) == []
     assert d.sched.schedule().finished_req_ids == {"a"}
     d.check_all_free()
 

@@ -57,25 +57,28 @@ _BY_ARCHITECTURE = {
 }
 
 
-def tiny_config(arch: str):
+def tiny_config(arch: str, **extra: Any):
     import transformers
 
     variant = _BY_ARCHITECTURE.get(arch, arch)
     if variant not in _VARIANTS:
         raise ValueError(f"unknown tiny checkpoint {arch!r}; choose one of {TINY_ARCHS}")
     cls_name, overrides = _VARIANTS[variant]
-    return getattr(transformers, cls_name)(**{**_COMMON, **overrides})
+    return getattr(transformers, cls_name)(**{**_COMMON, **overrides, **extra})
 
 
-def make_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, max_shard_size: str | None = None) -> Path:
+def make_tiny_checkpoint(
+    arch: str, path: str | Path, seed: int = 0, max_shard_size: str | None = None, **config: Any
+) -> Path:
     """Write a fp32 checkpoint (config.json + safetensors) into `path` and return it.
 
-    max_shard_size (e.g. "100KB") writes a sharded checkpoint with model.safetensors.index.json.
+    max_shard_size (e.g. "100KB") writes a sharded checkpoint with model.safetensors.index.json; `config`
+    overrides config values (e.g. vocab_size=49152 for a draft model of the default model).
     """
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    config = tiny_config(arch)
+    config = tiny_config(arch, **config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

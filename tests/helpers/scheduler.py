@@ -1,6 +1,11 @@
 """A scheduler driven without a model. A fake runner mirrors what the model runner keeps (block tables from
 the scheduler output) and what the KV cache would hold (per slot, a key for the token prefix written there),
-so that every step also checks that each request only attends to KV computed for its own tokens."""
+so that every step also checks that each request only attends to KV computed for its own tokens.
+
+Speculative decoding (spec_lookahead, propose_fn, token_at): the fake target gives token_at(req, i) as output
+i; scheduled drafts are written into the KV model with their own prefix keys and verified against it (kept
+while equal). Beam search (beam_fn): a beam's row returns beam_fn(req) as its top (token, logprob) candidates;
+block copies the scheduler orders are applied to the KV model before the step's writes."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.request import Request, RequestStatus
 from shared.engine.scheduler import Scheduler
 from shared.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shared.records import TokenLogprobs
 from shared.sampling_params import SamplingParams
 
 EOS = 2
@@ -40,6 +46,10 @@ class Driver:
         chunked: bool = True,
         long_prefill: int = 0,
         token_fn: Callable[[Request], int] = default_token,
+        spec_lookahead: int | None = None,
+        propose_fn: Callable[[Request, tuple[int, ...]], list[int]] | None = None,
+        token_at: Callable[[Request, int], int] | None = None,
+        beam_fn: Callable[[Request], list[tuple[int, float]]] | None = None,
     ) -> None:
         self.bs = block_size
         self.pool = BlockPool(num_blocks, caching)
@@ -52,7 +62,10 @@ class Driver:
             long_prefill_token_threshold=long_prefill,
         )
         self.max_model_len = max_model_len or num_blocks * block_size
-        self.sched = Scheduler(self.config, self.kv, self.max_model_len)
+        self.sched = Scheduler(self.config, self.kv, self.max_model_len, spec_lookahead=spec_lookahead)
+        self.spec_lookahead = spec_lookahead
+        self.propose_fn, self.beam_fn = propose_fn, beam_fn
+        self.token_at = token_at or (lambda req, i: token_fn(req))
         self.token_fn = token_fn
         self.arrival = itertools.count()
         self.reqs: dict[str, Request] = {}  # every request ever added (the scheduler drops finished ones)
@@ -62,6 +75,7 @@ class Driver:
         self.hash_keys: dict[bytes, list[int]] = {}  # block hash -> prefix keys of its positions
         self.outputs: dict[str, list[int]] = defaultdict(list)  # tokens streamed per request
         self.finish: dict[str, tuple[str, int | None]] = {}
+        self.beam_results: dict[str, tuple] = {}  # beam search: group id -> its finished beams
         self.num_steps = 0
 
     # -- requests ---------------------------------------------------------------------------------------
@@ -86,22 +100,60 @@ class Driver:
     # -- the step -------------------------------------------------------------------------------------
 
     def step(self) -> tuple[SchedulerOutput, dict[str, int]]:
+        """The step's output and each sampling request's last new token (all of them: `last_sampled`)."""
         out = self.sched.schedule()
         self.num_steps += 1
         self._check_output(out)
         self._runner_update(out)
+        self._copy_blocks(out.block_copies)
         self._execute(out)
-        sampled = {}
+        sampled, logprobs, drafts = {}, {}, {}
         for rid in out.num_scheduled_tokens:
             req = self.sched.requests[rid]
-            if req.num_computed_tokens == req.num_tokens:
-                sampled[rid] = self.token_fn(req)
-        for eo in self.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled)):
-            assert eo.new_token_ids == (sampled[eo.req_id],)
+            spec = out.scheduled_spec_tokens.get(rid, ())
+            if req.num_computed_tokens != req.num_tokens + len(spec):
+                continue
+            if req.beam_group is not None:
+                top = self.beam_fn(req)
+                sampled[rid] = (top[0][0],)
+                logprobs[rid] = (TokenLogprobs(top[0][0], top[0][1], 1, tuple(top)),)
+                continue
+            sampled[rid] = self._verify(req, spec)
+            if rid in out.propose_req_ids and self.propose_fn is not None:
+                drafts[rid] = tuple(self.propose_fn(req, sampled[rid]))
+        result = ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, spec_token_ids=drafts)
+        for eo in self.sched.update_from_output(out, result):
+            if eo.beams:
+                self.beam_results[eo.req_id] = eo.beams
+                self.finish[eo.req_id] = (eo.finish_reason, eo.stop_reason)
+                continue
+            got = sampled[eo.req_id]
+            # A stop condition may cut an accepted run short, and only then.
+            assert eo.new_token_ids == got or (eo.finish_reason and got[: len(eo.new_token_ids)] == eo.new_token_ids)
             self.outputs[eo.req_id].extend(eo.new_token_ids)
             if eo.finish_reason is not None:
                 self.finish[eo.req_id] = (eo.finish_reason, eo.stop_reason)
-        return out, sampled
+        self.last_sampled = sampled
+        self.check_cached_blocks()  # blocks verification filled with accepted tokens are hashed at update
+        return out, {rid: tokens[-1] for rid, tokens in sampled.items()}
+
+    def _verify(self, req: Request, drafts: tuple[int, ...]) -> tuple[int, ...]:
+        """The fake target's tokens at the drafts' positions, kept while the drafts agree, then one more."""
+        tokens = []
+        for j, draft in enumerate(drafts):
+            tokens.append(self.token_at(req, req.num_output_tokens + j))
+            if tokens[-1] != draft:
+                return tuple(tokens)
+        tokens.append(self.token_at(req, req.num_output_tokens + len(drafts)))
+        return tuple(tokens)
+
+    def _copy_blocks(self, copies) -> None:
+        for src, dst in copies:
+            for o in range(self.bs):
+                if (src, o) in self.slots:
+                    self.slots[(dst, o)] = self.slots[(src, o)]
+                else:
+                    self.slots.pop((dst, o), None)
 
     def run(self, max_steps: int = 1000) -> list[SchedulerOutput]:
         outs = []
@@ -125,12 +177,17 @@ class Driver:
         for d in out.cached_reqs:
             req = self.sched.requests[d.req_id]
             assert d.num_computed_tokens + out.num_scheduled_tokens[d.req_id] == req.num_computed_tokens
+        for rid, spec in out.scheduled_spec_tokens.items():
+            req = self.sched.requests[rid]
+            assert spec and spec == tuple(req.spec_token_ids[: len(spec)])
+            assert req.num_computed_tokens == req.num_tokens + len(spec), "drafts only after the last known token"
+            assert req.num_tokens + len(spec) < self.max_model_len
+            assert req.max_tokens is None or req.num_output_tokens + len(spec) < req.max_tokens
 
     def _runner_update(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.tables.pop(rid, None)
-        for d in out.new_reqs:
-            assert d.req_id not in self.tables
+        for d in out.new_reqs:  # a new request, or one whose table changed other than by appending
             self.tables[d.req_id] = list(d.block_ids)
         for d in out.cached_reqs:
             self.tables[d.req_id].extend(d.new_block_ids)
@@ -143,16 +200,28 @@ class Driver:
             keys.append(hash((keys[-1] if keys else req.cache_salt, req.all_token_ids[p])))
         return keys
 
+    def draft_keys(self, req: Request, drafts: tuple[int, ...]) -> list[int]:
+        """Prefix keys of the known tokens, then of the drafts after them."""
+        keys = list(self.prefix_keys(req))
+        for t in drafts:
+            keys.append(hash((keys[-1], t)))
+        return keys
+
     def _execute(self, out: SchedulerOutput) -> None:
         bs = self.bs
         writes: dict[tuple[int, int], int] = {}
         for rid, n in out.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
+            spec = out.scheduled_spec_tokens.get(rid, ())
             end = req.num_computed_tokens
-            assert end <= req.num_tokens
+            assert end <= req.num_tokens + len(spec)
             table = self.tables[rid]
-            assert len(table) == -(-end // bs), "block table must cover exactly the computed tokens"
-            keys = self.prefix_keys(req)
+            need = -(-end // bs)
+            if self.spec_lookahead:
+                assert need <= len(table) <= -(-(end + self.spec_lookahead) // bs), "table past its lookahead"
+            else:
+                assert len(table) == need, "block table must cover exactly the computed tokens"
+            keys = self.draft_keys(req, spec)
             for p in range(end - n, end):
                 slot = (table[p // bs], p % bs)
                 assert writes.setdefault(slot, keys[p]) == keys[p], "two requests write one slot"
@@ -160,7 +229,8 @@ class Driver:
         # Attention reads every position up to the last computed one (the step's writes included).
         for rid in out.num_scheduled_tokens:
             req = self.sched.requests[rid]
-            table, keys = self.tables[rid], self.prefix_keys(req)
+            table = self.tables[rid]
+            keys = self.draft_keys(req, out.scheduled_spec_tokens.get(rid, ()))
             for p in range(req.num_computed_tokens):
                 assert self.slots.get((table[p // bs], p % bs)) == keys[p], f"{rid} reads wrong KV at {p}"
         self.check_cached_blocks()
@@ -194,7 +264,11 @@ class Driver:
         for req in self.sched.requests.values():
             if req.status == RequestStatus.RUNNING:
                 assert req in self.sched.running
-                assert len(kv.block_ids(req.request_id)) == -(-req.num_computed_tokens // self.bs)
+                have, need = len(kv.block_ids(req.request_id)), -(-req.num_computed_tokens // self.bs)
+                if self.spec_lookahead:  # the proposer's lookahead slots, and no more
+                    assert need <= have <= -(-(req.num_computed_tokens + self.spec_lookahead) // self.bs)
+                else:
+                    assert have == need
             else:
                 assert req not in self.sched.running and not kv.holds(req.request_id)
                 assert req.num_computed_tokens == 0

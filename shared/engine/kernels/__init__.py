@@ -22,7 +22,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp")
+_SOURCES = ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp", "skinny_linear.cpp")
 _lock = threading.Lock()
 _module = None
 _tried = False
