@@ -24,6 +24,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
     priority: int = 0  # priority policy: lower value runs first
+    # The last n prompt tokens are output this request generated before it moved to this engine (a migrated
+    # request resumes): max_tokens, min_tokens, stop checks and the output penalties count them as output.
+    num_resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
@@ -49,6 +52,10 @@ class SamplingParams:
                f"must be between 0 and {_MAX_LOGPROBS}, got {self.logprobs}")
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative token ids")
+        _check(isinstance(self.num_resumed_tokens, int) and self.num_resumed_tokens >= 0, "num_resumed_tokens",
+               f"must be an integer >= 0, got {self.num_resumed_tokens!r}")
+        _check(self.max_tokens is None or self.num_resumed_tokens < self.max_tokens, "num_resumed_tokens",
+               f"must be < max_tokens ({self.max_tokens}): the request already ended, got {self.num_resumed_tokens}")
 
     @property
     def greedy(self) -> bool:

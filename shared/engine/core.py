@@ -99,6 +99,9 @@ class EngineCore:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: {bad} outside the vocabulary [0, {self.vocab_size})")
+        if params.num_resumed_tokens >= len(prompt_token_ids):
+            raise ValueError(f"num_resumed_tokens: {params.num_resumed_tokens} leaves no prompt of the "
+                             f"{len(prompt_token_ids)} tokens")
 
     def add_request(
         self,
@@ -114,9 +117,10 @@ class EngineCore:
         KV goes to the peer layer by layer as it is computed."""
         prompt = list(prompt_token_ids)
         self.validate(prompt, params)
+        self.scheduler.check_room_to_wait(1 if kv_send is not None else params.n)
         if kv_send is not None:
             req = self._make_request(request_id, prompt, params.for_child(0), arrival_time, cache_salt)
-            req.kv_send, req.max_tokens = kv_send, 1
+            req.kv_send, req.max_tokens = kv_send, req.num_resumed_tokens + 1
             self.scheduler.add_request(req)
             return [request_id]
         if params.n == 1:
@@ -141,7 +145,7 @@ class EngineCore:
         req = Request(rid, prompt, params, eos_token_id=self.info.eos_token_id, cache_salt=salt)
         if arrival is not None:
             req.arrival_time = arrival
-        room = self.max_model_len - len(prompt)
+        room = self.max_model_len - len(prompt) + params.num_resumed_tokens  # resumed output counts as output
         req.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return req
 
@@ -149,16 +153,28 @@ class EngineCore:
 
     def reserve(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-        lease_s: float | None = None, cache_salt: str = "",
+        lease_s: float | None = None, cache_salt: str = "", queue_until: float | None = None,
     ) -> Reservation | None:
-        """Decode role: blocks for a prompt a prefill node will compute (None: no room now)."""
+        """Decode role: blocks for a prompt a prefill node will compute. None: no room now, and either
+        refused or (with `queue_until`, a monotonic time) queued for blocks: `is_queued`, then
+        `admit_queued_reservations`."""
         prompt = list(prompt_token_ids)
         self.validate(prompt, params)
         if params.n != 1:
             raise ValueError("n: a reservation is for one sequence; reserve each of n separately")
         req = self._make_request(request_id, prompt, params, None, cache_salt)
         lease = self.config.scheduler.kv_lease_s if lease_s is None else lease_s
-        return self.scheduler.reserve(req, lease)
+        return self.scheduler.reserve(req, lease, queue_until)
+
+    def is_queued(self, request_id: str) -> bool:
+        return request_id in self.scheduler.queued
+
+    def has_queued_reservations(self) -> bool:
+        return bool(len(self.scheduler.queued))
+
+    def admit_queued_reservations(self) -> tuple[list[Reservation], list[str]]:
+        """(reservations granted now, in arrival order; ids whose wait ran out)."""
+        return self.scheduler.admit_queued()
 
     def admit_reserved(self, request_id: str, first_token: int, logprobs=None) -> EngineCoreOutput:
         """Decode role: the reserved blocks hold the prompt's KV; decode on from `first_token`."""
@@ -205,7 +221,8 @@ class EngineCore:
     def request_ids(self, computing_only: bool = False) -> list[str]:
         """Unfinished requests (reservations included); computing_only: those a step may be running."""
         reqs = self.scheduler.requests
-        return [rid for rid, r in reqs.items() if not computing_only or r.status in _COMPUTING]
+        ids = [rid for rid, r in reqs.items() if not computing_only or r.status in _COMPUTING]
+        return ids if computing_only else ids + self.scheduler.queued.ids()
 
     def held_request_ids(self) -> list[str]:
         return list(self.scheduler.held)

@@ -152,14 +152,16 @@ class ModelRunner:
     def _sampling_row(self, rid: str) -> SamplingRow:
         st = self.states[rid]
         params = st.params
-        outputs = st.token_ids[st.num_prompt_tokens :]
+        # A resumed request's last prompt tokens are its earlier output: penalties and min_tokens see them so.
+        split = st.num_prompt_tokens - params.num_resumed_tokens
+        outputs = st.token_ids[split:]
         suppress: tuple[int, ...] = ()
         if len(outputs) < params.min_tokens:
             eos = () if params.ignore_eos or self.info.eos_token_id is None else (self.info.eos_token_id,)
             suppress = eos + params.stop_token_ids
         return SamplingRow(
             params=params,
-            prompt_token_ids=st.token_ids[: st.num_prompt_tokens],
+            prompt_token_ids=st.token_ids[:split],
             output_token_ids=outputs,
             position=len(st.token_ids),
             suppress_token_ids=suppress,
