@@ -3,6 +3,9 @@ engine tokens into per-choice text deltas, keep request metrics.
 
 n > 1 runs n engine sequences on the nodes routing chose, each with its own seed stream
 (SamplingParams.for_child); they share the prompt's blocks through the nodes' prefix caches.
+
+Admission: at most `max_concurrent_requests` generations run at once (past it: 429 with Retry-After; while
+draining: 503); each may have a deadline (`request_timeout_s`) that every node call of its sequences obeys.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from gateway.dispatch import Dispatcher
-from gateway.errors import BadRequest, ShuttingDown
+from gateway.errors import BadRequest, Overloaded, ShuttingDown
 from gateway.node_client import EngineRequest
 from gateway.outputs import ChoiceOutput, Delta, OutputOptions, TokenTexts
 from gateway.router import Router
@@ -53,13 +56,21 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+@dataclass(frozen=True)
+class Admission:
+    max_concurrent_requests: int = 0  # 0: no bound
+    request_timeout_s: float = 0.0  # 0: no deadline
+
+
 class GatewayCore:
     def __init__(self, tokenizer: Tokenizer, router: Router, dispatcher: Dispatcher, metrics=None,
-                 max_model_len: int | None = None, default_max_model_len: int = 2048) -> None:
+                 max_model_len: int | None = None, default_max_model_len: int = 2048,
+                 admission: Admission | None = None) -> None:
         self.tokenizer = tokenizer
         self.router = router
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.admission = admission or Admission()
         self.texts = TokenTexts(tokenizer)
         self._max_model_len = max_model_len
         self._default_max_model_len = default_max_model_len
@@ -115,7 +126,11 @@ class GatewayCore:
 
     def generate(self, inp: GenerateInput) -> Generation:
         if self.draining:
-            raise ShuttingDown("the gateway is shutting down")
+            raise ShuttingDown("the gateway is shutting down; retry on another replica")
+        limit = self.admission.max_concurrent_requests
+        if limit and self.active >= limit:
+            raise Overloaded(f"the gateway is at its limit of {limit} concurrent requests "
+                             "(--max-concurrent-requests); retry later")
         return Generation(self, inp)
 
 
@@ -130,6 +145,8 @@ class Generation:
         self.choices = [ChoiceOutput(i, core.tokenizer, core.texts, inp.prompt_token_ids, inp.options)
                         for i in range(n)]
         self._start = time.perf_counter()
+        timeout = core.admission.request_timeout_s
+        self.deadline = time.monotonic() + timeout if timeout > 0 else None
         self._first: float | None = None
         self._last: dict[int, float] = {}
         self._itls: list[float] = []
@@ -150,7 +167,7 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         self.core.active += 1
         try:
-            decision = await self.core.router.route(self.inp.prompt_token_ids, self.inp.cache_salt)
+            decision = await self.core.dispatcher.route(self.inp.prompt_token_ids, self.inp.cache_salt, self.deadline)
             streams = [self._choice_stream(decision, i) for i in range(len(self.choices))]
             # Choice 0 first: once its prompt is computed, the other choices find it in the prefix caches
             # instead of each computing (and reserving blocks for) the same prompt at once.
@@ -167,7 +184,8 @@ class Generation:
     async def _choice_stream(self, decision, index: int) -> AsyncIterator[tuple[int, TokenChunk]]:
         params = self.inp.params
         child = params.for_child(index) if params.n > 1 else params
-        req = EngineRequest(f"{self.request_id}-{index}", self.inp.prompt_token_ids, child, self.inp.cache_salt)
+        req = EngineRequest(f"{self.request_id}-{index}", self.inp.prompt_token_ids, child, self.inp.cache_salt,
+                            self.deadline)
         choice = self.choices[index]
         async with aclosing(self.core.dispatcher.stream(decision, req, self.traces[index])) as stream:
             async for chunk in stream:
