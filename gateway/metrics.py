@@ -76,6 +76,14 @@ class GatewayMetrics:
         self.request_generation_tokens = Histogram("kvrelay:request_generation_tokens",
                                                    "Generated tokens per request", m, buckets=_TOKEN_BUCKETS,
                                                    registry=r)
+        for stage in ("mid_stream", "before_first_token"):  # exported at 0 before the first event
+            self.migrations.labels(stage)
+        for hop in ("reserve", "prefill", "local"):
+            self.retries.labels(hop)
+        for reason in ("overloaded", "no_capacity", "draining"):
+            self.rejected.labels(reason)
+        for source in ("lookup", "registry"):
+            self.index_errors.labels(source)
         # Labelled children resolved once: labels() takes a lock and builds a key on every call.
         self._outcomes = {o: self.requests.labels(o) for o in OUTCOMES}
         self._modes = {mode: self.sequences.labels(mode) for mode in ("disaggregated", "local")}

@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "routing": "shared.bench.routing",
     "index-lookup": "shared.bench.index_lookup",
     "decode-attention": "shared.bench.decode_attention",
+    "soak": "shared.bench.soak",
 }
 
 
