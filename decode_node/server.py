@@ -2,7 +2,8 @@
 
 Reservation lifecycle (the transfer id is the request id):
 1. Reserve: the engine sets aside blocks under a lease and, on the engine thread, the connector starts
-   expecting a transfer into exactly those blocks; the id joins `_expected`.
+   expecting a transfer into exactly those blocks; the id joins `_expected`. With queue_timeout_ms and no
+   room, the reservation first waits in the engine's queue (first come, first served) for blocks.
 2. A prefill node writes the blocks layer by layer.
 3. Generate with a hand-off claims the id, waits for the transfer, admits the request with the first
    token and streams the rest.
@@ -15,6 +16,7 @@ Reservation lifecycle (the transfer id is the request id):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -54,19 +56,28 @@ class DecodeServer(NodeServer):
         require_request_id(rid)
         prompt, params = checked_prompt(request)
         lease_s = request.lease_ms / 1000 if request.lease_ms else self.settings.kv_lease_s
+        wait_s = request.queue_timeout_ms / 1000
 
         def expect(res) -> None:  # engine thread: no layer can arrive before the blocks are named
             self.connector.expect(rid, list(res.dst_block_ids))
             with self._lock:
                 self._expected[rid] = res.deadline
 
-        res = await self.engine.reserve(rid, prompt, params, lease_s, request.cache_salt, on_reserved=expect)
+        try:
+            res = await self.engine.reserve(rid, prompt, params, lease_s, request.cache_salt, on_reserved=expect,
+                                            wait_s=wait_s)
+        except asyncio.CancelledError:
+            # The caller left while the reservation waited: after the abort the engine runs (queued before
+            # this), nothing may still expect its layers.
+            self.engine.run_nowait(lambda core: self._forget_transfer(rid))
+            raise
         if res is None:
             load = self.engine.load()
             need = self.connector.layout.blocks_for(len(prompt))
+            waited = f" within {wait_s:g} s" if wait_s else ""
             raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"no room to reserve {rid!r}: the prompt needs up to {need} KV blocks, "
-                             f"{load.free_kv_blocks} of {load.total_kv_blocks} are free")
+                             f"no room to reserve {rid!r}{waited}: the prompt needs up to {need} KV blocks, "
+                             f"{load.free_kv_blocks} of {load.total_kv_blocks} are free", wire.NodeErrorKind.FULL)
         logger.debug("reserved %s: %d cached tokens, %d blocks to fill, lease %.1fs",
                      rid, res.num_cached_tokens, len(res.dst_block_ids), lease_s)
         expires_ms = int((time.time() + (res.deadline - time.monotonic())) * 1000)

@@ -35,3 +35,12 @@ class GatewayConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # Resilience and admission (docs/architecture.md, "Failures and overload").
+    migration_limit: int = 3  # re-dispatches of one sequence after node failures
+    max_concurrent_requests: int = 1024  # generations in progress at once; past it: 429
+    request_timeout: float = 0.0  # seconds; past it a request is aborted everywhere (0: no deadline)
+    queue_timeout: float = 600.0  # how long a reservation may wait in a decode node's queue for blocks
+    capacity_wait: float = 10.0  # how long a request waits for a decode node to be up before 503
+    stall_timeout: float = 5.0  # a node whose calls are this quiet gets a health probe
+    probe_timeout: float = 2.0  # ... which it must answer within this
+    lookup_timeout: float = 0.5  # an index lookup slower than this routes without prefix information

@@ -5,6 +5,9 @@ n > 1 runs n engine sequences on the nodes routing chose, each with its own seed
 (SamplingParams.for_child); they share the prompt's blocks through the nodes' prefix caches.
 Beam search runs as one engine request on the routed decode node (it prefills the prompt itself: the beams
 fork its KV there); its last chunk carries the beams, the n best of which become the choices.
+
+Admission: at most `max_concurrent_requests` generations run at once (past it: 429 with Retry-After; while
+draining: 503); each may have a deadline (`request_timeout_s`) that every node call of its sequences obeys.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from gateway.dispatch import Dispatcher
-from gateway.errors import BadRequest, ShuttingDown
+from gateway.errors import BadRequest, Overloaded, ShuttingDown
 from gateway.node_client import EngineRequest
 from gateway.outputs import ChoiceOutput, Delta, OutputOptions, TokenTexts
 from gateway.router import Router
@@ -57,13 +60,21 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+@dataclass(frozen=True)
+class Admission:
+    max_concurrent_requests: int = 0  # 0: no bound
+    request_timeout_s: float = 0.0  # 0: no deadline
+
+
 class GatewayCore:
     def __init__(self, tokenizer: Tokenizer, router: Router, dispatcher: Dispatcher, metrics=None,
-                 max_model_len: int | None = None, default_max_model_len: int = 2048) -> None:
+                 max_model_len: int | None = None, default_max_model_len: int = 2048,
+                 admission: Admission | None = None) -> None:
         self.tokenizer = tokenizer
         self.router = router
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.admission = admission or Admission()
         self.texts = TokenTexts(tokenizer)
         self._max_model_len = max_model_len
         self._default_max_model_len = default_max_model_len
@@ -119,7 +130,11 @@ class GatewayCore:
 
     def generate(self, inp: GenerateInput) -> Generation:
         if self.draining:
-            raise ShuttingDown("the gateway is shutting down")
+            raise ShuttingDown("the gateway is shutting down; retry on another replica")
+        limit = self.admission.max_concurrent_requests
+        if limit and self.active >= limit:
+            raise Overloaded(f"the gateway is at its limit of {limit} concurrent requests "
+                             "(--max-concurrent-requests); retry later")
         return Generation(self, inp)
 
 
@@ -134,6 +149,8 @@ class Generation:
         self.choices = [ChoiceOutput(i, core.tokenizer, core.texts, inp.prompt_token_ids, inp.options)
                         for i in range(n)]
         self._start = time.perf_counter()
+        timeout = core.admission.request_timeout_s
+        self.deadline = time.monotonic() + timeout if timeout > 0 else None
         self._first: float | None = None
         self._last: dict[int, float] = {}
         self._itls: list[float] = []
@@ -154,7 +171,8 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         self.core.active += 1
         try:
-            decision = await self.core.router.route(self.inp.prompt_token_ids, self.inp.cache_salt, self.inp.user)
+            decision = await self.core.dispatcher.route(self.inp.prompt_token_ids, self.inp.cache_salt, self.deadline,
+                                                        user=self.inp.user)
             if self.inp.beam_search is not None:
                 source = self._beam_stream(decision)
             else:
@@ -174,7 +192,8 @@ class Generation:
     async def _choice_stream(self, decision, index: int) -> AsyncIterator[tuple[int, TokenChunk]]:
         params = self.inp.params
         child = params.for_child(index) if params.n > 1 else params
-        req = EngineRequest(f"{self.request_id}-{index}", self.inp.prompt_token_ids, child, self.inp.cache_salt)
+        req = EngineRequest(f"{self.request_id}-{index}", self.inp.prompt_token_ids, child, self.inp.cache_salt,
+                            deadline=self.deadline)
         choice = self.choices[index]
         async with aclosing(self.core.dispatcher.stream(decision, req, self.traces[index])) as stream:
             async for chunk in stream:
@@ -185,7 +204,7 @@ class Generation:
     async def _beam_stream(self, decision) -> AsyncIterator[tuple[int, TokenChunk]]:
         local = replace(decision, prefill=None, prefill_fallbacks=())
         req = EngineRequest(f"{self.request_id}-beams", self.inp.prompt_token_ids, self.inp.params,
-                            self.inp.cache_salt, beam_search=self.inp.beam_search)
+                            self.inp.cache_salt, beam_search=self.inp.beam_search, deadline=self.deadline)
         async with aclosing(self.core.dispatcher.stream(local, req, self.traces[0])) as stream:
             async for chunk in stream:
                 for i, beam in enumerate(chunk.beams[: len(self.choices)]):

@@ -1,19 +1,30 @@
 """Which nodes exist and which may take requests: the Redis registry plus static --prefill/--decode addresses.
 
 Registry nodes are alive while their lease is (the registry only returns those). Static nodes have no
-lease: the gateway asks each for GetNodeInfo until it answers, then health-checks it periodically. Any node
-whose call fails is taken out of rotation until a health check passes again, so a crashed node costs one
-failed request, not one per refresh interval. A node whose model or block size differs from the gateway's
-is listed (in /health) but never routed to: its block hashes would mean nothing here.
+lease: the gateway asks each for GetNodeInfo until it answers, then health-checks it periodically.
+
+Each node has a circuit breaker (gateway/breaker.py): failed calls open it past a threshold, and an
+unanswered health probe opens it at once. A failed call from a node that did not answer at all makes the
+gateway probe that node right away (`suspect`), so a crashed or hung node leaves rotation within a probe's
+timeout, while a failure a live node reported (a transfer between two nodes, say) ejects nobody. The probe
+loop runs on its own, Redis or not, and brings a node back (half-open) once it answers.
+
+Redis down: the last node list stays, probes go on. A node that drops out of a successful registry read is
+kept for `unlisted_grace_s` while it answers its probe and is not draining: after a Redis restart the nodes
+re-register within a heartbeat, and the fleet must not look empty meanwhile.
+A node whose model or block size differs from the gateway's is listed (in /health) but never routed to: its
+block hashes would mean nothing here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from gateway.breaker import BreakerConfig, CircuitBreaker
 from gateway.node_client import NodeClients, NodeRpcError
 from shared.records import NodeLoad
 from shared.wire import NodeInfo
@@ -73,22 +84,29 @@ class DiscoveryConfig:
     refresh_s: float = 0.5
     health_s: float = 2.0
     probe_timeout_s: float = 1.0
+    probe_s: float = 0.5  # how often open breakers whose period is over are probed
+    unlisted_grace_s: float = 3.0
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
 
 class Discovery:
-    def __init__(self, config: DiscoveryConfig, clients: NodeClients, registry=None) -> None:
+    def __init__(self, config: DiscoveryConfig, clients: NodeClients, registry=None, metrics=None) -> None:
         self.config = config
         self.clients = clients
         self.registry = registry
+        self.metrics = metrics
         self._static = {a: _Static(a, "prefill") for a in config.static_prefill}
         self._static.update({a: _Static(a, "decode") for a in config.static_decode})
         self._registered: dict[str, Node] = {}
+        self._unlisted: dict[str, float] = {}  # registry nodes missing from the last read -> since (monotonic)
         self._infos: dict[str, NodeInfo] = {}  # by address: what GetNodeInfo said
         self._fetching: set[str] = set()
-        self._down: set[str] = set()  # failed a call; out until a health check passes
+        self._breakers: dict[str, CircuitBreaker] = {}
+        self._probing: set[str] = set()
         self._view: tuple[list[Node], dict[str, list[Node]]] | None = None  # (all, routable by role)
         self._warned: set[str] = set()
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
         self.registry_error: str | None = None
 
     # ----------------------------------------------------------------------------------------- life
@@ -96,10 +114,11 @@ class Discovery:
     async def start(self) -> None:
         await asyncio.gather(self.refresh_registry(), self.check_static(), return_exceptions=True)
         self._tasks = [asyncio.create_task(self._loop(self.refresh_registry, self.config.refresh_s)),
-                       asyncio.create_task(self._loop(self.check_static, self.config.health_s))]
+                       asyncio.create_task(self._loop(self.check_static, self.config.health_s)),
+                       asyncio.create_task(self._loop(self.probe_open, self.config.probe_s))]
 
     async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
+        tasks, self._tasks = self._tasks + list(self._background), []
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -129,8 +148,8 @@ class Discovery:
             for s in self._static.values():
                 if s.node is not None:
                     found.setdefault(s.node.node_id, s.node)
-            nodes = sorted((replace(n, healthy=False) if n.node_id in self._down else n for n in found.values()),
-                           key=lambda n: (n.role, n.node_id))
+            nodes = sorted((n if self._breaker(n.node_id).routable else replace(n, healthy=False)
+                            for n in found.values()), key=lambda n: (n.role, n.node_id))
             by_role: dict[str, list[Node]] = {}
             for n in nodes:
                 if n.routable:
@@ -153,12 +172,79 @@ class Discovery:
         sizes = [n.vocab_size for n in self.nodes() if n.vocab_size]
         return min(sizes) if sizes else None
 
-    def mark_failed(self, node_id: str, err: Exception) -> None:
-        """Take a node out of rotation after a failed call; the next passing health check brings it back."""
-        if node_id not in self._down:
-            logger.warning("node %s failed a call, out of rotation until a health check passes: %s", node_id, err)
-            self._down.add(node_id)
+    # ------------------------------------------------------------------------------------ breakers
+
+    def _breaker(self, node_id: str) -> CircuitBreaker:
+        b = self._breakers.get(node_id)
+        if b is None:
+            b = self._breakers[node_id] = CircuitBreaker(self.config.breaker)
+        return b
+
+    def breaker_state(self, node_id: str) -> str:
+        return self._breaker(node_id).state.value
+
+    def record_success(self, node_id: str) -> None:
+        b = self._breakers.get(node_id)
+        if b is not None and b.record_success():
+            logger.info("node %s answered again: circuit closed", node_id)
             self._changed()
+
+    def record_failure(self, node: Node, err: Exception, answered: bool = False) -> None:
+        """A call to `node` failed. `answered`: the node itself reported the failure (it is alive), else the
+        node is probed at once and, if it does not answer, taken out of rotation."""
+        if self._breaker(node.node_id).record_failure(str(err)):
+            self._opened(node.node_id, f"{self.config.breaker.failure_threshold} failed calls or more", err)
+        if not answered:
+            self.suspect(node)
+
+    def trip(self, node_id: str, reason: str) -> None:
+        """Out of rotation now, on evidence (a health probe went unanswered)."""
+        b = self._breaker(node_id)
+        was_open = b.state.value == "open"
+        b.trip(reason)
+        if not was_open:
+            self._opened(node_id, "no answer to a health probe", reason)
+
+    def _opened(self, node_id: str, why: str, err) -> None:
+        logger.warning("node %s out of rotation (%s): %s", node_id, why, err)
+        if self.metrics is not None:
+            self.metrics.breaker_trips.labels(node_id).inc()
+        self._changed()
+
+    def suspect(self, node: Node) -> None:
+        """Probe the node now (once at a time); no answer opens its breaker."""
+        if node.node_id in self._probing:
+            return
+        self._probing.add(node.node_id)
+        task = asyncio.ensure_future(self.probe(node))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def probe_open(self) -> None:
+        """Probe the nodes whose open period is over: an answer brings them back half-open."""
+        now = time.monotonic()
+        due = [n for n in self.nodes() if self._breaker(n.node_id).probe_due(now) and n.node_id not in self._probing]
+        for node in due:
+            self._probing.add(node.node_id)
+        if due:
+            await asyncio.gather(*(self.probe(n) for n in due))
+
+    async def probe(self, node: Node) -> bool:
+        """Health-check a node; True when it answered healthy. Updates its breaker either way."""
+        try:
+            health = await self.clients.get(node.address).health(timeout=self.config.probe_timeout_s)
+        except NodeRpcError as e:
+            self.trip(node.node_id, f"health probe: {e.details or e.code.name}")
+            return False
+        finally:
+            self._probing.discard(node.node_id)
+        if not health.healthy:
+            self.trip(node.node_id, f"health probe: {health.message}")
+            return False
+        if self._breaker(node.node_id).probe_passed():
+            logger.info("node %s answered its health probe, back in rotation (half-open)", node.node_id)
+            self._changed()
+        return True
 
     # ------------------------------------------------------------------------------------- registry
 
@@ -171,20 +257,47 @@ class Discovery:
         except Exception as e:  # Redis down: keep the last view rather than dropping every node
             if self.registry_error is None:
                 logger.warning("registry unreachable, keeping the last node list: %s", e)
-            self.registry_error = str(e)
+            self.registry_error = str(e) or type(e).__name__
+            if self.metrics is not None:
+                self.metrics.index_errors.labels("registry").inc()
             return
+        if self.registry_error is not None:
+            logger.info("registry reachable again")
         self.registry_error = None
-        self._tasks = [t for t in self._tasks if not t.done()]
         fresh: dict[str, Node] = {}
         for reg, load in rows:
             node = self._from_registration(reg, load)
             fresh[node.node_id] = node
             if node.address not in self._infos and node.address not in self._fetching:
                 self._fetching.add(node.address)
-                self._tasks.append(asyncio.ensure_future(self._fetch_info(node.address)))
-        self._registered = fresh
+                task = asyncio.ensure_future(self._fetch_info(node.address))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        missing = [n for node_id, n in self._registered.items() if node_id not in fresh]
+        for node_id in fresh:
+            self._unlisted.pop(node_id, None)
+        kept = await self._keep_unlisted(missing)
+        self._registered = {**fresh, **{n.node_id: n for n in kept}}
         self._changed()
-        await self._probe_down(n for n in fresh.values())
+
+    async def _keep_unlisted(self, missing: Iterable[Node]) -> list[Node]:
+        """Nodes gone from a registry read that still answer, are not draining and are within the grace."""
+        now = time.monotonic()
+        grace = self.config.unlisted_grace_s
+        candidates = [n for n in missing if now - self._unlisted.setdefault(n.node_id, now) < grace and not n.draining]
+        answers = await asyncio.gather(*(self._answers(n) for n in candidates))
+        kept = [n for n, ok in zip(candidates, answers) if ok]
+        for n in missing:
+            if n not in kept:
+                self._unlisted.pop(n.node_id, None)
+        return kept
+
+    async def _answers(self, node: Node) -> bool:
+        try:
+            health = await self.clients.get(node.address).health(timeout=self.config.probe_timeout_s)
+        except NodeRpcError:
+            return False
+        return health.healthy and not health.draining
 
     def _from_registration(self, reg, load) -> Node:
         info = self._infos.get(reg.grpc_address)
@@ -205,25 +318,6 @@ class Discovery:
             logger.debug("GetNodeInfo %s: %s", address, e)
         finally:
             self._fetching.discard(address)
-
-    async def _probe_down(self, nodes: Iterable[Node]) -> None:
-        probes = [self._probe(n) for n in nodes if n.node_id in self._down]
-        if probes:
-            await asyncio.gather(*probes)
-
-    async def _probe(self, node: Node) -> None:
-        try:
-            health = await self.clients.get(node.address).health(timeout=self.config.probe_timeout_s)
-        except NodeRpcError:
-            return
-        if health.healthy:
-            self._back(node.node_id)
-
-    def _back(self, node_id: str) -> None:
-        if node_id in self._down:
-            self._down.discard(node_id)
-            self._changed()
-            logger.info("node %s passed its health check, back in rotation", node_id)
 
     # --------------------------------------------------------------------------------------- static
 
@@ -250,7 +344,7 @@ class Discovery:
         s.node = replace(s.node, healthy=health.healthy, draining=health.draining, load=load)
         self._changed()
         if health.healthy:
-            self._back(s.node.node_id)
+            self._breaker(s.node.node_id).probe_passed()
 
     def _from_info(self, info: NodeInfo, s: _Static) -> Node:
         role = info.role or s.role

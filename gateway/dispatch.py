@@ -1,12 +1,25 @@
-"""Run one sequence on the nodes a RouteDecision names, and clean up whatever way it ends.
+"""Run one sequence on the nodes a RouteDecision names, move it when a node fails, clean up however it ends.
 
-Disaggregated: decode.Reserve (next decode node when one refuses) -> prefill.Prefill into the reserved
-blocks -> decode.Generate(handoff). If the prefill or the transfer fails, the reservation is dropped and the
-decode node prefills the sequence itself: a failed hand-off costs latency, never the request.
-Local: decode.Generate without a hand-off (next decode node when one is down before any token).
+An attempt, with a retry on every hop:
+  disaggregated: decode.Reserve (queued on the node while its cache is full; next decode node when one is
+  at its queue bound or fails) -> prefill.Prefill into the reserved blocks (next prefill node when one fails,
+  each hand-off into a fresh reservation under a fresh transfer id, so a late layer of an abandoned hand-off
+  can never land in a new one) -> decode.Generate(handoff). When no prefill node could do it, a live decode
+  node prefills the sequence itself.
+  local: decode.Generate without a hand-off (next decode node when one refuses or fails before any token).
+A failed call from a node that did not answer makes discovery probe it (a dead or hung node leaves rotation
+at once); a failure a live node reports (a KV transfer between two nodes) ejects nobody without a probe
+of the peer. A node that refuses for capacity or still holds the id (ALREADY_EXISTS) is simply skipped.
 
-A node that aborts the sequence itself (its shutdown timeout passed) ends the stream with a NodeFailure: the
-client gets an error, not a truncated answer that looks finished.
+Migration: when the node streaming a sequence fails (stream error, hung past the liveness probe, shut down
+under it) or an attempt runs out of nodes, the sequence is routed again (the failed node excluded) and
+re-dispatched as prompt + the tokens streamed so far, with `num_resumed_tokens` telling the engine which
+prompt tokens are output: the seeded draw is keyed by absolute position and max_tokens, min_tokens, stop ids
+and penalties count the earlier output, so greedy and seeded sequences continue with exactly the tokens
+they would have produced. The client's stream just goes on. At most `migration_limit` times per sequence.
+
+Deadline: a request's deadline bounds every call (gRPC deadlines, so a node aborts the sequence by itself
+even if the gateway is gone); past it the sequence ends with RequestTimeout.
 Leaving the stream early (client gone, stop string, shutdown) aborts the sequence on every node that holds
 it, from a task the cancellation cannot reach, so its KV blocks are freed.
 """
@@ -15,17 +28,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from gateway.discovery import Discovery, Node
-from gateway.errors import BadRequest, NoCapacity, NodeFailure
+from gateway.errors import BadRequest, NoCapacity, NodeFailure, Overloaded, RequestTimeout
+from gateway.liveness import Liveness
 from gateway.node_client import EngineRequest, NodeClients, NodeRpcError
 from gateway.router import RouteDecision, Router
 from shared.wire import PrefillResult, ReserveResult, TokenChunk
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    lease_ms: int = 0  # reservation lease asked of decode nodes (0: theirs)
+    migration_limit: int = 3  # re-dispatches of one sequence after node failures
+    queue_timeout_s: float = 600.0  # how long a reservation may wait in a decode node's queue for blocks
+    capacity_wait_s: float = 10.0  # how long a request waits for any decode node to be up
 
 
 @dataclass
@@ -42,56 +65,149 @@ class _Holders:
         self.nodes.pop(node.node_id, None)
 
 
+class _Sequence:
+    """One engine sequence across its attempts: what the client has received, where it failed."""
+
+    def __init__(self, req: EngineRequest, trace: dict) -> None:
+        self.original = self.current = req
+        self.trace = trace
+        self.generated: list[int] = []
+        self.failed: set[str] = set()
+        self.moves = 0
+        self.extended = False  # the current prompt carries earlier output
+
+    def observe(self, chunk: TokenChunk) -> TokenChunk:
+        self.generated.extend(chunk.token_ids)
+        if self.extended:  # its cache hit counted the earlier output too: the first attempt's figure stands
+            chunk = replace(chunk, num_cached_tokens=0)
+        return chunk
+
+    def move(self, failure: NodeFailure) -> None:
+        """The next attempt's request: the prompt plus what was streamed, under a new id."""
+        self.moves += 1
+        if failure.node_id:
+            self.failed.add(failure.node_id)
+        orig, k = self.original, len(self.generated)
+        params = replace(orig.params, num_resumed_tokens=orig.params.num_resumed_tokens + k) if k else orig.params
+        self.extended = k > 0
+        self.current = EngineRequest(f"{orig.request_id}.m{self.moves}", [*orig.prompt_token_ids, *self.generated],
+                                     params, orig.cache_salt, beam_search=orig.beam_search,
+                                     deadline=orig.deadline)
+
+
 class Dispatcher:
-    def __init__(self, router: Router, clients: NodeClients, discovery: Discovery, metrics=None,
-                 lease_ms: int = 0) -> None:
+    def __init__(self, router: Router, clients: NodeClients, discovery: Discovery, liveness: Liveness,
+                 metrics=None, config: DispatchConfig | None = None) -> None:
         self.router = router
         self.clients = clients
         self.discovery = discovery
+        self.liveness = liveness
         self.metrics = metrics
-        self.lease_ms = lease_ms
+        self.config = config or DispatchConfig()
         self._background: set[asyncio.Task] = set()
+
+    # ----------------------------------------------------------------------------------------- routing
+
+    async def route(self, prompt: Sequence[int], cache_salt: str = "", deadline: float | None = None,
+                    exclude: Collection[str] = (), failure: NodeFailure | None = None,
+                    user: str | None = None) -> RouteDecision:
+        """Route, waiting up to capacity_wait_s (and the deadline) for a decode node to be up. Without one:
+        `failure` when re-dispatching after it, else NoCapacity."""
+        wait_until = time.monotonic() + self.config.capacity_wait_s
+        if deadline is not None:
+            wait_until = min(wait_until, deadline)
+        while True:
+            try:
+                return await self.router.route(prompt, cache_salt, exclude, user)
+            except NoCapacity as e:
+                if time.monotonic() >= wait_until:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise self._timeout() from None
+                    raise failure or e from None
+            exclude = ()  # the breakers keep dead nodes out; a node that failed once may be back
+            await asyncio.sleep(0.1)
+
+    # ------------------------------------------------------------------------------------------ stream
 
     async def stream(self, decision: RouteDecision, req: EngineRequest,
                      trace: dict | None = None) -> AsyncIterator[TokenChunk]:
         """The sequence's chunks; `trace` gets the nodes that actually served it ("prefill" None: local)."""
-        holders = _Holders({}, trace if trace is not None else {})
-        finished = False
-        try:
-            if decision.local_prefill:
-                nodes = [decision.decode, *decision.decode_fallbacks]
-                source = self._local(nodes, req, holders, decision.decode_cached_tokens)
-            else:
-                source = self._disaggregated(decision, req, holders)
-            async with aclosing(source):
-                async for chunk in source:
-                    if chunk.finish_reason == "abort":  # the gateway never reads past its own aborts
-                        finished = True  # nothing is left to abort: the node has dropped the sequence
-                        raise NodeFailure("the node serving this request stopped before it finished "
-                                          "(it was shut down); retry the request", code="node_stopped")
-                    finished = bool(chunk.finish_reason)
-                    yield chunk
-                    if finished:
-                        return
-        finally:
-            if not finished:
-                self._abort_all(holders)
+        seq = _Sequence(req, trace if trace is not None else {})
+        while True:
+            holders = _Holders({}, seq.trace)
+            finished = False
+            try:
+                async with aclosing(self._attempt(decision, seq.current, holders)) as source:
+                    async for chunk in source:
+                        if chunk.finish_reason == "abort":  # the gateway never reads past its own aborts
+                            finished = True  # nothing is left to abort: the node has dropped the sequence
+                            raise NodeFailure("the node serving this request stopped before it finished "
+                                              "(it was shut down); retry the request", code="node_stopped",
+                                              node_id=seq.trace.get("decode"))
+                        finished = bool(chunk.finish_reason)
+                        yield seq.observe(chunk)
+                        if finished:
+                            return
+                raise NodeFailure("the node ended the stream without finishing it", node_id=seq.trace.get("decode"))
+            except NodeFailure as e:
+                failure = e
+            finally:
+                if not finished:
+                    self._abort_all(holders)
+            decision = await self._redispatch(seq, failure)
+
+    async def _redispatch(self, seq: _Sequence, failure: NodeFailure) -> RouteDecision:
+        if seq.current.expired():
+            raise self._timeout()
+        if seq.moves >= self.config.migration_limit:
+            logger.warning("%s: not moved again after %d moves: %s", seq.original.request_id, seq.moves,
+                           failure.message)
+            raise failure
+        stage = "mid_stream" if seq.generated else "before_first_token"
+        seq.move(failure)
+        logger.warning("migrating %s (%s, %d tokens streamed) to %s: %s", seq.original.request_id, stage,
+                       len(seq.generated), seq.current.request_id, failure.message)
+        if self.metrics is not None:
+            self.metrics.migrations.labels(stage).inc()
+        req = seq.current
+        return await self.route(req.prompt_token_ids, req.cache_salt, req.deadline, seq.failed, failure)
+
+    def _attempt(self, decision: RouteDecision, req: EngineRequest, holders: _Holders) -> AsyncIterator[TokenChunk]:
+        if decision.local_prefill:
+            return self._local([decision.decode, *decision.decode_fallbacks], req, holders,
+                               decision.decode_cached_tokens)
+        return self._disaggregated(decision, req, holders)
 
     # -------------------------------------------------------------------------------- disaggregated
 
     async def _disaggregated(self, decision: RouteDecision, req: EngineRequest,
                              holders: _Holders) -> AsyncIterator[TokenChunk]:
-        decode, reservation = await self._reserve([decision.decode, *decision.decode_fallbacks], req, holders)
-        prefill = decision.prefill
-        result = await self._prefill(prefill, req, reservation, holders)
-        if result is None:  # hand-off failed: the decode node computes the prompt itself
-            holders.remove(decode)
-            await self._abort(decode, req.request_id)
-            local = replace(req, request_id=f"{req.request_id}.local")
-            async with aclosing(self._local([decode], local, holders, reservation.num_cached_tokens)) as stream:
+        decodes = [decision.decode, *decision.decode_fallbacks]
+        hop = req
+        result: PrefillResult | None = None
+        for i, prefill in enumerate([decision.prefill, *decision.prefill_fallbacks]):
+            decode, reservation = await self._reserve(decodes, hop, holders)
+            result = await self._prefill(prefill, decode, hop, reservation, holders)
+            if result is not None:
+                break
+            holders.remove(decode)  # the hand-off failed: free its reservation; the next gets a fresh one
+            self._spawn(self._abort(decode, hop.request_id))
+            decodes = [d for d in decodes if d.node_id != decode.node_id or self._routable(d)]
+            if not decodes:
+                raise NodeFailure("every decode node failed during the hand-off")
+            hop = replace(req, request_id=f"{req.request_id}.h{i + 1}")
+        if result is None:  # no prefill node could do it: a live decode node prefills the sequence itself
+            self._count_retry("local")
+            async with aclosing(self._local(decodes, hop, holders)) as stream:
                 async for chunk in stream:
                     yield chunk
             return
+        async with aclosing(self._handed_off(decode, prefill, hop, result, holders)) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def _handed_off(self, decode: Node, prefill: Node, req: EngineRequest, result: PrefillResult,
+                          holders: _Holders) -> AsyncIterator[TokenChunk]:
         holders.trace.update(prefill=prefill.node_id, decode=decode.node_id)
         first = TokenChunk((result.first_token_id,),
                            (result.first_logprobs,) if result.first_logprobs is not None else (),
@@ -113,42 +229,49 @@ class Dispatcher:
                     yield chunk
 
     async def _reserve(self, nodes: list[Node], req: EngineRequest, holders: _Holders) -> tuple[Node, ReserveResult]:
-        refused = 0
+        refused = timed_out = 0
+        last: NodeRpcError | None = None
         for node in nodes:
             holders.add(node, req.request_id)
-            try:
-                return node, await self.clients.get(node.address).reserve(req, self.lease_ms)
+            start = time.monotonic()
+            try:  # tracked while queued too, so that a burst spreads over the decode nodes
+                with self.liveness.watch(node) as watch, self._track(node):
+                    res = await self.clients.get(node.address).reserve(req, self.config.lease_ms,
+                                                                        self.config.queue_timeout_s, watch)
             except NodeRpcError as e:
                 holders.remove(node)
-                if e.bad_input:
-                    raise BadRequest.from_value_error(ValueError(e.details)) from None
+                self._hop_failed(node, e, req, "reserve")
                 if e.busy:
-                    refused += 1
-                    self._count("reservation_refusals")
-                else:
-                    self._node_failed(node, e)
-        if refused:
-            raise NoCapacity(f"every decode node refused the reservation ({refused} full); retry later")
-        raise NoCapacity("no decode node could be reached; retry later")
+                    waited = time.monotonic() - start >= 0.9 * self.config.queue_timeout_s
+                    timed_out, refused = timed_out + waited, refused + (not waited)
+                last = e
+                continue
+            self.discovery.record_success(node.node_id)
+            return node, res
+        raise self._exhausted("decode", refused, timed_out, last)
 
-    async def _prefill(self, node: Node, req: EngineRequest, reservation: ReserveResult,
+    async def _prefill(self, node: Node, decode: Node, req: EngineRequest, reservation: ReserveResult,
                        holders: _Holders) -> PrefillResult | None:
+        """The hand-off's result, or None when it failed for a reason another node may not have."""
         uncached = len(req.prompt_token_ids) - reservation.num_cached_tokens
         holders.add(node, req.request_id)
         try:
-            with self.router.track_prefill(node.node_id, uncached), self._track(node):
-                result = await self.clients.get(node.address).prefill(req, reservation)
+            with self.router.track_prefill(node.node_id, uncached), self._track(node), \
+                    self.liveness.watch(node) as watch:
+                result = await self.clients.get(node.address).prefill(req, reservation, watch)
         except NodeRpcError as e:
-            if e.bad_input:
-                raise BadRequest.from_value_error(ValueError(e.details)) from None
-            logger.warning("prefill of %s on %s failed, decode node prefills it: %s", req.request_id,
-                           node.node_id, e)
+            logger.warning("prefill of %s on %s failed, trying the next node: %s", req.request_id, node.node_id, e)
             self._count("transfer_failures")
-            if not e.busy:
-                self._node_failed(node, e)
+            if e.handoff_failed:
+                # The prefill node is fine and says the transfer failed: blame the decode node only if it
+                # does not answer a probe either.
+                await self.discovery.probe(decode)
+            else:
+                self._hop_failed(node, e, req, "prefill")
             return None
         finally:
             holders.remove(node)
+        self.discovery.record_success(node.node_id)
         if self.metrics is not None:
             self.metrics.observe_transfer(result.bytes_transferred, result.transfer_seconds)
         return result
@@ -156,16 +279,17 @@ class Dispatcher:
     async def _continue(self, decode: Node, req: EngineRequest, handoff: PrefillResult) -> AsyncIterator[TokenChunk]:
         skip = 1  # the decode node streams from the handed-off token on; the caller already has it
         try:
-            async with aclosing(self.clients.get(decode.address).generate(req, handoff)) as stream:
-                async for chunk in stream:
-                    if skip:
-                        chunk, skip = _drop_first(chunk), 0
-                        if not chunk.token_ids and not chunk.finish_reason:
-                            continue
-                    yield chunk
+            with self.liveness.watch(decode) as watch:
+                async with aclosing(self.clients.get(decode.address).generate(req, handoff, watch)) as stream:
+                    async for chunk in stream:
+                        if skip:
+                            chunk, skip = _drop_first(chunk), 0
+                            if not chunk.token_ids and not chunk.finish_reason:
+                                continue
+                        yield chunk
         except NodeRpcError as e:
-            self._node_failed(decode, e)
-            raise NodeFailure(f"decode node {decode.node_id} failed mid-stream: {e.details}") from None
+            raise self._stream_failed(decode, e, req) from None
+        self.discovery.record_success(decode.node_id)
 
     # ---------------------------------------------------------------------------------------- local
 
@@ -173,16 +297,19 @@ class Dispatcher:
                      cached: int = 0) -> AsyncIterator[TokenChunk]:
         """`cached`: the prompt tokens routing expects the node to hold (the rest is its prefill work)."""
         num_prompt = len(req.prompt_token_ids)
+        refused = 0
+        last: NodeRpcError | None = None
         for node in nodes:
             holders.add(node, req.request_id)
             started = False
             try:
-                async with aclosing(self.clients.get(node.address).generate(req)) as stream:
-                    with self._track(node):
+                with self.liveness.watch(node) as watch, self._track(node):
+                    async with aclosing(self.clients.get(node.address).generate(req, watch=watch)) as stream:
                         with self.router.track_prefill(node.node_id, num_prompt - cached):
                             first = await anext(stream, None)
                         if first is None:
-                            raise NodeFailure(f"decode node {node.node_id} ended the stream without output")
+                            raise NodeFailure(f"decode node {node.node_id} ended the stream without output",
+                                              node_id=node.node_id)
                         started = True
                         holders.trace.update(prefill=None, decode=node.node_id)
                         try:
@@ -191,18 +318,62 @@ class Dispatcher:
                             self._observe(local=True, num_prompt=num_prompt, num_cached=first.num_cached_tokens)
                         async for chunk in stream:
                             yield chunk
+                self.discovery.record_success(node.node_id)
                 return
             except NodeRpcError as e:
                 holders.remove(node)
-                if e.bad_input:
-                    raise BadRequest.from_value_error(ValueError(e.details)) from None
-                if e.busy and not started:
-                    self._count("reservation_refusals")
-                    continue
-                self._node_failed(node, e)
                 if started:
-                    raise NodeFailure(f"decode node {node.node_id} failed mid-stream: {e.details}") from None
-        raise NoCapacity("no decode node could take the request; retry later")
+                    raise self._stream_failed(node, e, req) from None
+                self._hop_failed(node, e, req, "local")
+                refused += e.busy
+                last = e
+        raise self._exhausted("decode", refused, 0, last)
+
+    # -------------------------------------------------------------------------------------- failures
+
+    def _hop_failed(self, node: Node, e: NodeRpcError, req: EngineRequest, hop: str) -> None:
+        """A call before any output failed: raise if the request cannot go on, else note it and move on."""
+        if e.bad_input:
+            raise BadRequest.from_value_error(ValueError(e.details)) from None
+        if req.expired():
+            raise self._timeout() from None
+        self._count_retry(hop)
+        if e.busy or e.duplicate or e.draining:
+            if e.busy:
+                self._count("reservation_refusals")
+            return  # the node is fine; it just cannot take this one
+        self._node_failed(node, e)
+
+    def _stream_failed(self, node: Node, e: NodeRpcError, req: EngineRequest) -> Exception:
+        if req.expired():
+            return self._timeout()
+        if not e.draining:
+            self._node_failed(node, e)
+        return NodeFailure(f"decode node {node.node_id} failed mid-stream: {e.details or e.code.name}",
+                           node_id=node.node_id)
+
+    def _exhausted(self, role: str, refused: int, timed_out: int, last: NodeRpcError | None) -> Exception:
+        if refused:
+            return Overloaded(f"every {role} node that could take the request is at its queue bound "
+                              f"({refused} refused); retry later")
+        if timed_out:
+            return NoCapacity(f"no {role} node had room for the request within "
+                              f"{self.config.queue_timeout_s:g}s; retry later")
+        detail = f": {last.details or last.code.name}" if last is not None else ""
+        return NodeFailure(f"no {role} node could take the request{detail}")
+
+    def _node_failed(self, node: Node, e: NodeRpcError) -> None:
+        self.discovery.record_failure(node, e, answered=e.answered)
+        if self.metrics is not None:
+            self.metrics.node_failures.labels(node.node_id).inc()
+
+    def _routable(self, node: Node) -> bool:
+        return any(n.node_id == node.node_id for n in self.discovery.routable(node.role))
+
+    def _timeout(self) -> RequestTimeout:
+        if self.metrics is not None:
+            self.metrics.request_timeouts.inc()
+        return RequestTimeout("the request passed its deadline (--request-timeout) and was aborted")
 
     # -------------------------------------------------------------------------------------- helpers
 
@@ -218,10 +389,9 @@ class Dispatcher:
         if self.metrics is not None:
             getattr(self.metrics, name).inc()
 
-    def _node_failed(self, node: Node, err: Exception) -> None:
-        self.discovery.mark_failed(node.node_id, err)
+    def _count_retry(self, hop: str) -> None:
         if self.metrics is not None:
-            self.metrics.node_failures.labels(node.node_id).inc()
+            self.metrics.retries.labels(hop).inc()
 
     def _abort_all(self, holders: _Holders) -> None:
         for node, request_id in list(holders.nodes.values()):

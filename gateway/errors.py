@@ -9,13 +9,17 @@ class GatewayError(Exception):
     status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR
     type: str = "internal_error"
     code: str | None = None
+    retry_after: int | None = None  # seconds, sent as Retry-After
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
+        if retry_after is not None:
+            self.retry_after = retry_after
 
 
 class BadRequest(GatewayError):
@@ -48,18 +52,43 @@ class ModelNotFound(NotFound):
 
 
 class NoCapacity(GatewayError):
-    """No node can take the request now: none up, or every reservation refused."""
+    """No node can take the request now: none up within the wait, or none reachable."""
 
     status = HTTPStatus.SERVICE_UNAVAILABLE
     type = "service_unavailable_error"
+    code = "no_capacity"
+    retry_after = 5
+
+
+class Overloaded(GatewayError):
+    """Every queue that could hold the request is at its bound (the gateway's or the nodes')."""
+
+    status = HTTPStatus.TOO_MANY_REQUESTS
+    type = "rate_limit_error"
+    code = "overloaded"
+    retry_after = 1
+
+
+class RequestTimeout(GatewayError):
+    """The request passed its deadline (--request-timeout); it was aborted on every node."""
+
+    status = HTTPStatus.GATEWAY_TIMEOUT
+    type = "timeout_error"
+    code = "request_timeout"
 
 
 class NodeFailure(GatewayError):
-    """A node failed mid-request for a reason that is not the caller's (maps to 502 before any output)."""
+    """A node failed under a request for a reason that is not the caller's, and the request could not move
+    on to another node (maps to 502 before any output). `node_id`: the node that failed, if one did."""
 
     status = HTTPStatus.BAD_GATEWAY
     type = "upstream_error"
 
+    def __init__(self, message: str, code: str | None = None, node_id: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.node_id = node_id
+
 
 class ShuttingDown(NoCapacity):
     code = "shutting_down"
+    retry_after = 1

@@ -17,14 +17,15 @@ import grpc
 from gateway.core import GenerateInput, Generation, new_request_id
 from gateway.errors import BadRequest, GatewayError, Unauthorized
 from gateway.outputs import Delta, LogprobEntry
-from gateway.serving_common import check_model, output_options, sampling_params
+from gateway.serving_common import check_model, observe_error, output_options, sampling_params
 from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as pb
 from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-           404: grpc.StatusCode.NOT_FOUND, 502: grpc.StatusCode.UNAVAILABLE, 503: grpc.StatusCode.UNAVAILABLE}
+           404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 502: grpc.StatusCode.UNAVAILABLE,
+           503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "seed", "max_tokens", "logprobs", "skip_special_tokens")
 
@@ -56,14 +57,14 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             model = check_model(request.model or None, self.gateway.served_names)
             gen = self.core.generate(self._input(request))
         except GatewayError as e:
-            self.gateway.metrics.observe_request("client_error" if e.status < 500 else "no_capacity")
+            observe_error(self.gateway.metrics, e)
             await context.abort(_STATUS.get(int(e.status), grpc.StatusCode.INTERNAL), e.message)
         try:
             async for msg in self._responses(gen, model, request.stream):
                 yield msg
             self.gateway.metrics.observe_request("success")
         except GatewayError as e:
-            self.gateway.metrics.observe_request("client_error" if e.status < 500 else "no_capacity")
+            observe_error(self.gateway.metrics, e)
             await context.abort(_STATUS.get(int(e.status), grpc.StatusCode.INTERNAL), e.message)
 
     async def _auth(self, context) -> None:

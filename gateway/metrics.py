@@ -22,7 +22,8 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-OUTCOMES = ("success", "client_error", "unauthorized", "not_found", "no_capacity", "node_error", "cancelled")
+OUTCOMES = ("success", "client_error", "unauthorized", "not_found", "no_capacity", "overloaded", "timeout",
+            "node_error", "cancelled")
 
 
 class GatewayMetrics:
@@ -49,6 +50,18 @@ class GatewayMetrics:
                                             registry=r)
         self.node_failures = Counter("kvrelay:node_failures", "Failed engine calls per node", ["node_id"],
                                      registry=r)
+        self.migrations = Counter("kvrelay:migrations", "Sequences re-dispatched to another node after a node "
+                                  "failed under them (stage: mid_stream, or before_first_token)", ["stage"], registry=r)
+        self.retries = Counter("kvrelay:retries", "Engine calls refused or failed on one node, after which the "
+                               "request tried the next (hop: reserve, prefill, local)", ["hop"], registry=r)
+        self.rejected = Counter("kvrelay:rejected_requests", "Requests refused at admission (reason: overloaded "
+                                "= 429, no_capacity or draining = 503)", ["reason"], registry=r)
+        self.request_timeouts = Counter("kvrelay:request_timeouts", "Requests aborted at their deadline "
+                                        "(--request-timeout)", registry=r)
+        self.index_errors = Counter("kvrelay:index_errors", "Failed or timed-out calls to the block index and node "
+                                    "registry (source: lookup, registry)", ["source"], registry=r)
+        self.breaker_trips = Counter("kvrelay:breaker_trips", "Times a node's circuit breaker opened", ["node_id"],
+                                     registry=r)
         self.transfer_bytes = Counter("kvrelay:kv_transfer_bytes", "KV bytes moved prefill -> decode", registry=r)
         self.transfer_seconds = Histogram("kvrelay:kv_transfer_seconds", "KV transfer time per hand-off",
                                           buckets=_TTFT_BUCKETS, registry=r)
@@ -63,6 +76,14 @@ class GatewayMetrics:
         self.request_generation_tokens = Histogram("kvrelay:request_generation_tokens",
                                                    "Generated tokens per request", m, buckets=_TOKEN_BUCKETS,
                                                    registry=r)
+        for stage in ("mid_stream", "before_first_token"):  # exported at 0 before the first event
+            self.migrations.labels(stage)
+        for hop in ("reserve", "prefill", "local"):
+            self.retries.labels(hop)
+        for reason in ("overloaded", "no_capacity", "draining"):
+            self.rejected.labels(reason)
+        for source in ("lookup", "registry"):
+            self.index_errors.labels(source)
         # Labelled children resolved once: labels() takes a lock and builds a key on every call.
         self._outcomes = {o: self.requests.labels(o) for o in OUTCOMES}
         self._modes = {mode: self.sequences.labels(mode) for mode in ("disaggregated", "local")}

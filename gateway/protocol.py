@@ -382,6 +382,7 @@ class HealthNode(_Response):
     source: str
     routable: bool
     reason: str | None = None
+    breaker: Literal["closed", "open", "half_open"] = "closed"
 
 
 class HealthResponse(_Response):
@@ -389,3 +390,4 @@ class HealthResponse(_Response):
     prefill_nodes: int
     decode_nodes: int
     nodes: list[HealthNode]
+    reasons: list[str] = []  # why it is degraded: Redis unreachable, nodes out of rotation, no decode node

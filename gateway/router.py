@@ -4,15 +4,22 @@ hash the prompt's blocks (shared.hashing, the engines' own function) -> one inde
 score each role's candidates with the policy -> the best decode node, and the best prefill node unless the
 decode node should prefill itself (few tokens to compute, or no prefill node up). The ranked rest of each
 role is kept as the fallback order when a node refuses or fails.
+
+The index lookup never blocks the event loop: an `async def lookup` is awaited, a blocking one runs on a
+small thread pool, either under `lookup_timeout_s`. A failed or slow lookup routes without prefix
+information, and the next lookups are skipped for a while (1 s, doubling up to 10 s while it keeps
+failing; 1 s once discovery reads the registry, on the same Redis, again), so an index outage costs each
+request nothing but its cache affinity, and routing finds the prefixes again soon after Redis returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -72,28 +79,40 @@ class InFlight:
     prefill_tokens: dict[str, int] = field(default_factory=dict)
 
 
+_SKIP_MIN_S, _SKIP_MAX_S = 1.0, 10.0
+
+
 class Router:
     def __init__(self, discovery: Discovery, policy: Policy, index=None, local_prefill_threshold: int = 0,
-                 metrics=None) -> None:
+                 metrics=None, lookup_timeout_s: float = 0.5) -> None:
         self.discovery = discovery
         self.policy = policy
         self.index = index
         self.local_prefill_threshold = local_prefill_threshold
         self.metrics = metrics
+        self.lookup_timeout_s = lookup_timeout_s
         self.inflight = InFlight()
         self.model_id = discovery.config.model_id
         self.block_size = discovery.config.block_size
         self._lookup_is_async = index is not None and inspect.iscoroutinefunction(index.lookup)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.index_error: str | None = None
+        self._failed_at = self._skip_until = 0.0
+        self._skip_s = _SKIP_MIN_S
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def route(self, prompt_token_ids: Sequence[int], cache_salt: str = "",
-                    user: str | None = None) -> RouteDecision:
-        """`user`: a session-affinity hint (the same user goes to the same node while loads are comparable)."""
+                    exclude: Collection[str] = (), user: str | None = None) -> RouteDecision:
+        """`exclude`: node ids not to pick (the nodes a request just failed on). `user`: a session-affinity
+        hint (the same user goes to the same node while loads are comparable)."""
         start = time.perf_counter()
-        decode_nodes = self.discovery.routable("decode")
+        decode_nodes = self._candidates_of("decode", exclude)
         if not decode_nodes:
             raise NoCapacity("no decode node is up; retry later")
-        prefill_nodes = self.discovery.routable("prefill")
+        prefill_nodes = self._candidates_of("prefill", exclude)
         hashes = self._hashes(prompt_token_ids, cache_salt)
         hits = await self._lookup(hashes) if hashes and self.policy.uses_cache else {}
         decision = self.decide(prompt_token_ids, hashes, hits, prefill_nodes, decode_nodes, start, user)
@@ -101,23 +120,50 @@ class Router:
             self.metrics.observe_route(decision)
         return decision
 
+    def _candidates_of(self, role: str, exclude: Collection[str]) -> list[Node]:
+        nodes = self.discovery.routable(role)
+        return [n for n in nodes if n.node_id not in exclude] if exclude else nodes
+
     def _hashes(self, prompt_token_ids: Sequence[int], cache_salt: str) -> list[bytes]:
         return prompt_block_hashes(prompt_token_ids, self.model_id, self.block_size, cache_salt)
 
+    def _skipping(self) -> bool:
+        now = time.monotonic()
+        if now >= self._skip_until:
+            return False
+        # The registry answers again: Redis is back, no need to sit out the rest of a long pause.
+        return self.discovery.registry_error is not None or now < self._failed_at + _SKIP_MIN_S
+
     async def _lookup(self, hashes: list[bytes]) -> dict[str, int]:
-        if self.index is None:
+        if self.index is None or self._skipping():
             return {}
         try:
-            result = self.index.lookup(hashes)
-            if self._lookup_is_async or inspect.isawaitable(result):
-                result = await result
+            if self._lookup_is_async:
+                result = await asyncio.wait_for(self.index.lookup(hashes), self.lookup_timeout_s)
+            else:
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvrelay-index")
+                call = asyncio.get_running_loop().run_in_executor(self._pool, self.index.lookup, hashes)
+                result = await asyncio.wait_for(call, self.lookup_timeout_s)
         except Exception as e:  # route without cache knowledge rather than fail the request
-            if self.index_error is None:
-                logger.warning("index lookup failed, routing without prefix information: %s", e)
-            self.index_error = str(e)
+            self._lookup_failed(e)
             return {}
-        self.index_error = None
+        if self.index_error is not None:
+            logger.info("index lookups work again")
+        self.index_error, self._skip_s = None, _SKIP_MIN_S
         return result
+
+    def _lookup_failed(self, e: Exception) -> None:
+        reason = f"{type(e).__name__}: {e}" if str(e) else f"no answer within {self.lookup_timeout_s:g}s"
+        if self.index_error is None:
+            logger.warning("index lookup failed, routing without prefix information for %.0fs: %s", self._skip_s,
+                           reason)
+        self.index_error = reason
+        self._failed_at = time.monotonic()
+        self._skip_until = self._failed_at + self._skip_s
+        self._skip_s = min(self._skip_s * 2, _SKIP_MAX_S)
+        if self.metrics is not None:
+            self.metrics.index_errors.labels("lookup").inc()
 
     def decide(self, prompt_token_ids: Sequence[int], hashes: list[bytes], hits: dict[str, int],
                prefill_nodes: list[Node], decode_nodes: list[Node], start: float | None = None,

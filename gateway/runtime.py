@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 from gateway.config import GatewayConfig
-from gateway.core import GatewayCore
+from gateway.core import Admission, GatewayCore
 from gateway.discovery import Discovery, DiscoveryConfig
-from gateway.dispatch import Dispatcher
+from gateway.dispatch import DispatchConfig, Dispatcher
+from gateway.liveness import Liveness
 from gateway.metrics import GatewayMetrics
 from gateway.node_client import NodeClients, Timeouts
 from gateway.policies import make_policy
@@ -51,23 +52,43 @@ class Gateway:
         self.discovery = Discovery(DiscoveryConfig(
             model_id=self.model_id, block_size=config.block_size, static_prefill=tuple(config.prefill),
             static_decode=tuple(config.decode), refresh_s=config.refresh_interval, health_s=config.health_interval,
-        ), self.clients, self.registry)
+        ), self.clients, self.registry, self.metrics)
+        self.liveness = Liveness(self.discovery, self.clients, config.stall_timeout, config.probe_timeout)
         policy = make_policy(config.routing_policy)
-        self.router = Router(self.discovery, policy, self.index, config.local_prefill_threshold, self.metrics)
-        self.dispatcher = Dispatcher(self.router, self.clients, self.discovery, self.metrics, config.kv_lease_ms)
+        self.router = Router(self.discovery, policy, self.index, config.local_prefill_threshold, self.metrics,
+                             config.lookup_timeout)
+        self.dispatcher = Dispatcher(self.router, self.clients, self.discovery, self.liveness, self.metrics,
+                                     DispatchConfig(lease_ms=config.kv_lease_ms, migration_limit=config.migration_limit,
+                                                    queue_timeout_s=config.queue_timeout,
+                                                    capacity_wait_s=config.capacity_wait))
         self.core = GatewayCore(self.tokenizer, self.router, self.dispatcher, self.metrics, config.max_model_len,
-                                _model_context(resolved.path))
+                                _model_context(resolved.path),
+                                Admission(config.max_concurrent_requests, config.request_timeout))
         parser = create_tool_parser(config.tool_call_parser) if config.tool_call_parser else None
         self.chat = ChatServing(self.core, self.served_names, parser)
         self.completions = CompletionServing(self.core, self.served_names)
         self.tokenize = TokenizeServing(self.core, self.served_names, self.chat.render_for_tokenize)
         self.started_at = time.time()
 
+    def health_reasons(self) -> list[str]:
+        """Why the gateway serves in a degraded way, if it does."""
+        reasons = []
+        if self.discovery.registry_error:
+            reasons.append("node registry unreachable, routing to the last known nodes: "
+                           + self.discovery.registry_error)
+        if self.router.index_error:
+            reasons.append(f"block index unreachable, routing without prefix information: {self.router.index_error}")
+        down = [n.node_id for n in self.discovery.nodes() if not n.healthy and n.refused is None]
+        if down:
+            reasons.append(f"nodes out of rotation: {', '.join(down)}")
+        return reasons
+
     async def start(self) -> None:
         if self.index is not None and not await asyncio.to_thread(self.index.wait_ready, _MIRROR_READY_S):
             logger.warning("index mirror not loaded after %.0f s; routing without prefix hints until it is",
                            _MIRROR_READY_S)
         await self.discovery.start()
+        self.liveness.start()
         if self.config.startup_timeout > 0 and not await wait_for_nodes(self.discovery, self.config.startup_timeout):
             logger.warning("no decode node after %.0f s; serving anyway (requests get 503 until one is up)",
                            self.config.startup_timeout)
@@ -88,7 +109,9 @@ class Gateway:
         return self.core.active == 0
 
     async def stop(self) -> None:
+        await self.liveness.stop()
         await self.discovery.stop()
+        self.router.close()
         await self.dispatcher.drain(2.0)
         await self.clients.close()
         for obj in (self.index, self.registry):

@@ -46,18 +46,21 @@ from gateway.protocol import (
     VersionResponse,
 )
 from gateway.runtime import Gateway
+from gateway.serving_common import observe_error
 
 logger = logging.getLogger(__name__)
 
-_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
+                                             for code in (400, 401, 404, 429, 502, 503, 504)}
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 _MAX_REQUEST_ID = 128
-_OUTCOME = {400: "client_error", 401: "unauthorized", 404: "not_found", 503: "no_capacity", 502: "node_error"}
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None, code=None) -> JSONResponse:
+def error_response(status: int, message: str, type_: str, param: str | None = None, code=None,
+                   retry_after: int | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
@@ -106,8 +109,8 @@ def build_app(gateway: Gateway, grpc_port: int | None = None) -> FastAPI:
 def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError):
-        gateway.metrics.observe_request(_OUTCOME.get(int(exc.status), "client_error"))
-        return error_response(int(exc.status), exc.message, exc.type, exc.param, exc.code)
+        observe_error(gateway.metrics, exc)
+        return error_response(int(exc.status), exc.message, exc.type, exc.param, exc.code, exc.retry_after)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -253,13 +256,18 @@ def _ops_routes(gateway: Gateway) -> APIRouter:
     async def health():
         nodes = gateway.discovery.nodes()
         views = [HealthNode(node_id=n.node_id, role=n.role, address=n.address, source=n.source,
-                            routable=n.routable, reason=n.refused or (None if n.healthy else "unhealthy"))
+                            routable=n.routable, reason=n.refused or (None if n.healthy else "unhealthy"),
+                            breaker=gateway.discovery.breaker_state(n.node_id))
                  for n in nodes]
         prefill = sum(n.routable and n.role == "prefill" for n in nodes)
         decode = sum(n.routable and n.role == "decode" for n in nodes)
-        status = "draining" if gateway.core.draining else "ok" if decode else "degraded"
-        body = HealthResponse(status=status, prefill_nodes=prefill, decode_nodes=decode, nodes=views)
-        code = 200 if status == "ok" else 503
+        reasons = gateway.health_reasons()
+        if not decode:
+            reasons.insert(0, "no decode node is routable")
+        status = "draining" if gateway.core.draining else "degraded" if reasons else "ok"
+        body = HealthResponse(status=status, prefill_nodes=prefill, decode_nodes=decode, nodes=views, reasons=reasons)
+        # Degraded but serving (Redis down, a node out) is still 200: a load balancer must keep sending work.
+        code = 200 if decode and not gateway.core.draining else 503
         return JSONResponse(body.model_dump(), status_code=code)
 
     @router.get("/metrics", response_class=Response)

@@ -9,12 +9,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
-from gateway.errors import BadRequest, GatewayError, ModelNotFound
+from gateway.errors import BadRequest, GatewayError, ModelNotFound, ShuttingDown
 from gateway.outputs import OutputOptions
 from gateway.protocol import PromptLogprob
 from shared.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
 
 SSE_DONE = "data: [DONE]\n\n"
+_OUTCOME = {400: "client_error", 401: "unauthorized", 404: "not_found", 429: "overloaded", 503: "no_capacity",
+            502: "node_error", 504: "timeout"}
+
+
+def observe_error(metrics, exc: GatewayError) -> None:
+    """Count a request that ended in an error response (its outcome; a refusal at admission by reason)."""
+    status = int(exc.status)
+    metrics.observe_request(_OUTCOME.get(status, "client_error"))
+    if status in (429, 503):
+        reason = "draining" if isinstance(exc, ShuttingDown) else "overloaded" if status == 429 else "no_capacity"
+        metrics.rejected.labels(reason).inc()
 
 
 def check_model(requested: str | None, served: Sequence[str]) -> str:

@@ -25,6 +25,7 @@ from kv_transfer.types import TransferError
 from shared import wire
 from shared.engine.async_engine import EngineDead
 from shared.engine.request import KVSendSpec
+from shared.engine.reservation_queue import DuplicateRequest
 from shared.node.server import (
     NodeServer,
     RpcFailure,
@@ -60,7 +61,7 @@ class PrefillServer(NodeServer):
             raise ValueError("n: a prefill is for one sequence; reserve and prefill each of n separately")
         spec = self._send_spec(request, len(prompt))
         if rid in self._inflight:
-            raise ValueError(f"request_id: {rid!r} is already being prefilled on this node")
+            raise DuplicateRequest(f"request_id: {rid!r} is already being prefilled on this node")
         self._inflight.add(rid)
         try:
             out = await self._compute(rid, prompt, params, spec, request.cache_salt, arrival)
@@ -156,9 +157,11 @@ class PrefillServer(NodeServer):
 
     def _first_finish_reason(self, params: SamplingParams, token: int, num_prompt: int) -> str:
         """Whether the first token already ends the request, by the rules the engine applies."""
-        if (params.max_tokens is not None and params.max_tokens <= 1) or num_prompt + 1 >= self.core.max_model_len:
+        generated = params.num_resumed_tokens + 1  # a resumed request's earlier output counts
+        at_limit = params.max_tokens is not None and params.max_tokens <= generated
+        if at_limit or num_prompt + 1 >= self.core.max_model_len:
             return "length"
-        if params.min_tokens > 1:
+        if params.min_tokens > generated:
             return ""
         if (token == self.core.info.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
             return "stop"

@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: fraction of device memory for weights plus KV cache")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
     g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    g.add_argument("--max-waiting-requests", type=int, default=0,
+                   help="requests (and queued decode reservations) that may wait for room; past it new ones are "
+                        "refused, which the gateway answers with 429 (0: no bound)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of identical prompt prefixes")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
@@ -70,6 +73,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        max_waiting_requests=args.max_waiting_requests,
         enable_prefix_caching=args.enable_prefix_caching,
         policy=args.scheduling_policy,
         attention_backend=args.attention_backend,

@@ -82,6 +82,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: no cap beyond the budget
     # Disaggregation: how long a reservation or blocks held for a transfer live unclaimed.
     kv_lease_s: float = 30.0
+    # Requests (and queued reservations) that may wait for room; past it new ones are refused (QueueFull).
+    max_waiting_requests: int = 0  # 0: no bound
 
 
 SPEC_METHODS = ("ngram", "draft_model")

@@ -78,6 +78,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None  # the output must match this grammar
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by token id
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob plus the top k
+    # The last n prompt tokens are output this request generated before it moved to this engine (a migrated
+    # request resumes): max_tokens, min_tokens, stop checks and the output penalties count them as output.
+    num_resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
@@ -109,6 +112,10 @@ class SamplingParams:
                f"token ids must be non-negative and biases in [-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}]")
         _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= _MAX_LOGPROBS, "prompt_logprobs",
                f"must be between 0 and {_MAX_LOGPROBS}, got {self.prompt_logprobs}")
+        _check(isinstance(self.num_resumed_tokens, int) and self.num_resumed_tokens >= 0, "num_resumed_tokens",
+               f"must be an integer >= 0, got {self.num_resumed_tokens!r}")
+        _check(self.max_tokens is None or self.num_resumed_tokens < self.max_tokens, "num_resumed_tokens",
+               f"must be < max_tokens ({self.max_tokens}): the request already ended, got {self.num_resumed_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -11,6 +11,7 @@ inside a present message means "up to max_model_len", like the OpenAI API.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,19 @@ from shared.records import BeamSequence, KVLayout, NodeLoad, TokenLogprobs
 from shared.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
 
 _INT32_MAX = 2**31 - 1
+
+# Every error a node returns itself carries this trailing metadata key, valued with a NodeErrorKind: an
+# error without it never reached the node's code (connection refused, reset, deadline on the wire), which
+# is what tells the gateway a dead or hung node from a live one that said no.
+NODE_ERROR_KEY = "kvrelay-node-error"
+
+
+class NodeErrorKind(str, enum.Enum):
+    NODE = "node"  # anything else the node answered (bad input, a bug)
+    DRAINING = "draining"  # shutting down: takes no new work, finishes what it has
+    FULL = "full"  # no room now and no room to wait (RESOURCE_EXHAUSTED)
+    DUPLICATE = "duplicate"  # the request id is in use on the node (ALREADY_EXISTS)
+    HANDOFF = "handoff"  # the node is fine; the KV transfer between two nodes failed
 
 
 # ------------------------------------------------------------------------------------------- records
@@ -114,6 +128,7 @@ def sampling_from_proto(msg: pb.SamplingParams, present: bool = True) -> Samplin
                             if msg.HasField("structured_outputs") else None),
         logit_bias=tuple(msg.logit_bias.items()),
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        num_resumed_tokens=msg.num_resumed_tokens,
     )
 
 
@@ -123,6 +138,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, min_tokens=params.min_tokens,
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, priority=params.priority,
+        num_resumed_tokens=params.num_resumed_tokens,
     )
     if params.seed is not None:
         msg.seed = params.seed

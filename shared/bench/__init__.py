@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "decode-attention": "shared.bench.decode_attention",
     "structured": "shared.bench.structured",
     "spec-decode": "shared.bench.spec_decode",
+    "soak": "shared.bench.soak",
 }
 
 

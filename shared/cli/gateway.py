@@ -52,6 +52,25 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--startup-timeout", type=float, default=0.0, help="wait this long for a decode node at start")
     r.add_argument("--kv-lease-ms", type=int, default=0, help="reservation lease asked of decode nodes (0: theirs)")
     r.add_argument("--prefill-timeout", type=float, default=300.0, help="deadline of one Prefill call, seconds")
+    f = p.add_argument_group("failures and overload")
+    f.add_argument("--migration-limit", type=int, default=3,
+                   help="times one sequence may move to another node after the node under it failed (its stream "
+                        "continues where it stopped)")
+    f.add_argument("--max-concurrent-requests", type=int, default=1024,
+                   help="generations in progress at once; past it new requests get 429 with Retry-After (0: no bound)")
+    f.add_argument("--request-timeout", type=float, default=0.0,
+                   help="seconds a request may take in all; past it it is aborted on every node and the client gets "
+                        "an error (0: no deadline)")
+    f.add_argument("--queue-timeout", type=float, default=600.0,
+                   help="seconds a reservation may wait in a full decode node's queue before the request gets 503")
+    f.add_argument("--capacity-wait", type=float, default=10.0,
+                   help="seconds a request waits for a decode node to be up (a restart) before it gets 503")
+    f.add_argument("--stall-timeout", type=float, default=5.0,
+                   help="a node whose calls give no sign of life for this long gets a health probe; no answer moves "
+                        "its requests elsewhere")
+    f.add_argument("--probe-timeout", type=float, default=2.0, help="seconds a node has to answer a health probe")
+    f.add_argument("--lookup-timeout", type=float, default=0.5,
+                   help="an index lookup slower than this routes without prefix information (Redis hung)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -71,6 +90,10 @@ def config_from_args(args: argparse.Namespace):
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+        migration_limit=args.migration_limit,
+        max_concurrent_requests=args.max_concurrent_requests, request_timeout=args.request_timeout,
+        queue_timeout=args.queue_timeout, capacity_wait=args.capacity_wait, stall_timeout=args.stall_timeout,
+        probe_timeout=args.probe_timeout, lookup_timeout=args.lookup_timeout,
     )
 
 

@@ -33,7 +33,7 @@ def register(subparsers) -> None:
 
 def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     add_engine_args(p)
-    p.set_defaults(dtype="auto")
+    p.set_defaults(dtype="auto", max_waiting_requests=1024)  # a node's queues are bounded
     g = p.add_argument_group("node")
     g.add_argument("--served-model-name", default=None, help="model name in metrics labels (default: the model id)")
     g.add_argument("--host", default="127.0.0.1", help="interface of the gRPC server and metrics endpoint")

@@ -53,6 +53,17 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.served_model_name:
         flags += ["--served-model-name", args.served_model_name]
+    if args.max_waiting_requests is not None:
+        flags += ["--max-waiting-requests", str(args.max_waiting_requests)]
+    return flags
+
+
+def _gateway_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--migration-limit", str(args.migration_limit)]
+    for flag in ("max_concurrent_requests", "request_timeout"):
+        value = getattr(args, flag)
+        if value is not None:
+            flags += ["--" + flag.replace("_", "-"), str(value)]
     return flags
 
 
@@ -79,7 +90,8 @@ def plan_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
             children.append(Child(f"{role}-{i}", argv))
     gateway = _kvrelay("gateway", "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
                        "--redis-url", redis_url, "--model", args.model,
-                       "--shutdown-timeout", str(args.shutdown_timeout), "--routing-policy", args.routing_policy)
+                       "--shutdown-timeout", str(args.shutdown_timeout), "--routing-policy", args.routing_policy,
+                       *_gateway_flags(args))
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
     if args.api_key:
@@ -284,6 +296,13 @@ def register(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
     p.add_argument("--api-key", default=None, help="require this key from clients")
     p.add_argument("--restart", action="store_true", help="restart a child that dies")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="per node: requests that may wait for room; past it the gateway answers 429 (node default)")
+    p.add_argument("--max-concurrent-requests", type=int, default=None,
+                   help="gateway: generations in progress at once; past it 429 (gateway default)")
+    p.add_argument("--request-timeout", type=float, default=None, help="gateway: per-request deadline, seconds")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="gateway: moves of one sequence to another node after node failures")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds each process has to drain")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the fleet")
     p.set_defaults(func=run_up)

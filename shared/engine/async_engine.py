@@ -8,7 +8,8 @@ Lifecycle:
    and resolves each caller's future on the event loop (call_soon_threadsafe).
 3. While requests are unfinished the thread steps; each step's outputs go to their requests' asyncio
    queues in a single loop callback. With no work it sleeps on the command queue for `idle_poll_s`, waking
-   to expire leases (reservations and held blocks nobody claimed).
+   to expire leases (reservations and held blocks nobody claimed) and to grant queued reservations the
+   blocks that came free (their callers wait on futures meanwhile).
 4. After every iteration it refreshes the load and the observer's metrics, and hands the prefix cache's
    block events to the `block_events` sink (a node's index publisher), or a snapshot of every cached
    block instead when the sink asks for one (it lost track: Redis restarted, a lease lapsed).
@@ -103,6 +104,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._children: dict[str, set[str]] = {}  # n > 1: parent id -> unfinished child ids
+        # Queued reservations: id -> (the caller's future, its on_reserved hook); engine thread only.
+        self._reserve_waiters: dict[str, tuple[asyncio.Future, Callable | None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
         self._stop = False
@@ -200,25 +203,43 @@ class AsyncEngine:
 
     async def reserve(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, lease_s: float | None = None,
-        cache_salt: str = "", on_reserved: Callable[[Reservation], None] | None = None,
+        cache_salt: str = "", on_reserved: Callable[[Reservation], None] | None = None, wait_s: float = 0.0,
     ) -> Reservation | None:
-        """Decode role: blocks for a prompt a prefill node will compute, or None (no room now).
-        `on_reserved` runs on the engine thread right after (e.g. connector.expect); if it raises, the
-        reservation is undone."""
+        """Decode role: blocks for a prompt a prefill node will compute, or None (no room now, or none came
+        free within `wait_s`: the reservation waits in the node's queue meanwhile). `on_reserved` runs on the
+        engine thread right after the blocks are set aside (e.g. connector.expect); if it raises, the
+        reservation is undone. QueueFull when the node's waiting requests are at their bound."""
         self._check_accepting()
         await self._grammar_compiled(params)  # a bad grammar is refused before any block is set aside
+        waiter = self._loop.create_future() if wait_s > 0 else None
 
-        def run(core: EngineCore) -> Reservation | None:
-            res = core.reserve(request_id, prompt, params, lease_s, cache_salt)
-            if res is not None and on_reserved is not None:
-                try:
-                    on_reserved(res)
-                except BaseException:
-                    core.abort([request_id])
-                    raise
+        def run(core: EngineCore) -> Reservation | None | asyncio.Future:
+            until = time.monotonic() + wait_s if waiter is not None else None
+            res = core.reserve(request_id, prompt, params, lease_s, cache_salt, queue_until=until)
+            if res is not None:
+                self._reserved(core, res, on_reserved)
+            elif waiter is not None and core.is_queued(request_id):
+                self._reserve_waiters[request_id] = (waiter, on_reserved)
+                return waiter
             return res
 
-        return await self.call(run)
+        result = await self._call_or_abort(run, request_id)
+        if not isinstance(result, asyncio.Future):
+            return result
+        try:
+            return await result
+        except asyncio.CancelledError:
+            self.abort_nowait(request_id)
+            raise
+
+    @staticmethod
+    def _reserved(core: EngineCore, res: Reservation, on_reserved: Callable | None) -> None:
+        if on_reserved is not None:
+            try:
+                on_reserved(res)
+            except BaseException:
+                core.abort([res.req_id])
+                raise
 
     async def admit_reserved(
         self, request_id: str, first_token: int, logprobs=None, arrival: float | None = None,
@@ -259,6 +280,10 @@ class AsyncEngine:
     def abort_nowait(self, request_id: str) -> None:
         """Queue an abort without waiting for it (from cleanup paths that cannot await)."""
         self._post_command(lambda core: self._abort(core, request_id))
+
+    def run_nowait(self, fn: Callable[[EngineCore], Any]) -> None:
+        """Run fn(core) on the engine thread after the commands already queued, without waiting."""
+        self._post_command(fn)
 
     # -- asyncio side helpers -------------------------------------------------------------------------
     async def _grammar_compiled(self, params: SamplingParams) -> None:
@@ -313,6 +338,8 @@ class AsyncEngine:
                 if self._stop:
                     break
                 self._expire_leases()
+                if self.core.has_queued_reservations():
+                    self._admit_reservations()
                 if self.core.has_unfinished():
                     self._step()
                 self._after_iteration()
@@ -356,6 +383,23 @@ class AsyncEngine:
             if self._on_lease_expired is not None:
                 self._on_lease_expired(expired)
 
+    def _admit_reservations(self) -> None:
+        granted, expired = self.core.admit_queued_reservations()
+        for res in granted:
+            waiter, on_reserved = self._reserve_waiters.pop(res.req_id, (None, None))
+            if waiter is None:  # nobody waits for it any more
+                self.core.abort([res.req_id])
+                continue
+            try:
+                self._reserved(self.core, res, on_reserved)
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                self._answer(waiter, None, e)
+                continue
+            self._answer(waiter, res, None)
+        for rid in expired:
+            waiter, _ = self._reserve_waiters.pop(rid, (None, None))
+            self._answer(waiter, None, None)
+
     def _step(self) -> None:
         try:
             outputs = self.core.step()
@@ -395,6 +439,8 @@ class AsyncEngine:
         ids = sorted(self._children.get(request_id, ())) or [request_id]
         counts = {rid: core.token_counts(rid) for rid in ids}
         done = core.abort(ids)
+        waiter, _ = self._reserve_waiters.pop(request_id, (None, None))
+        self._answer(waiter, None, None)  # a queued reservation: its caller learns there is none
         now = time.monotonic()
         batch = []
         for rid in done:
@@ -425,6 +471,9 @@ class AsyncEngine:
     def _fail_everyone(self, error: BaseException) -> None:
         self._post(_deliver, [(s.queue, error) for s in self._streams.values()])
         self._streams.clear()
+        for waiter, _ in self._reserve_waiters.values():
+            self._answer(waiter, None, error)
+        self._reserve_waiters.clear()
         while not self._commands.empty():
             item = self._commands.get_nowait()
             if item is not None:

@@ -123,6 +123,9 @@ class EngineCore:
         bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:8]} outside the vocabulary [0, {self.vocab_size})")
+        if params.num_resumed_tokens >= len(prompt_token_ids):
+            raise ValueError(f"num_resumed_tokens: {params.num_resumed_tokens} leaves no prompt of the "
+                             f"{len(prompt_token_ids)} tokens")
 
     def compile_grammar(self, spec: StructuredOutputs) -> concurrent.futures.Future:
         """The grammar's compile (cached per spec), off the step loop; its result raises ValueError for a bad
@@ -153,9 +156,10 @@ class EngineCore:
         KV goes to the peer layer by layer as it is computed."""
         prompt = list(prompt_token_ids)
         self.validate(prompt, params)
+        self.scheduler.check_room_to_wait(1 if kv_send is not None else params.n)
         if kv_send is not None:
             req = self._make_request(request_id, prompt, params.for_child(0), arrival_time, cache_salt)
-            req.kv_send, req.max_tokens = kv_send, 1
+            req.kv_send, req.max_tokens = kv_send, req.num_resumed_tokens + 1
             self._queue(req)
             return [request_id]
         if params.n == 1:
@@ -166,27 +170,6 @@ class EngineCore:
             self._add_one(rid, prompt, params.for_child(i), arrival_time, cache_salt)
         return ids
 
-    def resume_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
-        params: SamplingParams, arrival_time: float | None = None, cache_salt: str = "",
-    ) -> str:
-        """Queue a request that already generated `output_token_ids` on another node (a migrated request).
-        Its prompt and outputs are recomputed (from the prefix cache where they can be), then it goes on:
-        a seeded draw continues at the same positions and its grammar matcher replays the outputs, so the
-        continuation is the one the first node would have produced."""
-        prompt, outputs = list(prompt_token_ids), [int(t) for t in output_token_ids]
-        self.validate(prompt, params)
-        if params.n != 1:
-            raise ValueError("n: a resumed request is one sequence")
-        if any(not 0 <= t < self.vocab_size for t in outputs):
-            raise ValueError(f"output_token_ids: outside the vocabulary [0, {self.vocab_size})")
-        req = self._make_request(request_id, prompt, params, arrival_time, cache_salt)
-        for t in outputs:
-            req.append_output_token(t)
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            raise ValueError("output_token_ids: the request has no tokens left to generate")
-        self._queue(req)
-        return request_id
     def add_beam_search(
         self, request_id: str, prompt_token_ids: Sequence[int], params: BeamSearchParams,
         arrival_time: float | None = None, cache_salt: str = "",
@@ -255,7 +238,7 @@ class EngineCore:
         req = Request(rid, prompt, params, eos_token_id=self.info.eos_token_id, cache_salt=salt)
         if arrival is not None:
             req.arrival_time = arrival
-        room = self.max_model_len - len(prompt)
+        room = self.max_model_len - len(prompt) + params.num_resumed_tokens  # resumed output counts as output
         req.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return req
 
@@ -263,16 +246,28 @@ class EngineCore:
 
     def reserve(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-        lease_s: float | None = None, cache_salt: str = "",
+        lease_s: float | None = None, cache_salt: str = "", queue_until: float | None = None,
     ) -> Reservation | None:
-        """Decode role: blocks for a prompt a prefill node will compute (None: no room now)."""
+        """Decode role: blocks for a prompt a prefill node will compute. None: no room now, and either
+        refused or (with `queue_until`, a monotonic time) queued for blocks: `is_queued`, then
+        `admit_queued_reservations`."""
         prompt = list(prompt_token_ids)
         self.validate(prompt, params)
         if params.n != 1:
             raise ValueError("n: a reservation is for one sequence; reserve each of n separately")
         req = self._make_request(request_id, prompt, params, None, cache_salt)
         lease = self.config.scheduler.kv_lease_s if lease_s is None else lease_s
-        return self.scheduler.reserve(req, lease)
+        return self.scheduler.reserve(req, lease, queue_until)
+
+    def is_queued(self, request_id: str) -> bool:
+        return request_id in self.scheduler.queued
+
+    def has_queued_reservations(self) -> bool:
+        return bool(len(self.scheduler.queued))
+
+    def admit_queued_reservations(self) -> tuple[list[Reservation], list[str]]:
+        """(reservations granted now, in arrival order; ids whose wait ran out)."""
+        return self.scheduler.admit_queued()
 
     def admit_reserved(self, request_id: str, first_token: int, logprobs=None) -> EngineCoreOutput:
         """Decode role: the reserved blocks hold the prompt's KV; decode on from `first_token`."""
@@ -325,7 +320,8 @@ class EngineCore:
         step may be running."""
         reqs = self.scheduler.requests
         ids = [r.beam_group or rid for rid, r in reqs.items() if not computing_only or r.status in _COMPUTING]
-        return list(dict.fromkeys(ids))
+        ids = list(dict.fromkeys(ids))
+        return ids if computing_only else ids + self.scheduler.queued.ids()
 
     def held_request_ids(self) -> list[str]:
         return list(self.scheduler.held)

@@ -311,9 +311,11 @@ class ModelRunner:
             self.proposer.on_schedule(sched)
         for new in sched.new_reqs:
             params, outputs = new.sampling_params, list(new.token_ids[new.num_prompt_tokens :])
+            # A resumed request (migrated) replays its earlier output too: the last prompt tokens.
+            replay = list(new.token_ids[new.num_prompt_tokens - params.num_resumed_tokens :])
             self.states[new.req_id] = _ReqState(
                 list(new.token_ids), new.num_prompt_tokens, params, list(new.block_ids),
-                matcher=self._new_matcher(new.req_id, params, outputs),
+                matcher=self._new_matcher(new.req_id, params, replay),
                 prompt_logprobs=[] if params.prompt_logprobs is not None and not outputs else None,
             )
         for cached in sched.cached_reqs:
@@ -323,8 +325,10 @@ class ModelRunner:
         """The row at the request's next position, then one after each draft (which counts as output)."""
         st = self.states[rid]
         params = st.params
-        prompt = st.token_ids[: st.num_prompt_tokens]
-        outputs = st.token_ids[st.num_prompt_tokens :]
+        # A resumed request's last prompt tokens are its earlier output: penalties and min_tokens see them so.
+        split = st.num_prompt_tokens - params.num_resumed_tokens
+        prompt = st.token_ids[:split]
+        outputs = st.token_ids[split:]
         eos = () if params.ignore_eos or self.info.eos_token_id is None else (self.info.eos_token_id,)
         rows = []
         for j in range(len(drafts) + 1):

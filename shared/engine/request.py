@@ -58,7 +58,7 @@ class Request:
     stop_reason: int | None = None  # the stop token id that ended it, if any
     kv_send: KVSendSpec | None = None
     kv_send_started: bool = False  # its blocks may be in flight: hold them past the request's end
-    max_tokens: int | None = None  # effective limit (the engine folds in max_model_len); None: no limit
+    max_tokens: int | None = None  # effective limit on generated tokens (resumed ones included); None: no limit
     kv_received: bool = False  # decode role: its prompt's KV came from a prefill node (until preempted)
     # Speculative decoding: drafts proposed for the tokens after the known ones, verified next step.
     spec_token_ids: list[int] = field(default_factory=list)
@@ -85,6 +85,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_resumed_tokens(self) -> int:
+        """Prompt tokens that are output generated before the request moved here (migration)."""
+        return self.sampling_params.num_resumed_tokens
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Output as the stop conditions see it: what this engine sampled plus what it resumed from."""
+        return self.sampling_params.num_resumed_tokens + len(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:

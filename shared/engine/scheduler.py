@@ -30,6 +30,7 @@ from shared.engine.beam_search import BeamSchedulerMixin
 from shared.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit, cdiv
 from shared.engine.request import Request, RequestStatus
 from shared.engine.request_queue import create_request_queue
+from shared.engine.reservation_queue import DuplicateRequest, QueuedReservation, QueueFull, ReservationQueue
 from shared.engine.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -94,6 +95,7 @@ class Scheduler(SpecSchedulerMixin, BeamSchedulerMixin):
         # transfer may still read (prefill role), and remote-prefilled requests the runner has not seen.
         self.reserved: dict[str, float] = {}  # req id -> lease deadline
         self.held: dict[str, float] = {}
+        self.queued = ReservationQueue()  # reservations waiting for blocks
         # Requests whose runner state must be (re)built from a NewRequestData when next scheduled: admitted
         # without a step (a hand-off), or whose block table changed other than by appending.
         self._unseen: set[str] = set()
@@ -102,15 +104,31 @@ class Scheduler(SpecSchedulerMixin, BeamSchedulerMixin):
     # -- queue management -------------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        self._check_new_id(req.request_id)
         self.requests[req.request_id] = req
         self.waiting.add(req)
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.requests or request_id in self.queued:
+            raise DuplicateRequest(f"request_id: {request_id!r} is already in use")
+
+    def check_room_to_wait(self, n: int = 1) -> None:
+        """QueueFull when n more waiting requests would pass max_waiting_requests (0: no bound)."""
+        limit = self.config.max_waiting_requests
+        waiting = len(self.waiting) + len(self.queued)
+        if limit and waiting + n > limit:
+            raise QueueFull(f"{waiting} requests are already waiting on this node (max_waiting_requests {limit}); "
+                            "retry later")
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort (or otherwise end) requests wherever they are; unknown ids are ignored."""
         done = []
         for rid in request_ids:
+            queued = self.queued.remove(rid)
+            if queued is not None:  # still waiting for blocks: nothing to free
+                queued.req.status = status
+                done.append(queued.req)
+                continue
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
@@ -359,12 +377,13 @@ class Scheduler(SpecSchedulerMixin, BeamSchedulerMixin):
 
     def _check_stop(self, req: Request, token: int) -> None:
         # Length first, as vLLM does: a stop token that is also the last allowed token ends as "length".
-        at_limit = req.max_tokens is not None and req.num_output_tokens >= req.max_tokens
+        generated = req.num_generated_tokens  # a resumed request's earlier output counts
+        at_limit = req.max_tokens is not None and generated >= req.max_tokens
         if at_limit or req.num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
             return
         params = req.sampling_params
-        if req.num_output_tokens < params.min_tokens:
+        if generated < params.min_tokens:
             return
         if token == req.eos_token_id and not params.ignore_eos:
             req.status = RequestStatus.FINISHED_STOPPED
@@ -377,9 +396,9 @@ class Scheduler(SpecSchedulerMixin, BeamSchedulerMixin):
                      if r.status in _COMPUTING and r.num_computed_tokens < r.num_prompt_tokens)
         pool = self.kv.pool
         return NodeLoad(
-            num_waiting=len(self.waiting), num_running=len(self.running), num_reserved=len(self.reserved),
-            num_held=len(self.held), queued_prefill_tokens=queued, free_kv_blocks=pool.num_free_blocks,
-            total_kv_blocks=pool.num_blocks, kv_cache_usage=pool.usage(),
+            num_waiting=len(self.waiting) + len(self.queued), num_running=len(self.running),
+            num_reserved=len(self.reserved), num_held=len(self.held), queued_prefill_tokens=queued,
+            free_kv_blocks=pool.num_free_blocks, total_kv_blocks=pool.num_blocks, kv_cache_usage=pool.usage(),
         )
 
     # -- disaggregation ------------------------------------------------------------------------------
@@ -401,11 +420,40 @@ class Scheduler(SpecSchedulerMixin, BeamSchedulerMixin):
             sends.append(KVSend(rid, spec.transfer_id, spec.peer, tuple(blocks), spec.dst_block_ids))
         return tuple(sends)
 
-    def reserve(self, req: Request, lease_s: float) -> Reservation | None:
+    def reserve(self, req: Request, lease_s: float, queue_until: float | None = None) -> Reservation | None:
         """Decode role: set aside blocks for a prompt whose KV a prefill node will write. None when the
-        blocks are not there (the caller answers 'no capacity')."""
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id: {req.request_id!r} is already in use")
+        blocks are not there: refused, or (with `queue_until`) queued until then, behind any queued earlier
+        (`queued`; `admit_queued` grants them). QueueFull when the waiting requests are at their bound."""
+        self._check_new_id(req.request_id)
+        if not len(self.queued):
+            res = self._try_reserve(req, lease_s)
+            if res is not None or queue_until is None:
+                return res
+        elif queue_until is None:
+            return None  # others wait ahead of it
+        self.check_room_to_wait()
+        self.queued.add(QueuedReservation(req, lease_s, queue_until))
+        return None
+
+    def admit_queued(self, now: float | None = None) -> tuple[list[Reservation], list[str]]:
+        """Grant queued reservations that fit now, in arrival order; drop those past their wait.
+        Returns (granted, expired ids)."""
+        now = time.monotonic() if now is None else now
+        expired = self.queued.expire(now)
+        granted: list[Reservation] = []
+        free = self.kv.pool.num_free_blocks
+        if free == self.queued.free_blocks_at_last_try:
+            return granted, expired  # nothing was freed since the head last failed to fit
+        for item in self.queued:
+            res = self._try_reserve(item.req, item.lease_s)
+            if res is None:
+                self.queued.free_blocks_at_last_try = self.kv.pool.num_free_blocks
+                break
+            self.queued.remove(item.req.request_id)
+            granted.append(res)
+        return granted, expired
+
+    def _try_reserve(self, req: Request, lease_s: float) -> Reservation | None:
         hit = self._lookup(req)
         if self.kv.allocate_slots(req, req.num_prompt_tokens - hit.num_tokens, hit, cache=False) is None:
             self.kv.free(req)

@@ -25,6 +25,7 @@ from shared import wire
 from shared.config import dtype_name
 from shared.engine.async_engine import AsyncEngine, BlockEventSink, EngineDead, EngineDraining, EngineHooks
 from shared.engine.core import EngineCore
+from shared.engine.reservation_queue import DuplicateRequest, QueueFull
 from shared.engine.scheduler_output import EngineCoreOutput
 from shared.node.metrics import NodeMetrics
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
@@ -37,27 +38,41 @@ logger = logging.getLogger(__name__)
 class RpcFailure(Exception):
     """End the RPC with this status code and message."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 kind: wire.NodeErrorKind = wire.NodeErrorKind.NODE) -> None:
         super().__init__(message)
         self.code = code
+        self.kind = kind
 
 
 def transfer_failure(error: TransferError, what: str) -> RpcFailure:
     """A refused layout is the caller's deployment mistake (FAILED_PRECONDITION); anything else may pass."""
     refused = isinstance(error, LayoutMismatchError)
     code = grpc.StatusCode.FAILED_PRECONDITION if refused else grpc.StatusCode.UNAVAILABLE
-    return RpcFailure(code, f"{what}: {error}")
+    return RpcFailure(code, f"{what}: {error}", wire.NodeErrorKind.HANDOFF)
 
 
-def _status(error: Exception) -> tuple[grpc.StatusCode, str]:
+def _status(error: Exception) -> tuple[grpc.StatusCode, str, wire.NodeErrorKind]:
+    kind = wire.NodeErrorKind
     if isinstance(error, RpcFailure):
-        return error.code, str(error)
+        return error.code, str(error), error.kind
+    if isinstance(error, DuplicateRequest):
+        return grpc.StatusCode.ALREADY_EXISTS, str(error), kind.DUPLICATE
     if isinstance(error, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    if isinstance(error, (EngineDraining, EngineDead)):
-        return grpc.StatusCode.UNAVAILABLE, str(error)
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error), kind.NODE
+    if isinstance(error, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), kind.FULL
+    if isinstance(error, EngineDraining):
+        return grpc.StatusCode.UNAVAILABLE, str(error), kind.DRAINING
+    if isinstance(error, EngineDead):
+        return grpc.StatusCode.UNAVAILABLE, str(error), kind.NODE
     logger.exception("RPC failed unexpectedly", exc_info=error)
-    return grpc.StatusCode.INTERNAL, f"internal error: {error!r}"
+    return grpc.StatusCode.INTERNAL, f"internal error: {error!r}", kind.NODE
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    code, message, kind = _status(error)
+    await context.abort(code, message, trailing_metadata=((wire.NODE_ERROR_KEY, kind.value),))
 
 
 def unary_rpc(fn: Callable) -> Callable:
@@ -66,7 +81,7 @@ def unary_rpc(fn: Callable) -> Callable:
         try:
             return await fn(self, request, context)
         except Exception as e:  # noqa: BLE001 - mapped to a status code, bugs logged
-            await context.abort(*_status(e))
+            await _abort(context, e)
 
     return wrapper
 
@@ -79,7 +94,7 @@ def stream_rpc(fn: Callable) -> Callable:
                 async for item in stream:
                     yield item
         except Exception as e:  # noqa: BLE001 - mapped to a status code, bugs logged
-            await context.abort(*_status(e))
+            await _abort(context, e)
 
     return wrapper
 

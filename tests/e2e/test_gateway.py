@@ -218,7 +218,7 @@ def test_auth(fleet):
 
 
 def test_no_capacity_503(fleet):
-    gw = GatewayThread(model=fleet.model, decode=("127.0.0.1:9",), health_interval=0.2)
+    gw = GatewayThread(model=fleet.model, decode=("127.0.0.1:9",), health_interval=0.2, capacity_wait=0.5)
     try:
         with pytest.raises(openai.APIStatusError) as info:
             gw.client().chat.completions.create(model=MODEL, messages=_chat(), max_tokens=2)
@@ -391,7 +391,7 @@ def test_node_shutdown_timeout_ends_the_stream_with_a_clean_error(fleet):
     (not a truncated answer that looks finished), and the node aborts the sequence and exits 0."""
     (node,) = start_nodes([("decode", tiny_args(fleet.model, "ucx", "--node-id", "decode-short",
                                                 "--shutdown-timeout", "0.5", blocks=160))])
-    gw = GatewayThread(model=fleet.model, decode=(node.address,))
+    gw = GatewayThread(model=fleet.model, decode=(node.address,), capacity_wait=1)  # no other node to move to
     try:
         body = {"model": MODEL, "prompt": "Stop me", "max_tokens": 1900, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", gw.url + "/v1/completions", json=body,

@@ -338,11 +338,12 @@ def test_resumed_request_replays_its_grammar(engine, default_tokenizer, params):
     (full, reason), = _run(engine, {"whole": (prompt, constrained)}).values()
     assert len(full) > 12
     for cut in (1, 9, len(full) - 2):
-        engine.resume_request(f"resumed-{cut}", prompt, full[:cut], constrained)
+        # Migration resumes a request as prompt + its output so far, the last `cut` tokens marked as output.
+        engine.add_request(f"resumed-{cut}", prompt + full[:cut], replace(constrained, num_resumed_tokens=cut))
         rest: list[int] = []
         while engine.has_unfinished():
             for out in engine.step():
                 rest.extend(out.new_token_ids)
         assert full[:cut] + rest == full
-    with pytest.raises(ValueError, match="no tokens left"):
-        engine.resume_request("done", prompt, full + [0] * 80, constrained)
+    with pytest.raises(ValueError, match="num_resumed_tokens"):
+        engine.add_request("done", prompt + full, replace(constrained, num_resumed_tokens=80))

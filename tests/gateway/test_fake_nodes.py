@@ -32,6 +32,9 @@ class Script:
     token_delay_s: float = 0.0
     refuse_reserve: bool = False
     fail_prefill: bool = False
+    die_node: str | None = None  # this node's streams fail (UNAVAILABLE, as a reset) or hang ...
+    die_after: int = 0  # ... once this many tokens of the sequence exist
+    hang: bool = False  # hang instead of failing (Health hangs too, as a SIGSTOPped process would)
     aborted: list[str] = field(default_factory=list)
     calls: list[tuple[str, str, str]] = field(default_factory=list)  # (node_id, method, request_id)
 
@@ -68,6 +71,8 @@ class FakeNode(pb_grpc.EngineServicer):
                            kv_address=f"local://{self.node_id}")
 
     async def Health(self, request, context):  # noqa: N802
+        if self.script.hang and self.script.die_node == self.node_id:
+            await asyncio.sleep(3600)
         return pb.HealthResponse(healthy=True)
 
     async def GetLoad(self, request, context):  # noqa: N802
@@ -90,7 +95,7 @@ class FakeNode(pb_grpc.EngineServicer):
         cached = self._cached_tokens(request.prompt_token_ids, request.cache_salt)
         self._remember(request.prompt_token_ids, request.cache_salt)
         p = request.params
-        first = self._token(p, 0)
+        first = self._token(p, p.num_resumed_tokens)
         resp = pb.PrefillResponse(request_id=request.request_id, first_token_id=first, num_cached_tokens=cached,
                                   finish_reason="length" if p.max_tokens == 1 else "")
         if p.HasField("logprobs"):
@@ -110,12 +115,17 @@ class FakeNode(pb_grpc.EngineServicer):
         self._remember(request.prompt_token_ids, request.cache_salt)  # a hand-off's blocks are cached too
         stop = self.active[rid] = asyncio.Event()
         max_tokens = p.max_tokens if p.HasField("max_tokens") else 10_000
+        start = p.num_resumed_tokens  # a migrated sequence continues where it stopped
         try:
-            for i in range(max_tokens):
+            for i in range(start, max_tokens):
                 if stop.is_set():
                     yield pb.TokenChunk(finish_reason="abort")
                     return
-                if i and self.script.token_delay_s:
+                if self.script.die_node == self.node_id and i >= self.script.die_after:
+                    if self.script.hang:
+                        await asyncio.sleep(3600)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "Connection reset by peer")
+                if i > start and self.script.token_delay_s:
                     await asyncio.sleep(self.script.token_delay_s)
                 token = self._token(p, i)
                 done = i + 1 == max_tokens
@@ -196,7 +206,8 @@ def fleet(default_tokenizer):
 @pytest.fixture(autouse=True)
 def _reset(fleet):
     fleet.script.token_delay_s = 0
-    fleet.script.refuse_reserve = fleet.script.fail_prefill = False
+    fleet.script.refuse_reserve = fleet.script.fail_prefill = fleet.script.hang = False
+    fleet.script.die_node, fleet.script.die_after = None, 0
     fleet.script.aborted.clear()
     fleet.script.calls.clear()
 
@@ -262,18 +273,23 @@ def test_disconnect_aborts_stream(fleet):
     assert fleet.script.aborted
 
 
-def test_refused_reservations_503(fleet):
+def test_refused_reservations_429(fleet):
+    """Every decode node at its queue bound: 429 with Retry-After, not a 5xx."""
     fleet.script.refuse_reserve = True
     r = httpx.post(fleet.url + "/v1/completions", json={"prompt": "x " * 50, "max_tokens": 3})
-    assert r.status_code == 503, r.text
-    assert r.json()["error"]["type"] == "service_unavailable_error"
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
+    reserves = [node for node, m, _ in fleet.script.calls if m == "Reserve"]
+    assert sorted(reserves) == ["d0", "d1"]  # the next decode node was tried
 
 
 def test_failed_prefill_falls_back_to_local(fleet):
     fleet.script.fail_prefill = True
     r = httpx.post(fleet.url + "/v1/completions", json={"prompt": "y " * 50, "max_tokens": 3})
     assert r.status_code == 200, r.text
-    assert any(m == "Generate" and rid.endswith(".local") for _, m, rid in fleet.script.calls)
+    # A fresh id for the local attempt: the abandoned reservation's abort may not have landed yet.
+    assert any(m == "Generate" and rid.endswith(".h1") for _, m, rid in fleet.script.calls)
+    assert fleet.gateway.discovery.routable("prefill")  # the prefill node answered its probe: still in rotation
 
 
 @pytest.mark.parametrize("body,status,param", [

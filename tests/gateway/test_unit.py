@@ -128,7 +128,7 @@ def test_refused_nodes_and_no_capacity():
     assert "block size" in next(n for n in disc.nodes() if n.node_id == "d0").refused
     with pytest.raises(NoCapacity):
         route(Router(FakeDiscovery([node("p0", "prefill")]), make_policy("cache_aware"), FakeIndex(), 16), [1, 2])
-    disc.mark_failed("d1", RuntimeError("boom"))
+    disc.trip("d1", "no answer to a health probe")
     assert not disc.routable("decode")
 
 

@@ -148,8 +148,10 @@ def test_registered_with_load_and_blocks(nodes, index):
     P, D = nodes["P"], nodes["D"]
     ids = {P.info["node_id"], D.info["node_id"]}
     wait_for(lambda: ids <= set(live()), 5, "both nodes in the registry")
-    load = wait_for(lambda: live()[D.info["node_id"]], 5, "a heartbeat with load")
-    assert load.total_kv_blocks == 64 and load.free_kv_blocks == 64
+    # The first heartbeat may predate the previous test's last frees: wait for one taken after them.
+    load = wait_for(lambda: (got := live().get(D.info["node_id"])) and got.free_kv_blocks == 64 and got, 10,
+                    "a heartbeat with every block free")
+    assert load.total_kv_blocks == 64
     assert nodes["X"].info["node_id"] not in live()  # no --redis-url: unregistered
     prompt = [(11 * i + 5) % 500 for i in range(50)]
     disaggregated(P, D, "indexed", prompt, GREEDY)

@@ -26,7 +26,7 @@ class SpecSchedulerMixin:
             return ()
         limit = min(len(spec), self.max_model_len - req.num_tokens - 1)
         if req.max_tokens is not None:
-            limit = min(limit, req.max_tokens - req.num_output_tokens - 1)
+            limit = min(limit, req.max_tokens - req.num_generated_tokens - 1)
         fits = min(limit, budget - n)
         # Wait only for what some step can give: the drafts that fit a whole step's budget.
         whole = min(limit, self.config.max_num_batched_tokens - n)
@@ -49,7 +49,7 @@ class SpecSchedulerMixin:
         # Room for a draft next step, even if every one of this step's drafts is rejected.
         room = self.max_model_len - req.num_tokens - 1
         if req.max_tokens is not None:
-            room = min(room, req.max_tokens - req.num_output_tokens - 1)
+            room = min(room, req.max_tokens - req.num_generated_tokens - 1)
         return room >= 2
 
     def _plan_chunk(self, req: Request, num_computed: int, budget: int):

@@ -1,0 +1,362 @@
+"""No request lost: real faults on real processes under a real gateway, checked against the fault-free run.
+
+2 prefill + 2 decode node processes (a tiny random llama that carries the default model's tokenizer),
+registered in a redis-server the tests kill and restart, and a gateway in this process with short
+liveness timeouts. Each fault is a real one: SIGKILL (a crash) or SIGSTOP (a hang: the process keeps its
+connections open and answers nothing). Greedy and seeded requests must come back with exactly the text of
+the fault-free run; afterwards every node is back to 0 running, 0 waiting and every KV block free.
+The tests that crash nodes come last and leave them dead where the next test can do without them
+(a test restarts, under the same node id, only the nodes it needs), so each passes alone too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared.hashing import prompt_block_hashes
+from shared.index.redis_server import start_redis
+from shared.node.launch import NodeProcess
+from tests.e2e.test_gateway import GatewayThread, make_tiny_with_tokenizer
+from tests.helpers.nodes import all_blocks_free, in_thread, start_nodes, stop_nodes, tiny_args, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+BLOCKS = 1024
+LEASE_S = 4.0
+STALL_S = 3.0
+LONG = 400  # tokens: the tiny model streams them for a second or more, long enough to fault it mid-way
+
+
+class Chaos:
+    def __init__(self, model: str, tmp: Path) -> None:
+        self.model, self.sock = model, str(tmp / "redis.sock")
+        self.redis = start_redis(self.sock)
+        reg = ["--redis-url", self.redis.url, "--heartbeat-seconds", "0.5", "--registry-ttl", "2"]
+        extra = ["--kv-lease-seconds", str(LEASE_S), "--transfer-timeout", "5", "--kv-connect-timeout", "2"]
+        self.specs = {f"{role}-{i}": (role, tiny_args(model, "ucx", "--node-id", f"{role}-{i}", *reg, *extra,
+                                                      blocks=BLOCKS))
+                      for role in ("prefill", "decode") for i in range(2)}
+        self.nodes: dict[str, NodeProcess] = {}
+        try:
+            self.nodes = dict(zip(self.specs, start_nodes(list(self.specs.values()))))
+            self.gw = GatewayThread(model=model, redis_url=self.redis.url, startup_timeout=30, refresh_interval=0.2,
+                                    local_prefill_threshold=8, stall_timeout=STALL_S, probe_timeout=0.5,
+                                    capacity_wait=10)
+            self.wait_all_routable()
+        except BaseException:
+            self.close()
+            raise
+
+    def live(self) -> dict[str, NodeProcess]:
+        return {i: n for i, n in self.nodes.items() if n.proc.poll() is None}
+
+    def wait_all_routable(self, timeout: float = 60) -> None:
+        """Every live node in rotation (a resumed node's breaker lets it back after a probe)."""
+        d = self.gw.gateway.discovery
+        live = set(self.live())
+        wait_for(lambda: live <= {n.node_id for r in ("prefill", "decode") for n in d.routable(r)}, timeout,
+                 f"{sorted(live)} routable")
+
+    def ensure(self, role: str, count: int = 2) -> None:
+        """At least `count` live nodes of `role`: restart dead ones under their node ids."""
+        dead = [i for i, n in self.nodes.items() if n.role == role and n.proc.poll() is not None]
+        need = count - sum(1 for n in self.live().values() if n.role == role)
+        if need > 0:
+            for node_id, node in zip(dead[:need], start_nodes([self.specs[i] for i in dead[:need]])):
+                self.nodes[node_id] = node
+        self.wait_all_routable()
+
+    def predict(self, prompt_ids: list[int]):
+        """The nodes the gateway would pick for this prompt now (routing is deterministic)."""
+        return asyncio.run(self.gw.gateway.router.route(prompt_ids))
+
+    def all_clean(self) -> bool:
+        return all(all_blocks_free(n) and n.load().num_reserved == 0 and n.load().num_held == 0
+                   for n in self.live().values())
+
+    def close(self) -> None:
+        if getattr(self, "gw", None) is not None:
+            self.gw.close()
+        for n in self.nodes.values():
+            if n.proc.poll() is None:
+                os.kill(n.proc.pid, signal.SIGCONT)
+        stop_nodes(self.nodes.values(), grace=10)
+        self.redis.stop()
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory, default_model_dir):
+    model = make_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny-chaos") / "tiny-chaos", Path(default_model_dir))
+    c = Chaos(str(model), tmp_path_factory.mktemp("chaos-redis"))
+    yield c
+    c.close()
+
+
+@pytest.fixture(autouse=True)
+def _clean_after(chaos):
+    yield
+    wait_for(chaos.all_clean, LEASE_S + 15, "every node idle with every block free")
+    assert not chaos.gw.gateway.router.inflight.seqs
+
+
+def _body(prompt: str, stream: bool, seeded: bool, max_tokens: int = LONG) -> dict:
+    body = {"model": "tiny-chaos", "prompt": prompt, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
+    body.update({"temperature": 0.9, "seed": 1234} if seeded else {"temperature": 0})
+    return body
+
+
+def _complete(url: str, body: dict) -> str:
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+class _Stream:
+    """A streamed completion read on a thread; `fault` runs once the first tokens arrived."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        self.url, self.body = url, body
+        self.started, self.headers, self.text, self.lines = threading.Event(), {}, "", []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as r:
+            self.headers = dict(r.headers)
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                self.lines.append(line)
+                if line.startswith("data: {"):
+                    msg = json.loads(line[6:])
+                    assert "error" not in msg, msg
+                    self.text += msg["choices"][0]["text"]
+                    if len(self.lines) >= 3:
+                        self.started.set()
+        self.started.set()
+
+    def result(self) -> str:
+        self.thread.join(120)
+        assert not self.thread.is_alive() and self.lines[-1] == "data: [DONE]", self.lines[-3:]
+        return self.text
+
+
+def _metric(chaos: Chaos, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(chaos.gw.url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rpartition(" ")[2])
+    return total
+
+
+# ------------------------------------------------------------------------------------ no crash first
+
+
+def test_client_disconnect_mid_stream(chaos):
+    body = _body("Disconnect: count forever", True, False)
+    with httpx.stream("POST", chaos.gw.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(line for line in lines if line.startswith("data:"))
+    # _clean_after checks that every node freed the sequence.
+
+
+def test_decode_hung_mid_stream(chaos):
+    chaos.ensure("decode")
+    body = _body("Decode hang: tell me a long story", True, True)
+    expected = _complete(chaos.gw.url, {**body, "stream": False})
+    s = _Stream(chaos.gw.url, body)
+    assert s.started.wait(60)
+    victim = chaos.nodes[s.headers["x-kvrelay-decode-node"]]
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        assert s.result() == expected
+        assert chaos.gw.gateway.discovery.breaker_state(victim.info["node_id"]) == "open"
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    # Resumed, it learns that its stream was cancelled and frees it; its breaker lets it back.
+    chaos.wait_all_routable()
+
+
+def _prompt(tag: str) -> str:
+    return f"{tag}: " + " ".join(f"word{i}" for i in range(300))
+
+
+def _prefill_fault(chaos, fault: str) -> None:
+    """A cold prompt (no cache may make the prefill node's work disappear); its reference runs afterwards."""
+    chaos.ensure("prefill")
+    body = _body(_prompt(f"prefill {fault}"), True, True, max_tokens=40)
+    victim = chaos.nodes[chaos.predict(chaos.gw.gateway.tokenizer.encode(body["prompt"])).prefill.node_id]
+    os.kill(victim.proc.pid, signal.SIGSTOP)  # the Prefill call will wait on it
+    try:
+        s = _Stream(chaos.gw.url, body)
+        if fault == "kill":
+            time.sleep(1.0)  # the call is on the wire, unanswered
+            victim.kill()
+        text = s.result()
+    finally:
+        if victim.proc.poll() is None:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+    assert s.headers["x-kvrelay-prefill-node"] not in (victim.info["node_id"], "local")
+    assert text == _complete(chaos.gw.url, {**body, "stream": False})  # the fault-free run, same prompt
+    chaos.wait_all_routable()
+
+
+def test_prefill_hung_mid_prefill(chaos):
+    _prefill_fault(chaos, "hang")
+
+
+def test_redis_killed_and_restarted_under_load(chaos):
+    gw = chaos.gw.gateway
+    prefix = "Shared system prompt for the outage test. " * 12
+    failures, done, stop = [], [], threading.Event()
+
+    def load(worker: int) -> None:
+        i = 0
+        while not stop.is_set():
+            body = _body(prefix + f"question {worker}.{i}", False, False, max_tokens=8)
+            r = httpx.post(chaos.gw.url + "/v1/completions", json=body, timeout=60)
+            (done if r.status_code == 200 else failures).append(r.status_code)
+            i += 1
+
+    workers = [threading.Thread(target=load, args=(w,), daemon=True) for w in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        time.sleep(1.5)
+        argv = chaos.redis.process.args
+        chaos.redis.process.kill()
+        chaos.redis.process.wait()
+        health = wait_for(lambda: (h := httpx.get(chaos.gw.url + "/health").json())["status"] == "degraded" and h,
+                          10, "/health to report the outage")
+        assert any("registry" in r or "index" in r for r in health["reasons"]), health
+        served_during = len(done)
+        time.sleep(6)
+        assert len(done) > served_during  # still serving, to the last known nodes
+        _restart_redis(chaos, argv)  # same socket, empty: the nodes re-register and republish
+        wait_for(lambda: gw.discovery.registry_error is None and len(gw.discovery.routable("decode")) == 2, 15,
+                 "the registry to answer again with every node")
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(60)
+    assert not failures, failures
+    # Routing recovers: the shared prefix is back in the index, and requests find it cached.
+    hashes = prompt_block_hashes(gw.tokenizer.encode(prefix), gw.model_id, gw.config.block_size)
+    wait_for(lambda: _lookup(gw.router.index, hashes), 15, "the nodes to republish their blocks")
+
+    def cached_after() -> int | None:
+        r = httpx.post(chaos.gw.url + "/v1/completions", json=_body(prefix + "after", False, False, 4), timeout=60)
+        assert r.status_code == 200, r.text
+        return gw.router.index_error is None and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached = wait_for(cached_after, 10, "lookups to work again", interval=0.5)
+    assert cached >= (len(hashes) - 1) * 16  # (the prefix's last block may tokenize differently before "after")
+    assert httpx.get(chaos.gw.url + "/health").json()["status"] == "ok"
+
+
+def _lookup(index, hashes) -> dict:
+    from shared.index import IndexUnavailable
+
+    try:
+        return index.lookup(hashes)
+    except IndexUnavailable:  # it pauses a moment after a failure
+        return {}
+
+
+def _restart_redis(chaos, argv) -> None:
+    """The same redis-server command line (socket, workdir). Not start_redis: its preexec_fn is not safe to
+    fork from a process whose gRPC threads are running."""
+    import subprocess
+
+    import redis as redis_py
+
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    chaos.redis.process = process
+    client = redis_py.Redis.from_url(chaos.redis.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    wait_for(lambda: _pings(client), 10, "redis-server to answer")
+    client.close()
+
+
+def _pings(client) -> bool:
+    import redis as redis_py
+
+    try:
+        return bool(client.ping())
+    except redis_py.RedisError:
+        return False
+
+
+# ------------------------------------------------------------------------- crashes (nodes stay dead)
+
+
+def test_decode_killed_mid_stream_unary_seeded(chaos):
+    chaos.ensure("decode")
+    body = _body("Decode crash: tell me a long story", False, True)
+    expected = _complete(chaos.gw.url, body)
+    before = _metric(chaos, "kvrelay:migrations_total")
+    thread, box = in_thread(_complete, chaos.gw.url, body)
+    victim = wait_for(lambda: next((i for i, n in chaos.live().items() if n.role == "decode"
+                                    and n.load().num_running), None), 30, "the request to start decoding",
+                      interval=0.02)
+    time.sleep(0.2)
+    chaos.nodes[victim].kill()
+    thread.join(120)
+    assert box.get("result") == expected, box
+    assert _metric(chaos, "kvrelay:migrations_total") == before + 1
+
+
+def test_prefill_killed_mid_prefill(chaos):
+    _prefill_fault(chaos, "kill")
+
+
+def test_prefill_killed_mid_transfer(chaos):
+    """The prefill node dies while its KV is half on the wire (the decode node is frozen, so its acks never
+    come): the gateway hands off again into a fresh reservation, on the other decode node once the frozen
+    one fails its probe (or prefills there itself, with no prefill node left); the half-written reservation
+    is freed."""
+    chaos.ensure("decode")
+    body = _body(_prompt("transfer"), False, True, max_tokens=30)
+    decision = chaos.predict(chaos.gw.gateway.tokenizer.encode(body["prompt"]))
+    if decision.prefill is None:
+        chaos.ensure("prefill", 1)
+        decision = chaos.predict(chaos.gw.gateway.tokenizer.encode(body["prompt"]))
+    prefill, decode = chaos.nodes[decision.prefill.node_id], chaos.nodes[decision.decode.node_id]
+    os.kill(prefill.proc.pid, signal.SIGSTOP)
+    thread, box = in_thread(_complete, chaos.gw.url, body)
+    try:
+        wait_for(lambda: decode.load().num_reserved == 1, 5, "the reservation on the decode node", interval=0.02)
+        os.kill(decode.proc.pid, signal.SIGSTOP)
+        os.kill(prefill.proc.pid, signal.SIGCONT)
+        wait_for(lambda: prefill.load().num_held == 1, 5, "the prefill node to be mid-transfer", interval=0.02)
+        prefill.kill()
+        thread.join(60)
+    finally:
+        os.kill(decode.proc.pid, signal.SIGCONT)
+    assert "result" in box, box
+    chaos.wait_all_routable()
+    assert box["result"] == _complete(chaos.gw.url, body)  # the fault-free run of the same request
+    wait_for(lambda: all_blocks_free(decode) and decode.load().num_reserved == 0, LEASE_S + 10,
+             "the half-written reservation to be freed")
+
+
+def test_decode_killed_mid_stream_greedy(chaos):
+    """Last: whatever prefill nodes are left (maybe none: the decode nodes prefill locally)."""
+    chaos.ensure("decode")
+    body = _body("Decode crash: stream me a long story", True, False)
+    expected = _complete(chaos.gw.url, {**body, "stream": False})
+    before = _metric(chaos, "kvrelay:migrations_total")
+    s = _Stream(chaos.gw.url, body)
+    assert s.started.wait(60)
+    chaos.nodes[s.headers["x-kvrelay-decode-node"]].kill()
+    assert s.result() == expected
+    assert _metric(chaos, "kvrelay:migrations_total") == before + 1
