@@ -113,3 +113,37 @@ def test_fused_rope_equals_hf_formula(dtype):
     assert torch.equal(qk_b, hf)
     assert torch.equal(b[:, 12 * 64 :], qkv[:, 12 * 64 :])  # v untouched
     assert (qk_a.float() - hf.float()).abs().max().item() <= (1e-6 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 80])
+@pytest.mark.parametrize("scale", [0.125, 4.0])
+def test_native_decode_softmax_and_dots_at_every_head_size(head_size, scale):
+    """The vectorised exp and dot products: peaked scores (scale 4: most weights underflow to 0) and head
+    sizes with (64, 128) and without (80) a compiled-in specialisation agree with the portable path."""
+    torch.manual_seed(2)
+    bs, nb, heads, kv_heads = 16, 96, 6, 2
+    lens = [1, 9, 31, 64, 150]
+    tables = torch.randperm(nb)[: len(lens) * 10].view(len(lens), 10).int()
+    kv = torch.randn(2, nb, bs, kv_heads, head_size)
+    q = torch.randn(len(lens), heads, head_size)
+    k, v = torch.randn(len(lens), kv_heads, head_size), torch.randn(len(lens), kv_heads, head_size)
+    a = TorchAttentionBackend(use_native=True).forward(q, k, v, kv.clone(), _meta(lens, tables, bs), scale)
+    b = TorchAttentionBackend(use_native=False).forward(q, k, v, kv.clone(), _meta(lens, tables, bs), scale)
+    assert torch.isfinite(a).all()
+    # Scores of size ~scale * sqrt(d) carry fp32 rounding of that size; softmax passes it on to the weights.
+    assert (a - b).abs().max().item() < 1e-5 * max(1.0, scale * head_size**0.5 / 8)
+
+
+@pytest.mark.parametrize("k_dim", [576, 1536, 67])
+def test_skinny_linear_rows_do_not_depend_on_the_batch(k_dim):
+    """Every row of a batch of 1..40 rows equals the same row computed alone, bit for bit (W is walked in
+    L2-sized chunks with tiles of 8 rows; N is not a multiple of either), and matches torch's GEMM."""
+    torch.manual_seed(3)
+    n_out = 1000
+    w, bias = torch.randn(n_out, k_dim), torch.randn(n_out)
+    x = torch.randn(40, k_dim)
+    native = cpu_kernels.load()
+    alone = torch.cat([native.skinny_linear(x[i : i + 1], w, bias) for i in range(40)])
+    for rows in (1, 3, 8, 9, 17, 32, 40):
+        assert torch.equal(native.skinny_linear(x[:rows], w, bias), alone[:rows])
+    torch.testing.assert_close(alone, torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
