@@ -72,10 +72,26 @@ def _decode_flags(args: argparse.Namespace) -> list[str]:
     return ["--speculative-config", args.speculative_config] if args.speculative_config else []
 
 
+def threads_per_engine(args: argparse.Namespace) -> int:
+    """The machine's cores shared evenly by the engines (each engine's torch threads)."""
+    engines = 1 if args.colocated else args.prefill + args.decode
+    return max(1, (os.cpu_count() or 1) // engines)
+
+
+def placement_note(args: argparse.Namespace) -> str:
+    """What `up` chose for the engines' threads, and a warning where disaggregation cannot pay off here."""
+    cores, threads = os.cpu_count() or 1, threads_per_engine(args)
+    note = f"{cores} CPU cores: {threads} torch thread(s) per engine"
+    if not args.colocated and threads < 2:
+        note += ("; with a core or less per engine, each prefill runs on one core while decodes hold the other: "
+                 "time to first token suffers most (docs/benchmarks.md: 20x the colocated TTFT at concurrency 32 "
+                 "on 2 cores). --colocated gives one engine every core")
+    return note
+
+
 def plan_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
     """The node and gateway processes, with ports picked up front so the gateway can be told them."""
-    engines = 1 if args.colocated else args.prefill + args.decode
-    threads = str(max(1, (os.cpu_count() or 1) // engines))
+    threads = str(threads_per_engine(args))
     common = ["--redis-url", redis_url, "--host", args.host, "--num-threads", threads,
               "--shutdown-timeout", str(args.shutdown_timeout), *_engine_flags(args)]
     children = []
@@ -111,6 +127,7 @@ class Fleet:
     def start(self) -> None:
         redis_url = self.args.redis_url or self._start_redis()
         self.children = plan_children(self.args, redis_url)
+        logger.info("placement: %s", placement_note(self.args))
         for child in self.children:
             self._spawn(child)
 
@@ -219,6 +236,7 @@ def banner(args: argparse.Namespace, fleet: Fleet) -> str:
     layout = "colocated (1 engine)" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
     return f"""
 kvrelay is up: {layout}, model {model}
+  placement       : {placement_note(args)}
   OpenAI base URL : {base}
   gRPC API        : {args.host}:{args.grpc_port}
   metrics         : http://{args.host}:{args.port}/metrics

@@ -112,6 +112,8 @@ def test_end_to_end_tiny_with_hf_baseline(tmp_path, capsys):
                     "ceiling_output_tokens_per_s", "fraction_of_ceiling"):
             assert saved[system][key] > 0, (system, key)
     assert saved["ours"]["short_requests"] == 0
+    # Prefix caching off, as for the baselines: every prompt token is computed.
+    assert saved["engine"]["enable_prefix_caching"] is False and saved["ours"]["cached_prompt_tokens"] == 0
     assert set(saved["ours_over_hf"]) == {"requests_per_s", "output_tokens_per_s", "total_tokens_per_s"}
     assert saved["matmul"]["gflops"] > 0
     agreement = saved["greedy_agreement"]
