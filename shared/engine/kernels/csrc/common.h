@@ -12,6 +12,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define KVRELAY_AVX2 1  // the kernels' hand-vectorised paths
 #endif
 
 namespace kvrelay {
@@ -48,7 +49,7 @@ inline void store_n(const float* src, at::BFloat16* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef KVRELAY_AVX2
 inline float hsum8(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -59,7 +60,7 @@ inline float hsum8(__m256 v) {
 
 template <int D>
 inline float dot(const float* a, const float* b, int64_t d_arg) {
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef KVRELAY_AVX2
   if constexpr (D > 0 && D % 32 == 0) {
     // Four independent accumulators: one chain of D/8 dependent FMAs would wait on their latency.
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -84,7 +85,7 @@ inline void axpy(float a, const float* x, float* y, int64_t d_arg) {
   for (int64_t i = 0; i < d; ++i) y[i] += a * x[i];
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef KVRELAY_AVX2
 // exp for x <= 0 (softmax after subtracting the max): 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial,
 // within 1 ulp of expf over [-87, 0]; below -87.3 it returns 0 where expf returns a denormal (negligible
 // beside the max's 1).
@@ -113,7 +114,7 @@ inline void softmax_inplace(float* s, int64_t n) {
   const float m = *std::max_element(s, s + n);
   float sum = 0.f;
   int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef KVRELAY_AVX2
   const __m256 mv = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
   for (; j + 8 <= n; j += 8) {

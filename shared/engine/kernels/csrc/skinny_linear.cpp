@@ -10,21 +10,9 @@
 #include <cstdint>
 #include <optional>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define KVRELAY_AVX2 1
-#endif
+#include "common.h"
 
 namespace {
-
-#ifdef KVRELAY_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
 
 // Rows [0, M) of x against weight rows [n0, n1), R weight rows at a time (more independent accumulators for
 // fewer x rows; the accumulation of one output element is the same for every M and R).
@@ -57,7 +45,7 @@ void tile(const float* x, const float* w, const float* bias, float* y, int64_t K
       }
     }
     for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) out[m][r] = hsum(acc[m][r]);
+      for (int r = 0; r < R; ++r) out[m][r] = kvrelay::hsum8(acc[m][r]);
 #else
     int64_t k = 0;
     for (int m = 0; m < M; ++m)
@@ -78,7 +66,8 @@ using TileFn = void (*)(const float*, const float*, const float*, float*, int64_
 // Tiles of up to 8 rows of x against R rows of W: M * R accumulators + R weight vectors + 1 x vector fit in
 // the 16 AVX2 registers (measured: 8 x 1 beat 4 x 3 for 4..32 rows).
 constexpr int kTileRows = 8;
-constexpr TileFn kTiles[kTileRows] = {tile<1, 4>, tile<2, 1>, tile<3, 1>, tile<4, 1>, tile<5, 1>, tile<6, 1>, tile<7, 1>, tile<8, 1>};
+constexpr TileFn kTiles[kTileRows] = {tile<1, 4>, tile<2, 1>, tile<3, 1>, tile<4, 1>,
+                                      tile<5, 1>, tile<6, 1>, tile<7, 1>, tile<8, 1>};
 
 // W rows per chunk: ~128 KiB of W stays in L2 while every row tile passes over it.
 int64_t chunk_rows(int64_t K) { return std::max<int64_t>(8, (int64_t{128} << 10) / (K * 4) / 4 * 4); }
