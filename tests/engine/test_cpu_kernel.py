@@ -92,6 +92,22 @@ def test_fused_silu_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_mul_at_the_ends_of_exp(dtype):
+    """Gates where exp(-x) overflows or underflows (the vectorised exp's clamps), in full vectors and the
+    scalar tail: silu(x) -> x for large x, -> 0 for very negative x, never NaN; NaN gates stay NaN."""
+    _, native = _ops()
+    gate = torch.tensor([-1e4, -100.0, -88.5, -88.0, -87.5, -20.0, -1e-3, 0.0, 1e-3, 20.0, 87.5, 88.5, 100.0,
+                         1e4, -3.0, 3.0, 0.5], dtype=torch.float32)
+    gate_up = torch.cat([gate, torch.ones_like(gate)])[None].to(dtype)
+    got = native.silu_mul(gate_up.clone())[0].float()
+    want = torch.nn.functional.silu(gate.to(dtype).float())
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=1e-30)
+    nan = native.silu_mul(torch.full((1, 32), float("nan"), dtype=dtype))
+    assert torch.isnan(nan).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rope_equals_hf_formula(dtype):
     """q * cos + rotate_half(q) * sin, as transformers computes it: identical to the last bit (each product
     rounds on its own), and within a rounding of the portable path (which fuses a multiply-add)."""

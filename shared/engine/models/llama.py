@@ -13,13 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shared.engine.attention.base import AttentionBackend, AttentionMetadata
 from shared.engine.models.ops import LayerOps
 
-from . import skinny
+from . import cpu_linear
 
 
 @dataclass(frozen=True)
@@ -67,11 +66,52 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None  # the weight in the CPU GEMM's layout, made by after_load
+
+    def after_load(self) -> None:
+        self.packed = cpu_linear.pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A few rows (decodes, drafts being verified) take the skinny kernel: as cheap as one row, and
-        # each row's result independent of the others.
-        return skinny.linear(x, self.weight, self.bias)
+        return cpu_linear.linear(x, self.weight, self.bias, self.packed)
+
+
+class LMHead(Linear):
+    """The vocabulary projection, computed one fixed tile of the vocabulary at a time.
+
+    The logits of a batch over a 49k vocabulary are tens of MB; tile by tile they stay in cache, and greedy
+    decoding keeps only a running argmax (no logits written at all). Full logits and the greedy argmax come
+    from the same tiles, so they agree exactly. Each tile is packed like a Linear's weight.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, dtype: torch.dtype) -> None:
+        super().__init__(hidden_size, vocab_size, False, dtype)
+        self.tiles: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (first token, weight, packed)
+
+    def after_load(self, tile: int = 2048) -> None:
+        weight = self.weight
+        self.tiles = [(start, weight[start : start + tile], cpu_linear.pack(weight[start : start + tile]))
+                      for start in range(0, weight.shape[0], tile)]
+
+    def _tile_logits(self, hidden: torch.Tensor):
+        for start, weight, packed in self.tiles or [(0, self.weight, None)]:
+            yield start, cpu_linear.linear(hidden, weight, None, packed)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([logits for _, logits in self._tile_logits(hidden)], dim=-1)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """argmax over the vocabulary of forward(hidden); ties resolve to the lowest token id, as in
+        torch.argmax."""
+        best_val = best_idx = None
+        for start, logits in self._tile_logits(hidden):
+            val, idx = logits.max(dim=-1)
+            if best_val is None:
+                best_val, best_idx = val, idx
+            else:
+                better = val > best_val  # strictly: an equal later value loses to the earlier token
+                best_val = torch.where(better, val, best_val)
+                best_idx = torch.where(better, idx + start, best_idx)
+        return best_idx
 
 
 class FusedLinear(Linear):
@@ -185,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops = ops or LayerOps()
         self.model = DecoderModel(cfg, attn_backend, dtype, ops)
         # Tied: the head shares the embedding parameter, so it is loaded (and stored) once.
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
@@ -228,6 +268,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope.build(device, self.dtype)
 
+    def after_load(self) -> None:
+        """Call once the weights are loaded: layers derive what their kernels want from them (packed weights)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.after_load()
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -251,25 +297,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def greedy_tokens(self, hidden: torch.Tensor, tile: int = 2048) -> torch.Tensor:
-        """argmax over the vocabulary of compute_logits(hidden), one vocabulary tile at a time.
-
-        The logits of a whole batch over a 49k vocabulary are tens of MB, written once and read once by the
-        argmax; tile by tile they stay in cache and the head's GEMMs run faster. Ties resolve to the lowest
-        token id, as torch.argmax does.
-        """
-        weight, vocab = self.lm_head.weight, self.vocab_size
-        best_val = best_idx = None
-        for start in range(0, vocab, tile):
-            logits = F.linear(hidden, weight[start : min(start + tile, vocab)])
-            val, idx = logits.max(dim=-1)
-            if best_val is None:
-                best_val, best_idx = val, idx
-            else:
-                better = val > best_val  # strictly: an equal later value loses to the earlier token
-                best_val = torch.where(better, val, best_val)
-                best_idx = torch.where(better, idx + start, best_idx)
-        return best_idx
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """argmax of compute_logits(hidden) without materialising the logits (see LMHead)."""
+        return self.lm_head.greedy(hidden)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

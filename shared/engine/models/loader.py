@@ -53,6 +53,7 @@ def load_model(
     model.to_empty(device=device)
     model.after_materialize(device)
     load_weights(model, checkpoint_files(Path(model_dir)), round_to=dtype if compute != dtype else None)
+    model.after_load()
     return model.eval()
 
 

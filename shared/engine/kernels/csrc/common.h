@@ -58,8 +58,22 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
-template <int D>
-inline float dot(const float* a, const float* b, int64_t d_arg) {
+#ifdef KVRELAY_AVX2
+// Eight values as fp32 lanes; bf16 is widened in registers (exact: bf16 is the top half of an fp32), so a
+// bf16 cache costs no staging copy and half the memory traffic of an fp32 one.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(at::BFloat16 v) { return bf16_to_f32(reinterpret_cast<const uint16_t&>(v)); }
+
+// a . b with a in fp32 and b in fp32 or bf16; the same sum, in the same order, for either type of b.
+template <int D, typename T>
+inline float dot(const float* a, const T* b, int64_t d_arg) {
 #ifdef KVRELAY_AVX2
   if constexpr (D > 0 && D % 32 == 0) {
     // Four independent accumulators: one chain of D/8 dependent FMAs would wait on their latency.
@@ -67,32 +81,58 @@ inline float dot(const float* a, const float* b, int64_t d_arg) {
 #pragma GCC unroll 16
     for (int i = 0; i < D; i += 32)
       for (int j = 0; j < 4; ++j)
-        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), _mm256_loadu_ps(b + i + 8 * j), acc[j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), load8(b + i + 8 * j), acc[j]);
     return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
   }
 #endif
   const int64_t d = D > 0 ? D : d_arg;
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < d; ++i) acc += a[i] * b[i];
+  for (int64_t i = 0; i < d; ++i) acc += a[i] * to_f32(b[i]);
   return acc;
 }
 
-template <int D>
-inline void axpy(float a, const float* x, float* y, int64_t d_arg) {
+#ifdef KVRELAY_AVX2
+// a . b0 .. a . b3 in one pass: four independent FMA chains and one shared horizontal reduction, where four
+// dot() calls would pay four reductions (most of a 64-wide dot's cost).
+template <int D, typename T>
+inline __m128 dot4(const float* a, const T* b0, const T* b1, const T* b2, const T* b3) {
+  static_assert(D > 0 && D % 8 == 0, "dot4 needs a head size that is a multiple of 8");
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+#pragma GCC unroll 16
+  for (int i = 0; i < D; i += 8) {
+    const __m256 av = _mm256_loadu_ps(a + i);
+    s0 = _mm256_fmadd_ps(av, load8(b0 + i), s0);
+    s1 = _mm256_fmadd_ps(av, load8(b1 + i), s1);
+    s2 = _mm256_fmadd_ps(av, load8(b2 + i), s2);
+    s3 = _mm256_fmadd_ps(av, load8(b3 + i), s3);
+  }
+  // [s0 s1 s2 s3] of the low and high 128-bit halves, then their sum
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+
+// y += a * x, x in fp32 or bf16.
+template <int D, typename T>
+inline void axpy(float a, const T* x, float* y, int64_t d_arg) {
+#ifdef KVRELAY_AVX2
+  if constexpr (D > 0 && D % 8 == 0) {
+    const __m256 av = _mm256_set1_ps(a);
+#pragma GCC unroll 16
+    for (int i = 0; i < D; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load8(x + i), _mm256_loadu_ps(y + i)));
+    return;
+  }
+#endif
   const int64_t d = D > 0 ? D : d_arg;
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) y[i] += a * x[i];
+  for (int64_t i = 0; i < d; ++i) y[i] += a * to_f32(x[i]);
 }
 
 #ifdef KVRELAY_AVX2
-// exp for x <= 0 (softmax after subtracting the max): 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial,
-// within 1 ulp of expf over [-87, 0]; below -87.3 it returns 0 where expf returns a denormal (negligible
-// beside the max's 1).
-inline __m256 exp_neg(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
+// exp on [-87.3, 88.3]: 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial, within 1 ulp of expf.
+inline __m256 exp_core(__m256 x) {
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -105,7 +145,42 @@ inline __m256 exp_neg(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// exp for x <= 0 (softmax after subtracting the max); below -87.3 it returns 0 where expf returns a denormal
+// (negligible beside the max's 1).
+inline __m256 exp_neg(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  return _mm256_andnot_ps(under, exp_core(_mm256_max_ps(x, lo)));
+}
+
+// exp for any x: 0 below -87.3, +inf above 88.3 (expf overflows at 88.72; the last 0.4 are not needed here).
+inline __m256 exp_ps(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+  const __m256 e = _mm256_andnot_ps(under, exp_core(_mm256_min_ps(_mm256_max_ps(x, lo), hi)));
+  return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), over);
+}
+
+// fp32 lanes rounded to bf16 precision (nearest even, as torch rounds), kept as fp32; NaN stays NaN.
+inline __m256i bf16_bits_rne(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const __m256i quiet = _mm256_or_si256(b, _mm256_set1_epi32(0x400000));
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(quiet), nan));
+}
+inline __m256 round_bf16(__m256 x) {
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_bits_rne(x), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i hi = _mm256_srli_epi32(bf16_bits_rne(v), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)));
 }
 #endif
 

@@ -24,12 +24,11 @@ constexpr int64_t kAhead = 4;  // blocks prefetched ahead of the one in use
 template <typename T, int D>
 void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t seq_len,
                   int64_t first, int64_t bs, int64_t kvh, int64_t h0, int64_t nh, int64_t group, int64_t d_arg,
-                  float scale, float* out, std::vector<float>& scores, std::vector<float>& buf) {
+                  float scale, float* out, std::vector<float>& scores) {
   const int64_t d = D > 0 ? D : d_arg;
   const int64_t n = seq_len - first;
   const int64_t rows_q = nh * group;  // query heads served by this item
   scores.resize(rows_q * n);
-  buf.resize(d);
   const int64_t token_stride = kvh * d;
   const int64_t block_stride = bs * token_stride;
   const int64_t b_first = first / bs, b_last = (seq_len - 1) / bs;
@@ -43,11 +42,21 @@ void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int3
     if (b + kAhead <= b_last) fetch(k_cache, b + kAhead);
     const T* blk = block_at(k_cache, b);
     const int64_t t0 = std::max(first, b * bs), t1 = std::min(seq_len, (b + 1) * bs);
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t hh = 0; hh < nh; ++hh) {
-        const float* k = as_f32(blk + (t - b * bs) * token_stride + hh * d, buf.data(), d);
-        for (int64_t g = 0; g < group; ++g)
-          scores[(hh * group + g) * n + (t - first)] = dot<D>(q + (hh * group + g) * d, k, d) * scale;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const T* k0 = blk + hh * d - b * bs * token_stride;  // + t * token_stride: key t of this head
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qr = q + (hh * group + g) * d;
+        float* sr = scores.data() + (hh * group + g) * n - first;
+        int64_t t = t0;
+#ifdef KVRELAY_AVX2
+        if constexpr (D > 0 && D % 8 == 0)
+          for (; t + 4 <= t1; t += 4) {
+            const T* k = k0 + t * token_stride;
+            _mm_storeu_ps(sr + t, _mm_mul_ps(dot4<D>(qr, k, k + token_stride, k + 2 * token_stride,
+                                                      k + 3 * token_stride), _mm_set1_ps(scale)));
+          }
+#endif
+        for (; t < t1; ++t) sr[t] = dot<D>(qr, k0 + t * token_stride, d) * scale;
       }
     }
   }
@@ -65,10 +74,7 @@ void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int3
         const float* p = scores.data() + row * n - first;
         float acc[D > 0 ? D : 256];
         for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
-        for (int64_t t = t0; t < t1; ++t) {
-          const float* v = as_f32(blk + (t - b * bs) * token_stride + hh * d, buf.data(), d);
-          axpy<D>(p[t], v, acc, d);
-        }
+        for (int64_t t = t0; t < t1; ++t) axpy<D>(p[t], blk + (t - b * bs) * token_stride + hh * d, acc, d);
         float* o = out + row * d;
         for (int64_t i = 0; i < d; ++i) o[i] += acc[i];
       }
@@ -98,7 +104,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const int64_t items = nd * items_per_req;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores, buf, qf(heads * d), of(heads * d);
+    std::vector<float> scores, qf(heads * d), of(heads * d);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t r = item / items_per_req, h0 = (item % items_per_req) * per_item;
@@ -109,7 +115,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
       float* orow = std::is_same<Q, float>::value ? reinterpret_cast<float*>(op + (r * heads + head0) * d)
                                                   : of.data();
       decode_heads<T, D>(qrow, k_cache, v_cache, tp + r * table_stride, seq_len, first, bs, kvh, h0, per_item,
-                         group, d, static_cast<float>(scale), orow, scores, buf);
+                         group, d, static_cast<float>(scale), orow, scores);
       if (!std::is_same<Q, float>::value) store_n(orow, op + (r * heads + head0) * d, rows * d);
     }
   }
