@@ -41,6 +41,22 @@ def test_native_decode_matches_portable_path(kv_dtype, window):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 4), (8, 2), (10, 2), (16, 2)])
+def test_native_decode_query_groups(kv_dtype, heads, kv_heads):
+    """Every split of a kv head's query rows into the kernel's tiles of 3, 2 and 1 (groups 1, 2, 4, 5, 8),
+    with block-ragged lengths so each block's token loop has a tail."""
+    torch.manual_seed(1)
+    bs, nb, d = 16, 64, 64
+    lens = [3, 18, 47, 64]
+    tables = torch.randperm(nb)[: len(lens) * 4].view(len(lens), 4).int()
+    kv = torch.randn(2, nb, bs, kv_heads, d).to(kv_dtype)
+    q, k, v = torch.randn(len(lens), heads, d), torch.randn(len(lens), kv_heads, d), torch.randn(len(lens), kv_heads, d)
+    a = TorchAttentionBackend(use_native=True).forward(q, k, v, kv.clone(), _meta(lens, tables, bs), 0.125)
+    b = TorchAttentionBackend(use_native=False).forward(q, k, v, kv.clone(), _meta(lens, tables, bs), 0.125)
+    assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_takes_bf16_queries(kv_dtype):
     """bf16 compute (CPUs with native bf16 matmul) stays on the in-place kernel: same numbers as fp32 queries
     rounded to bf16, returned in bf16."""

@@ -19,6 +19,35 @@ namespace {
 
 constexpr int64_t kAhead = 4;  // blocks prefetched ahead of the one in use
 
+#ifdef KVRELAY_AVX2
+// out[g] += sum over tokens [t0, t1) of p[g][t] v_t for G query rows sharing one kv head: each V row is loaded
+// (and widened) once for all G rows. 16 lanes at a time keep 2G accumulators in registers. Per element the
+// sum runs over the block's tokens in order, then adds to out: the same order as axpy row by row.
+template <int G, int D, typename T>
+inline void pv_rows(const float* p, int64_t p_stride, const T* v, int64_t v_stride, int64_t t0, int64_t t1,
+                    float* out) {
+  for (int c = 0; c < D; c += 16) {
+    __m256 acc[G][2];
+    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* vt = v + t * v_stride + c;
+      const __m256 a = load8(vt), b = load8(vt + 8);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m256 w = _mm256_set1_ps(p[g * p_stride + t]);
+        acc[g][0] = _mm256_fmadd_ps(w, a, acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(w, b, acc[g][1]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float* o = out + g * D + c;
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[g][0]));
+      _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_loadu_ps(o + 8), acc[g][1]));
+    }
+  }
+}
+#endif
+
 // Scores (pass 1 over K) and the weighted sum of values (pass 2 over V) for kv heads [h0, h0 + nh) of one
 // request. q and out point at head h0 * group, fp32. D > 0 fixes the head size at compile time.
 template <typename T, int D>
@@ -69,7 +98,21 @@ void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int3
     const T* blk = block_at(v_cache, b);
     const int64_t t0 = std::max(first, b * bs), t1 = std::min(seq_len, (b + 1) * bs);
     for (int64_t hh = 0; hh < nh; ++hh) {
-      for (int64_t g = 0; g < group; ++g) {
+      int64_t g = 0;
+#ifdef KVRELAY_AVX2
+      // bf16 caches only: sharing the widened V rows pays there; with an fp32 cache it measured 5-15% slower
+      // than row by row (same sums, same order either way).
+      if constexpr (D > 0 && D % 16 == 0 && !std::is_same<T, float>::value) {
+        const T* v0 = blk + hh * d - b * bs * token_stride;
+        const float* p0 = scores.data() + hh * group * n - first;
+        float* o0 = out + hh * group * d;
+        for (; g + 3 <= group; g += 3) pv_rows<3, D>(p0 + g * n, n, v0, token_stride, t0, t1, o0 + g * d);
+        if (group - g == 2) pv_rows<2, D>(p0 + g * n, n, v0, token_stride, t0, t1, o0 + g * d);
+        if (group - g == 1) pv_rows<1, D>(p0 + g * n, n, v0, token_stride, t0, t1, o0 + g * d);
+        continue;
+      }
+#endif
+      for (; g < group; ++g) {
         const int64_t row = hh * group + g;
         const float* p = scores.data() + row * n - first;
         float acc[D > 0 ? D : 256];
