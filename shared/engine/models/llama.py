@@ -88,9 +88,8 @@ class LMHead(Linear):
         self.tiles: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (first token, weight, packed)
 
     def after_load(self, tile: int = 2048) -> None:
-        weight = self.weight
-        self.tiles = [(start, weight[start : start + tile], cpu_linear.pack(weight[start : start + tile]))
-                      for start in range(0, weight.shape[0], tile)]
+        slices = [(start, self.weight[start : start + tile]) for start in range(0, self.weight.shape[0], tile)]
+        self.tiles = [(start, weight, cpu_linear.pack(weight)) for start, weight in slices]
 
     def _tile_logits(self, hidden: torch.Tensor):
         for start, weight, packed in self.tiles or [(0, self.weight, None)]:

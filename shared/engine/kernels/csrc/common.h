@@ -68,8 +68,11 @@ inline __m256 load8(const at::BFloat16* p) {
 }
 #endif
 
-inline float to_f32(float v) { return v; }
-inline float to_f32(at::BFloat16 v) { return bf16_to_f32(reinterpret_cast<const uint16_t&>(v)); }
+// Element i as fp32, and a value stored in the tensor's dtype (bf16 rounds to nearest even).
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const at::BFloat16* p, int64_t i) { return bf16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]); }
+inline void put(float* p, int64_t i, float v) { p[i] = v; }
+inline void put(at::BFloat16* p, int64_t i, float v) { reinterpret_cast<uint16_t*>(p)[i] = f32_to_bf16(v); }
 
 // a . b with a in fp32 and b in fp32 or bf16; the same sum, in the same order, for either type of b.
 template <int D, typename T>
@@ -88,7 +91,7 @@ inline float dot(const float* a, const T* b, int64_t d_arg) {
   const int64_t d = D > 0 ? D : d_arg;
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < d; ++i) acc += a[i] * to_f32(b[i]);
+  for (int64_t i = 0; i < d; ++i) acc += a[i] * load(b, i);
   return acc;
 }
 
@@ -127,7 +130,7 @@ inline void axpy(float a, const T* x, float* y, int64_t d_arg) {
 #endif
   const int64_t d = D > 0 ? D : d_arg;
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) y[i] += a * to_f32(x[i]);
+  for (int64_t i = 0; i < d; ++i) y[i] += a * load(x, i);
 }
 
 #ifdef KVRELAY_AVX2

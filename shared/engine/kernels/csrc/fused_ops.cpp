@@ -20,10 +20,6 @@
 namespace kvrelay {
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const at::BFloat16* p, int64_t i) { return bf16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]); }
-inline void put(float* p, int64_t i, float v) { p[i] = v; }
-inline void put(at::BFloat16* p, int64_t i, float v) { reinterpret_cast<uint16_t*>(p)[i] = f32_to_bf16(v); }
 // A value as the tensor's dtype holds it (bf16 rounds), kept in fp32 for the next operation.
 template <typename T>
 inline float round_to(float v) {
