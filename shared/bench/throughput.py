@@ -6,10 +6,12 @@ ceiling and, in the same invocation, with Hugging Face transformers `generate` (
 vLLM's CPU build run from its own venv (`--baseline vllm`, see shared/bench/vllm_baseline.py), each on the
 same requests with the same dtype, threads and KV cache size.
 
-The ceiling: model-shaped matmuls at the run's dtype are timed on this machine (before and after the runs,
-the faster counts); ceiling tok/s = GFLOP/s / FLOPs per token (2 x non-embedding params + 2 x hidden x
-vocab), shared over the workload's input + output tokens. Each system's fraction of it is reported. The
-default dtype, auto, is what the engine picks on this machine (the faster of float32 and bfloat16).
+The ceiling: model-shaped matmuls are timed on this machine in the dtype the engine computes in (the run's
+dtype, or fp32 for bf16 on a CPU without native bf16: there the engine computes in fp32 on bf16-rounded
+weights), before and after the runs, the faster counts; ceiling tok/s = GFLOP/s / FLOPs per token (2 x
+non-embedding params + 2 x hidden x vocab), shared over the workload's input + output tokens. Each system's
+fraction of it is reported. The default dtype, auto, is what the engine picks on this machine (the faster of
+float32 and bfloat16).
 
     kvrelay bench throughput --baseline vllm --num-requests 256
     kvrelay bench throughput --baseline all --dtype float32
@@ -41,6 +43,7 @@ from shared.bench.workload import (
     summarize,
 )
 from shared.engine.models import cpu_linear
+from shared.engine.models.loader import compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +307,10 @@ def run(args: argparse.Namespace) -> int:
         "engine": engine_settings(args, engine),
         "machine": machine_info(),
     }
-    matmul_runs = [measure_matmul(cfg, dtype, device, args.matmul_seconds)]
+    # The ceiling is the GEMM the engine runs: bf16 weights computed in fp32 on a CPU without native bf16.
+    gemm_dtype = compute_dtype(dtype, engine.info.device)
+    result["model"]["compute_dtype"] = str(gemm_dtype).removeprefix("torch.")
+    matmul_runs = [measure_matmul(cfg, gemm_dtype, device, args.matmul_seconds)]
     result["ours"], our_tokens = run_ours(engine, requests, progress)
     result["ours"]["load_s"] = load_s
     del engine
@@ -314,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
             add_ceiling(result, matmul_runs)
             write_results({**result, baseline: "running"}, args.output, plot=False)  # keep ours if it dies
             run_baseline(baseline, args, path, dtype, requests, our_tokens, result, progress)
-    matmul_runs.append(measure_matmul(cfg, dtype, device, args.matmul_seconds))
+    matmul_runs.append(measure_matmul(cfg, gemm_dtype, device, args.matmul_seconds))
     add_ceiling(result, matmul_runs)
     write_results(result, args.output, plot=not args.no_plot)
     print(json.dumps(result, indent=2))

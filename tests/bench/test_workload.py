@@ -116,6 +116,13 @@ def test_end_to_end_tiny_with_hf_baseline(tmp_path, capsys):
     assert saved["engine"]["enable_prefix_caching"] is False and saved["ours"]["cached_prompt_tokens"] == 0
     assert set(saved["ours_over_hf"]) == {"requests_per_s", "output_tokens_per_s", "total_tokens_per_s"}
     assert saved["matmul"]["gflops"] > 0
+    # The ceiling is timed in the dtype the engine computes in (fp32 for bf16 on a CPU without native bf16).
+    import torch
+
+    from shared.engine.models.loader import compute_dtype
+
+    expected = compute_dtype(getattr(torch, saved["model"]["dtype"]), torch.device("cpu"))
+    assert saved["matmul"]["dtype"] == saved["model"]["compute_dtype"] == str(expected).removeprefix("torch.")
     agreement = saved["greedy_agreement"]
     assert agreement["requests_checked"] == 4
     assert 0.0 <= agreement["identical_token_fraction"] <= 1.0
