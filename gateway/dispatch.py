@@ -75,6 +75,9 @@ class _Sequence:
         self.failed: set[str] = set()
         self.moves = 0
         self.extended = False  # the current prompt carries earlier output
+        # What first interrupted it: if no move succeeds, the client learns this (e.g. node_stopped), not
+        # the error of a recovery attempt (a connection refused by the node that just stopped).
+        self.cause: NodeFailure | None = None
 
     def observe(self, chunk: TokenChunk) -> TokenChunk:
         self.generated.extend(chunk.token_ids)
@@ -85,6 +88,7 @@ class _Sequence:
     def move(self, failure: NodeFailure) -> None:
         """The next attempt's request: the prompt plus what was streamed, under a new id."""
         self.moves += 1
+        self.cause = self.cause or failure
         if failure.node_id:
             self.failed.add(failure.node_id)
         orig, k = self.original, len(self.generated)
@@ -162,7 +166,7 @@ class Dispatcher:
         if seq.moves >= self.config.migration_limit:
             logger.warning("%s: not moved again after %d moves: %s", seq.original.request_id, seq.moves,
                            failure.message)
-            raise failure
+            raise seq.cause or failure
         stage = "mid_stream" if seq.generated else "before_first_token"
         seq.move(failure)
         logger.warning("migrating %s (%s, %d tokens streamed) to %s: %s", seq.original.request_id, stage,
@@ -170,7 +174,7 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.migrations.labels(stage).inc()
         req = seq.current
-        return await self.route(req.prompt_token_ids, req.cache_salt, req.deadline, seq.failed, failure)
+        return await self.route(req.prompt_token_ids, req.cache_salt, req.deadline, seq.failed, seq.cause)
 
     def _attempt(self, decision: RouteDecision, req: EngineRequest, holders: _Holders) -> AsyncIterator[TokenChunk]:
         if decision.local_prefill:
