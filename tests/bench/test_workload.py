@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from shared.bench.workload import WorkloadSpec, build_workload, corpus_tokens, fingerprint, iter_corpus_docs
+from shared.engine.models.loader import compute_dtype
 
 
 def _encode(text: str) -> list[int]:
@@ -117,10 +119,6 @@ def test_end_to_end_tiny_with_hf_baseline(tmp_path, capsys):
     assert set(saved["ours_over_hf"]) == {"requests_per_s", "output_tokens_per_s", "total_tokens_per_s"}
     assert saved["matmul"]["gflops"] > 0
     # The ceiling is timed in the dtype the engine computes in (fp32 for bf16 on a CPU without native bf16).
-    import torch
-
-    from shared.engine.models.loader import compute_dtype
-
     expected = compute_dtype(getattr(torch, saved["model"]["dtype"]), torch.device("cpu"))
     assert saved["matmul"]["dtype"] == saved["model"]["compute_dtype"] == str(expected).removeprefix("torch.")
     agreement = saved["greedy_agreement"]
