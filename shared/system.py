@@ -4,13 +4,44 @@ children that die with their parent."""
 from __future__ import annotations
 
 import ctypes
+import random
 import signal
 import socket
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the caller binds it soon; another process could take it first)."""
-    with socket.socket() as s:
+    """A port nothing listens on right now, for a server that binds it later (possibly seconds later).
+
+    It is drawn below the kernel's ephemeral range: a port the kernel assigns itself (the source port of an
+    outgoing connection, a listener on port 0) can then never take it between this pick and the bind, which a
+    port from `bind(0)` cannot promise. No port is handed out twice by one process.
+    """
+    low, _ = _ephemeral_range()
+    start = 20000 if low > 21000 else 1024
+    rng = random.SystemRandom()
+    for _ in range(200 if low - start >= 64 else 0):
+        port = rng.randrange(start, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # a crowded range: fall back to the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
 
