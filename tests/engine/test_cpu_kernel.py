@@ -58,8 +58,10 @@ def test_native_decode_query_groups(kv_dtype, heads, kv_heads):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_takes_bf16_queries(kv_dtype):
-    """bf16 compute (CPUs with native bf16 matmul) stays on the in-place kernel: same numbers as fp32 queries
-    rounded to bf16, returned in bf16."""
+    """bf16 compute (CPUs with native bf16 matmul) stays on the in-place kernel, returned in bf16. With a bf16
+    cache on a CPU with AVX512-BF16, the dot products take bf16 pairs (the weights rounded to bf16 for p . v):
+    within bf16 rounding of the fp32-query result; otherwise the queries are widened and the numbers are those
+    of fp32 queries rounded to bf16, exactly."""
     torch.manual_seed(1)
     bs, nb, heads, kv_heads, d = 16, 64, 8, 2, 64
     lens = [3, 40, 90]
@@ -68,10 +70,15 @@ def test_native_decode_takes_bf16_queries(kv_dtype):
     q = torch.randn(len(lens), heads, d).to(torch.bfloat16)
     native = cpu_kernels.load()
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    got = native.paged_decode(q, kv, tables, seq_lens, 0.125, 0)
-    want = native.paged_decode(q.float(), kv, tables, seq_lens, 0.125, 0)
+    starts = torch.arange(len(lens) + 1, dtype=torch.int32)
+    got = native.paged_attention(q, kv, tables, starts, seq_lens, len(lens), 0.125, 0)
+    want = native.paged_attention(q.float(), kv, tables, starts, seq_lens, len(lens), 0.125, 0)
     assert got.dtype == torch.bfloat16
-    assert torch.equal(got, want.to(torch.bfloat16))
+    if kv_dtype == torch.bfloat16 and native.attention_isa() == "avx512-bf16":
+        # p rounded to bf16 (relative 2^-9) over values of size ~1, then the output's own bf16 rounding
+        assert (got.float() - want).abs().max().item() < 2e-2
+    else:
+        assert torch.equal(got, want.to(torch.bfloat16))
 
 
 # -- fused elementwise kernels against the torch ops they replace -------------------------------------------

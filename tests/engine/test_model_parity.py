@@ -238,17 +238,19 @@ def test_loader_rejects_mismatched_checkpoints(change, tmp_path):
 
 
 @pytest.mark.parametrize("tile", [7, 100, 8192])
-def test_greedy_tokens_equal_the_argmax_of_the_logits(models, tile):
-    """The tiled head argmax (no logits materialised) picks exactly torch.argmax's token, ties included,
-    and the tiled logits equal one plain matmul's to rounding."""
+@pytest.mark.parametrize("rows", [6, 300])
+def test_greedy_tokens_equal_the_argmax_of_the_logits(models, tile, rows):
+    """The head's argmax (no logits materialised: the small GEMM's running argmax up to its row limit, vocabulary
+    tiles beyond) picks exactly torch.argmax's token, ties included, and the logits equal one plain matmul's to
+    rounding."""
     _, _, _, model = models
     torch.manual_seed(5)
-    hidden = torch.randn(6, model.hidden_size)
+    hidden = torch.randn(rows, model.hidden_size)
     hidden[3] = 0.0  # all-zero logits: every token ties, the first one wins
     model.lm_head.after_load(tile=tile)
     try:
         logits = model.compute_logits(hidden)
-        assert logits.shape == (6, model.vocab_size)
+        assert logits.shape == (rows, model.vocab_size)
         torch.testing.assert_close(logits, hidden @ model.lm_head.weight.T, rtol=1e-5, atol=1e-5)
         assert torch.equal(model.greedy_tokens(hidden), logits.argmax(dim=-1))
         assert model.greedy_tokens(hidden)[3].item() == 0

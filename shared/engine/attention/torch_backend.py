@@ -1,4 +1,6 @@
-"""Portable attention over the paged KV cache, built on torch's scaled_dot_product_attention.
+"""Attention over the paged KV cache on CPU: the native kernels (shared.engine.kernels: one call per layer for
+every decode and prefill chunk of the step, K/V read in place), else a portable path built on torch's
+scaled_dot_product_attention, described below.
 
 Decodes are batched: their contexts are gathered block by block into one padded tensor and attended in a
 single SDPA call with a length mask. Prefill chunks go one request at a time: a chunk with no prior context
@@ -43,17 +45,22 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, use_native: bool = True) -> None:
         self._plan: _StepPlan | None = None
-        # The native kernel reads K/V in place from the block table; the gather path is the portable fallback.
+        # The native kernels read K/V in place from the block table; the gather path is the portable fallback
+        # (and the path for multi-token chunks on a CPU with neither AVX2 nor AVX512).
         self._native = cpu_kernels.load() if use_native else None
+        self._native_chunks = self._native is not None and self._native.attention_isa() != "scalar"
         self._buffers: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
 
-    def _native_ok(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    def _native_ok(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
         return (
             self._native is not None
             and q.device.type == "cpu"
             and q.dtype in (torch.float32, torch.bfloat16)
             and kv_cache.dtype in (torch.float32, torch.bfloat16)
             and kv_cache.is_contiguous()
+            and q.stride(2) == 1
+            and q.stride(1) == q.shape[2]
+            and (meta.num_decodes == meta.num_reqs or self._native_chunks)
         )
 
     def forward(
@@ -67,14 +74,14 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
+        if self._native_ok(q, kv_cache, meta):
+            # Every row of the step in one call, K/V read in place through the block tables.
+            return self._native.paged_attention(q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                                meta.num_decodes, scale, sliding_window or 0)
         plan = self._step_plan(meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
-        if plan.decode is not None and self._native_ok(q, kv_cache):
-            out[:nd] = self._native.paged_decode(
-                q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, sliding_window or 0
-            )
-        elif plan.decode is not None:
+        if plan.decode is not None:
             out[:nd] = self._decode(q[:nd], kv_cache, plan, scale, sliding_window)
         starts = plan.query_starts
         for r in range(nd, meta.num_reqs):

@@ -1,6 +1,7 @@
 """Native CPU kernels, compiled once per machine with torch's C++ extension builder and cached.
 
-    paged_decode     decode attention reading K/V in place through the block table (fp32/bf16 q and cache)
+    paged_attention  a step's attention (decodes and prefill chunks) reading K/V in place through the block
+                     table (fp32/bf16 q and cache; AVX512-BF16 dot products where the CPU has them)
     add_rms_norm     residual add + RMSNorm in one pass
     silu_mul         SiLU(gate) * up in one pass
     rope_write_kv    rotary embedding of q and k in place + the KV-cache write, in one pass
@@ -9,6 +10,8 @@ The build happens on first use (about a minute on 2 cores) under torch's own fil
 processes wait for one build; the sources' content keys the build folder, so an edited kernel is rebuilt.
 Any failure leaves `load()` returning None and the portable torch path in use.
 `python -m shared.engine.kernels` builds them now (`make install` does, so no request waits for it).
+`KVRELAY_KERNEL_MARCH` (default `native`) builds for another CPU level, e.g. `x86-64-v3` (AVX2, no AVX512), so
+an AVX512 machine can test the code paths an AVX2-only machine runs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp", "skinny_linear.cpp")
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
+            "skinny_linear.cpp", "small_gemm.cpp")
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -37,12 +41,17 @@ def _build_dir() -> Path:
     # Keyed by the sources' content and place: torch's build files name the sources by path, so two
     # checkouts sharing one folder would keep rebuilding over each other.
     digest = hashlib.sha256(str(_CSRC.resolve()).encode())
-    for name in (*_SOURCES, "common.h"):
-        digest.update((_CSRC / name).read_bytes())
+    for path in sorted(_CSRC.iterdir()):  # sources and headers
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(_march().encode())
     tag = f"torch{torch.__version__.replace('+', '_')}-{digest.hexdigest()[:16]}"
     path = Path(base) / "kernels" / tag
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _march() -> str:
+    return os.environ.get("KVRELAY_KERNEL_MARCH") or "native"
 
 
 def load():
@@ -61,7 +70,7 @@ def load():
             _module = build(
                 name="kvrelay_cpu_kernels",
                 sources=[str(_CSRC / name) for name in _SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+                extra_cflags=["-O3", f"-march={_march()}", "-fno-math-errno", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(_build_dir()),
                 verbose=False,

@@ -1,21 +1,24 @@
-"""How a linear layer runs on CPU: the native skinny kernel for a few fp32 rows, oneDNN on a weight packed
-once at load for everything else.
+"""How a linear layer runs on CPU: each weight is packed once at load for the kernels that fit each row count.
 
-- Up to SKINNY_ROWS fp32 rows (decodes of a small batch, drafts being verified): the skinny kernel
-  (shared/engine/kernels/csrc/skinny_linear.cpp) streams the weight once per 8 rows, and a row's result does
-  not depend on the rows beside it, so a decode's logits are bit-identical alone, batched, or verified with
-  drafts beside it. At one row it runs about 2x faster than oneDNN.
-- Otherwise: oneDNN's matmul on the weight reordered once (`pack`) into its blocked layout. `F.linear` hands
-  the plain weight to the GEMM, which reorders (oneDNN, bf16) or packs (MKL, fp32) it again on every call;
-  for the 8..64-row GEMMs of decode steps that costs as much as the multiply itself (1.2-2x slower measured
-  on AVX512-BF16 and AVX2 machines, docs/benchmarks.md).
-- Anything neither takes (other devices or dtypes, torch without oneDNN, no compiler): `F.linear`.
+- Up to SMALL_ROWS rows (a decode step's batch, drafts being verified), on AVX512 machines: the native small
+  GEMM (shared/engine/kernels/csrc/small_gemm.cpp). It streams the weight in panels, fetching the next while it
+  computes, where oneDNN waits on DRAM for the weights (which do not fit in cache at these row counts) and costs
+  ~12 us of dispatch per call: 1.2-1.4x oneDNN at 16-64 rows, level at 256 (docs/benchmarks.md). A row's result
+  does not depend on the rows beside it, so a decode's logits are bit-identical alone, batched, or verified with
+  drafts beside it.
+- Without AVX512, up to SKINNY_ROWS fp32 rows: the skinny kernel (skinny_linear.cpp; same row independence; at
+  one row about 2x oneDNN on AVX2).
+- Otherwise: oneDNN's matmul on the weight reordered once into its blocked layout. `F.linear` hands the plain
+  weight to the GEMM, which reorders (oneDNN, bf16) or packs (MKL, fp32) it again on every call; for the 8..64-
+  row GEMMs of decode steps that costs as much as the multiply itself.
+- Anything none takes (other devices or dtypes, torch without oneDNN, no compiler): `F.linear`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,33 +27,77 @@ from shared.engine import kernels
 
 logger = logging.getLogger(__name__)
 
+SMALL_ROWS = 256  # measured: the small GEMM ahead of oneDNN at every row count up to here (AVX512-BF16 EPYC)
 SKINNY_ROWS = 8  # at one row the skinny kernel is ~2x oneDNN; by 8-16 rows oneDNN's blocking catches up
 SKINNY_ROWS_UNPACKED = 32  # against F.linear (no packed weight) the skinny kernel wins up to 32 rows
 DISABLE_ENV = "KVRELAY_DISABLE_PACKED_LINEAR"  # compare against plain F.linear (benchmarks, bisecting)
+DISABLE_SMALL_ENV = "KVRELAY_DISABLE_SMALL_GEMM"  # oneDNN at every row count (A/B)
 _PACKABLE = (torch.float32, torch.bfloat16)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [out, in] in oneDNN's own layout for `linear`, or None where that path is not available."""
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [out, in] in the layouts of the kernels that take it here (None: that kernel is not used)."""
+
+    onednn: torch.Tensor | None
+    small: torch.Tensor | None
+    out_features: int
+
+
+def _small_gemm_packs(weight: torch.Tensor):
+    module = kernels.load()
+    if module is None or not module.small_gemm_available() or os.environ.get(DISABLE_SMALL_ENV):
+        return None
+    if weight.dtype == torch.float32:
+        return module
+    # bf16 pairs need AVX512-BF16 and an even input size
+    if weight.dtype == torch.bfloat16 and module.attention_isa() == "avx512-bf16" and weight.shape[1] % 2 == 0:
+        return module
+    return None
+
+
+def pack(weight: torch.Tensor, onednn: bool = True) -> PackedWeight | None:
+    """`weight` [out, in] in the layouts `linear` uses (oneDNN's only if asked), or None where only the plain
+    path is available."""
     if (weight.device.type != "cpu" or weight.dtype not in _PACKABLE or weight.dim() != 2
-            or not torch.backends.mkldnn.is_available() or os.environ.get(DISABLE_ENV)):
+            or os.environ.get(DISABLE_ENV)):
         return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-    except (AttributeError, RuntimeError) as e:  # a torch build without these ops: the plain path
-        logger.warning("oneDNN weight packing unavailable (%s); linear layers use F.linear", e)
+    reordered = small = None
+    if onednn and torch.backends.mkldnn.is_available():
+        try:
+            reordered = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        except (AttributeError, RuntimeError) as e:  # a torch build without these ops: the plain path
+            logger.warning("oneDNN weight packing unavailable (%s); linear layers use F.linear", e)
+    module = _small_gemm_packs(weight)
+    if module is not None:
+        small = module.pack_small_gemm(weight)
+    if reordered is None and small is None:
         return None
+    return PackedWeight(reordered, small, weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
+           packed: PackedWeight | None) -> torch.Tensor:
     """x W^T + b; `packed` is `pack(weight)` (None: not packed)."""
     if x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype:
-        limit = SKINNY_ROWS if packed is not None else SKINNY_ROWS_UNPACKED
-        if x.shape[0] <= limit and x.dtype == torch.float32 and weight.is_contiguous():
+        rows = x.shape[0]
+        if packed is not None and packed.small is not None and rows <= SMALL_ROWS:
+            return kernels.load().small_gemm(x.contiguous(), packed.small, packed.out_features, bias)
+        onednn = packed.onednn if packed is not None else None
+        limit = SKINNY_ROWS if onednn is not None else SKINNY_ROWS_UNPACKED
+        if rows <= limit and x.dtype == torch.float32 and weight.is_contiguous():
             module = kernels.load()
             if module is not None:
                 return module.skinny_linear(x, weight, bias)
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        if onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), onednn, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def greedy(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor | None:
+    """argmax over the outputs of `linear(x, weight, None, packed)` per row, where the small GEMM takes x (no
+    logits written); None elsewhere."""
+    if (packed is not None and packed.small is not None and x.dim() == 2 and x.device.type == "cpu"
+            and x.shape[0] <= SMALL_ROWS):
+        return kernels.load().small_gemm_argmax(x.contiguous(), packed.small, packed.out_features)
+    return None

@@ -66,7 +66,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None  # the weight in the CPU GEMM's layout, made by after_load
+        self.packed: cpu_linear.PackedWeight | None = None  # the weight in the CPU kernels' layouts (after_load)
 
     def after_load(self) -> None:
         self.packed = cpu_linear.pack(self.weight)
@@ -76,31 +76,40 @@ class Linear(nn.Module):
 
 
 class LMHead(Linear):
-    """The vocabulary projection, computed one fixed tile of the vocabulary at a time.
-
-    The logits of a batch over a 49k vocabulary are tens of MB; tile by tile they stay in cache, and greedy
-    decoding keeps only a running argmax (no logits written at all). Full logits and the greedy argmax come
-    from the same tiles, so they agree exactly. Each tile is packed like a Linear's weight.
+    """The vocabulary projection. Up to cpu_linear.SMALL_ROWS rows it runs whole in the small GEMM, whose greedy
+    variant keeps a running argmax per row (no logits written at all). More rows go one fixed tile of the
+    vocabulary at a time: the logits of a batch over a 49k vocabulary are tens of MB, tile by tile they stay in
+    cache. Full logits and the greedy argmax come from the same kernel at a given row count, so they agree
+    exactly.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, dtype: torch.dtype) -> None:
         super().__init__(hidden_size, vocab_size, False, dtype)
-        self.tiles: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (first token, weight, packed)
+        self.tiles: list[tuple[int, torch.Tensor, cpu_linear.PackedWeight | None]] = []  # (first token, weight, packed)
 
     def after_load(self, tile: int = 2048) -> None:
+        self.packed = cpu_linear.pack(self.weight, onednn=False)  # whole, for the small GEMM only
         slices = [(start, self.weight[start : start + tile]) for start in range(0, self.weight.shape[0], tile)]
         self.tiles = [(start, weight, cpu_linear.pack(weight)) for start, weight in slices]
+
+    def _small(self, hidden: torch.Tensor) -> bool:
+        return (self.packed is not None and self.packed.small is not None and hidden.dim() == 2
+                and hidden.shape[0] <= cpu_linear.SMALL_ROWS)
 
     def _tile_logits(self, hidden: torch.Tensor):
         for start, weight, packed in self.tiles or [(0, self.weight, None)]:
             yield start, cpu_linear.linear(hidden, weight, None, packed)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._small(hidden):
+            return cpu_linear.linear(hidden, self.weight, None, self.packed)
         return torch.cat([logits for _, logits in self._tile_logits(hidden)], dim=-1)
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """argmax over the vocabulary of forward(hidden); ties resolve to the lowest token id, as in
         torch.argmax."""
+        if self._small(hidden):
+            return cpu_linear.greedy(hidden, self.packed)
         best_val = best_idx = None
         for start, logits in self._tile_logits(hidden):
             val, idx = logits.max(dim=-1)
@@ -165,6 +174,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """gate_up -> SiLU * up -> down. Many rows go through in chunks, so that the 2 x intermediate-wide
+    activations stay in cache between the three ops (fp32, 2048 rows of SmolLM2: 25 MB; in chunks of 1024 the
+    MLP ran 10% faster; bf16 at 12.6 MB gained nothing)."""
+
+    CHUNK_BYTES = 16 * 1024**2
+
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, ops: LayerOps) -> None:
         super().__init__()
         self.ops = ops
@@ -174,8 +189,13 @@ class MLP(nn.Module):
         self.size = size
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(h)
-        return self.down_proj(self.ops.silu_mul(gate_up))
+        rows = h.shape[0]
+        chunks = -(-rows * 2 * self.size * h.element_size() // self.CHUNK_BYTES)
+        if chunks <= 1:
+            return self.down_proj(self.ops.silu_mul(self.gate_up_proj(h)))
+        step = -(-rows // chunks)
+        return torch.cat([self.down_proj(self.ops.silu_mul(self.gate_up_proj(h[i : i + step])))
+                          for i in range(0, rows, step)])
 
 
 class DecoderLayer(nn.Module):

@@ -1,7 +1,12 @@
 // Paged attention for single-token decodes on CPU, reading keys and values in place from the block table
 // (no gather copy). One work item = one request (or, with fewer requests than threads, one of its kv heads):
 // the query heads sharing a kv head use every K/V row it loads, so the KV cache is read exactly once.
-// Scores and accumulation in fp32; queries and the cache may each be fp32 or bf16.
+// Scores, softmax and accumulation in fp32; queries and the cache may each be fp32 or bf16.
+//
+// Two implementations: `decode_heads` (8-lane AVX2 or scalar; any head size) and, on AVX512 machines for head
+// sizes that are multiples of 32, `decode_heads_512`: 16 keys' dot products reduced together by one
+// transposing tree, and with AVX512-BF16 and a bf16 cache and queries, dot products of bf16 pairs in hardware
+// (q . k exact products, fp32 sums; p . v with p rounded to bf16, as GPU flash attention does).
 #pragma GCC optimize("fp-contract=fast")  // FMAs in the dot products: speed over bit-exactness here
 
 #include <torch/extension.h>
@@ -12,7 +17,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention.h"
 #include "common.h"
+#include "vec.h"
+#ifndef KV_PF_DIST
+#define KV_PF_DIST 32  // rows prefetched ahead of use: 16 measured 10-15% slower, 64 no better
+#endif
 
 namespace kvrelay {
 namespace {
@@ -125,81 +135,187 @@ void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int3
   }
 }
 
-template <typename T, typename Q, int D>
-void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables, const torch::Tensor& lens,
-         double scale, int64_t window, torch::Tensor& out) {
-  const int64_t nd = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t bs = kv.size(2), kvh = kv.size(3);
-  const int64_t group = heads / kvh;
-  const T* k_cache = reinterpret_cast<const T*>(kv[0].data_ptr());
-  const T* v_cache = reinterpret_cast<const T*>(kv[1].data_ptr());
-  const Q* qp = reinterpret_cast<const Q*>(q.data_ptr());
-  Q* op = reinterpret_cast<Q*>(out.data_ptr());
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  const int64_t table_stride = tables.size(1);
-  const int threads = std::max(1, at::get_num_threads());
-  // A whole request per item reads its blocks contiguously; with fewer requests than threads, split by kv
-  // head so every thread has work. Items are handed out dynamically: context lengths differ a lot, and a
-  // static split would leave one thread with the long ones.
-  const int64_t per_item = nd >= threads ? kvh : 1;
-  const int64_t items_per_req = kvh / per_item;
-  const int64_t items = nd * items_per_req;
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scores, qf(heads * d), of(heads * d);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t r = item / items_per_req, h0 = (item % items_per_req) * per_item;
-      const int64_t seq_len = lp[r];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
-      const int64_t head0 = h0 * group, rows = per_item * group;
-      const float* qrow = as_f32_n(qp + (r * heads + head0) * d, qf.data(), rows * d);
-      float* orow = std::is_same<Q, float>::value ? reinterpret_cast<float*>(op + (r * heads + head0) * d)
-                                                  : of.data();
-      decode_heads<T, D>(qrow, k_cache, v_cache, tp + r * table_stride, seq_len, first, bs, kvh, h0, per_item,
-                         group, d, static_cast<float>(scale), orow, scores);
-      if (!std::is_same<Q, float>::value) store_n(orow, op + (r * heads + head0) * d, rows * d);
-    }
+#if defined(KVRELAY_AVX512)
+// Softmax of one row of n scores in place; the row's tail up to a multiple of 16 is set to 0.
+inline void softmax_row_512(float* s, int64_t n) {
+  const int64_t full = n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1);
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < full; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+  if (tail) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, s + full));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < full; j += 16) {
+    const __m512 e = Vf::exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+    _mm512_storeu_ps(s + j, e);
+    sum = _mm512_add_ps(sum, e);
   }
+  if (tail) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, Vf::exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + full), m)));
+    _mm512_storeu_ps(s + full, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t j = 0; j < full + (tail ? 16 : 0); j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
 }
 
-template <typename T, typename Q>
-void dispatch_d(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables,
-                const torch::Tensor& lens, double scale, int64_t window, torch::Tensor& out) {
-  switch (q.size(2)) {
-    case 64: return run<T, Q, 64>(q, kv, tables, lens, scale, window, out);
-    case 128: return run<T, Q, 128>(q, kv, tables, lens, scale, window, out);
-    default: return run<T, Q, 0>(q, kv, tables, lens, scale, window, out);
+// q . k for 16 keys: fp32 query row against fp32 or bf16 keys (widened), reduced together.
+template <int D, typename T>
+inline __m512 scores16(const float* q, const T* const* k) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int c = 0; c < D; c += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + c);
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qv, load16(k[i] + c), acc[i]);
   }
+  return hsum16x16(acc);
 }
+
+#if defined(KVRELAY_AVX512BF16)
+template <int D>
+inline __m512 scores16(const at::BFloat16* q, const at::BFloat16* const* k) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int c = 0; c < D; c += 32) {
+    const __m512i qv = _mm512_loadu_si512(q + c);
+    for (int i = 0; i < 16; ++i) acc[i] = dot_pairs(acc[i], _mm512_loadu_si512(k[i] + c), qv);
+  }
+  return hsum16x16(acc);
+}
+#endif
+
+// Decode for kv heads [h0, h0 + nh) of one request, 16 lanes. Pairs mode (bf16 cache and queries on a CPU
+// with AVX512-BF16): the queries stay bf16 and the weights are rounded to bf16 for p . v.
+// Each kv head walks its keys, then its values, on its own, prefetching KV_PF_DIST rows ahead. (Walking a chunk
+// of 16 tokens for all the item's heads at once, reading each block's rows front to back, measured 20-25%
+// slower on an AVX512-BF16 EPYC, whatever the prefetch distance or hint.)
+template <typename T, typename Q, int D>
+void decode_heads_512(const AttnView<T, Q>& a, const int32_t* table, int64_t token, int64_t seq_len,
+                      int64_t first, int64_t h0, int64_t nh, Scratch& s) {
+#if defined(KVRELAY_AVX512BF16)
+  constexpr bool pairs = std::is_same<T, at::BFloat16>::value && std::is_same<Q, at::BFloat16>::value;
+#else
+  constexpr bool pairs = false;
+#endif
+  using QRow = typename std::conditional<pairs, Q, float>::type;
+  constexpr int64_t row_bytes = D * int64_t(sizeof(T));
+  const int64_t group = a.group(), rows = nh * group, n = seq_len - first, npad = (n + 15) / 16 * 16;
+  const Q* q = a.q + token * a.q_stride + h0 * group * D;
+  const QRow* qrows;
+  if constexpr (pairs) qrows = q;
+  else qrows = as_f32_n(q, s.floats(1, rows * D), rows * D);
+  float* scores = s.floats(0, rows * npad);
+  // Pass 1: scores, 16 keys at a time (the last group padded with its last key, its extra lanes not stored).
+  const T* kp[16];
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    RowCursor<T> keys = a.rows(a.k, table, first, h0 + hh), ahead = a.rows(a.k, table, first, h0 + hh);
+    for (int64_t i = 0; i < KV_PF_DIST && first + i < seq_len; ++i) ahead.next();
+    for (int64_t t0 = first; t0 < seq_len; t0 += 16) {
+      const int64_t cnt = std::min<int64_t>(16, seq_len - t0);
+      for (int64_t i = 0; i < cnt; ++i) kp[i] = keys.next();
+      for (int64_t i = cnt; i < 16; ++i) kp[i] = kp[cnt - 1];
+      for (int64_t i = 0; i < 16 && t0 + KV_PF_DIST + i < seq_len; ++i) prefetch(ahead.next(), row_bytes);
+      const __mmask16 m = static_cast<__mmask16>(cnt == 16 ? 0xffff : (1u << cnt) - 1);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t row = hh * group + g;
+        const __m512 sc = _mm512_mul_ps(scores16<D>(qrows + row * D, kp), _mm512_set1_ps(a.scale));
+        _mm512_mask_storeu_ps(scores + row * npad + (t0 - first), m, sc);
+      }
+    }
+  }
+  for (int64_t row = 0; row < rows; ++row) softmax_row_512(scores + row * npad, n);
+  // Pass 2: out = sum_t p_t v_t, up to GT query rows of a kv head per walk over its values.
+  constexpr int GT = D <= 64 ? 3 : 2;
+  constexpr int C = D / 16;
+  [[maybe_unused]] const uint32_t* pw = nullptr;
+  if constexpr (pairs) {
+    uint16_t* pb = reinterpret_cast<uint16_t*>(s.units(0, rows * npad / 2));
+    for (int64_t i = 0; i < rows * npad; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + i)));
+    pw = reinterpret_cast<const uint32_t*>(pb);
+  }
+  float* outf = s.floats(2, rows * D);
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    for (int64_t g0 = 0; g0 < group; g0 += GT) {
+      const int64_t gt = std::min<int64_t>(GT, group - g0), row0 = hh * group + g0;
+      __m512 acc[GT][C];
+      for (int g = 0; g < GT; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+      RowCursor<T> vals = a.rows(a.v, table, first, h0 + hh), ahead = a.rows(a.v, table, first, h0 + hh);
+      for (int64_t i = 0; i < KV_PF_DIST && first + i < seq_len; ++i) ahead.next();
+      if constexpr (pairs) {
+#if defined(KVRELAY_AVX512BF16)
+        for (int64_t t = first; t < seq_len; t += 2) {
+          const T* va = vals.next();
+          const T* vb = t + 1 < seq_len ? vals.next() : va;  // its weight is 0
+          for (int64_t i = 0; i < 2 && t + KV_PF_DIST + i < seq_len; ++i) prefetch(ahead.next(), row_bytes);
+          const int64_t j = (t - first) / 2;
+          for (int c = 0; c < C / 2; ++c) {
+            const __m512i x = _mm512_loadu_si512(va + 32 * c), y = _mm512_loadu_si512(vb + 32 * c);
+            const __m512i lo = interleave_pairs(x, y, 0), hi = interleave_pairs(x, y, 1);
+            for (int g = 0; g < GT; ++g) {
+              if (g >= gt) break;
+              const __m512i w = _mm512_set1_epi32(static_cast<int>(pw[((row0 + g) * npad) / 2 + j]));
+              acc[g][2 * c] = dot_pairs(acc[g][2 * c], lo, w);
+              acc[g][2 * c + 1] = dot_pairs(acc[g][2 * c + 1], hi, w);
+            }
+          }
+        }
+#endif
+      } else {
+        for (int64_t t = first; t < seq_len; ++t) {
+          const T* vt = vals.next();
+          if (t + KV_PF_DIST < seq_len) prefetch(ahead.next(), row_bytes);
+          __m512 v[C];
+          for (int c = 0; c < C; ++c) v[c] = load16(vt + 16 * c);
+          for (int g = 0; g < GT; ++g) {
+            if (g >= gt) break;
+            const __m512 w = _mm512_set1_ps(scores[(row0 + g) * npad + (t - first)]);
+            for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+          }
+        }
+      }
+      for (int g = 0; g < gt; ++g)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(outf + (row0 + g) * D + 16 * c, acc[g][c]);
+    }
+  }
+  store_n(outf, a.out + (token * a.heads + h0 * group) * D, rows * D);
+}
+#endif
 
 }  // namespace
 
-// q [nd, heads, d] fp32|bf16; kv_cache [2, num_blocks, bs, kvh, d] fp32|bf16; block_tables [nd, max_blocks]
-// int32; seq_lens [nd] int32 (context including the new token, already written); window <= 0: full.
-// Returns [nd, heads, d] in q's dtype.
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                           torch::Tensor seq_lens, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3, "q must be [nd, heads, d]");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "q: float32 or bfloat16");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous [2, nb, bs, kvh, d]");
-  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 || kv_cache.scalar_type() == torch::kBFloat16,
-              "kv_cache dtype must be float32 or bfloat16");
-  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(q.size(2) <= 256, "head size above 256");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
-              "block_tables and seq_lens must be int32");
-  q = q.contiguous();
-  block_tables = block_tables.contiguous();
-  seq_lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
-  const bool kf32 = kv_cache.scalar_type() == torch::kFloat32, qf32 = q.scalar_type() == torch::kFloat32;
-  if (kf32 && qf32) dispatch_d<float, float>(q, kv_cache, block_tables, seq_lens, scale, window, out);
-  else if (kf32) dispatch_d<float, at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, window, out);
-  else if (qf32) dispatch_d<at::BFloat16, float>(q, kv_cache, block_tables, seq_lens, scale, window, out);
-  else dispatch_d<at::BFloat16, at::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, window, out);
-  return out;
+template <typename T, typename Q>
+void decode_item(const AttnView<T, Q>& a, int64_t r, int64_t token, int64_t seq_len, int64_t h0, int64_t nh,
+                 Scratch& s) {
+  const int32_t* table = a.tables + r * a.table_stride;
+  const int64_t first = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
+#if defined(KVRELAY_AVX512)
+  if (a.d == 64) return decode_heads_512<T, Q, 64>(a, table, token, seq_len, first, h0, nh, s);
+  if (a.d == 128) return decode_heads_512<T, Q, 128>(a, table, token, seq_len, first, h0, nh, s);
+#endif
+  const int64_t group = a.group(), rows = nh * group, d = a.d;
+  const float* qf = as_f32_n(a.q + token * a.q_stride + h0 * group * d, s.floats(1, rows * d), rows * d);
+  float* of = s.floats(2, rows * d);
+  switch (d) {
+    case 64:
+      decode_heads<T, 64>(qf, a.k, a.v, table, seq_len, first, a.bs, a.kvh, h0, nh, group, d, a.scale, of, s.f[0]);
+      break;
+    case 128:
+      decode_heads<T, 128>(qf, a.k, a.v, table, seq_len, first, a.bs, a.kvh, h0, nh, group, d, a.scale, of, s.f[0]);
+      break;
+    default:
+      decode_heads<T, 0>(qf, a.k, a.v, table, seq_len, first, a.bs, a.kvh, h0, nh, group, d, a.scale, of, s.f[0]);
+  }
+  store_n(of, a.out + (token * a.heads + h0 * group) * d, rows * d);
 }
+
+template void decode_item(const AttnView<float, float>&, int64_t, int64_t, int64_t, int64_t, int64_t, Scratch&);
+template void decode_item(const AttnView<float, at::BFloat16>&, int64_t, int64_t, int64_t, int64_t, int64_t, Scratch&);
+template void decode_item(const AttnView<at::BFloat16, float>&, int64_t, int64_t, int64_t, int64_t, int64_t, Scratch&);
+template void decode_item(const AttnView<at::BFloat16, at::BFloat16>&, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          Scratch&);
 
 }  // namespace kvrelay

@@ -1,0 +1,296 @@
+// y = x W^T (+ b) for the few rows of a decode step (up to ~100), on AVX512 machines, and the greedy argmax of
+// it for the LM head without writing the logits.
+//
+// Why not oneDNN here: at these row counts a model's weights (hundreds of MB) stream from DRAM every step and
+// oneDNN's GEMM waits for them instead of computing (cold weights, 64 rows: 21.8 ms per 30 SmolLM2 layers where
+// the math needs 13.4 and the stream 7), and each call costs ~12 us of dispatch. This kernel walks the weight
+// in panels of NR x 16 output columns, prefetching the next panel into L2 while the current one computes.
+//
+// Layout (pack_weight): the weight as column blocks of 16 outputs, each [units of K][16 lanes]: fp32 numbers,
+// or bf16 pairs (k, k + 1) for AVX512-BF16 dot products. A row's result depends on nothing but that row (the
+// sums run over K in one fixed order), so a decode's logits are the same alone, batched, or beside drafts.
+#pragma GCC optimize("fp-contract=fast")
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+
+#include "common.h"
+#include "vec.h"
+
+namespace kvrelay {
+
+#if defined(KVRELAY_AVX512)
+namespace {
+
+constexpr int L = 16;   // output columns per block (one vector)
+constexpr int NR = 4;   // column blocks per register tile
+constexpr int MR = 6;   // rows per register tile
+
+struct F32 {
+  using U = float;
+  using B = __m512;
+  static B vload(const U* p) { return _mm512_loadu_ps(p); }
+  static B bcast(const U* p) { return _mm512_set1_ps(*p); }
+  static __m512 dot(__m512 acc, B a, B b) { return _mm512_fmadd_ps(a, b, acc); }
+};
+#if defined(KVRELAY_AVX512BF16)
+struct Pairs {
+  using U = uint32_t;
+  using B = __m512i;
+  static B vload(const U* p) { return _mm512_loadu_si512(p); }
+  static B bcast(const U* p) { return _mm512_set1_epi32(static_cast<int>(*p)); }
+  static __m512 dot(__m512 acc, B a, B b) { return dot_pairs(acc, a, b); }
+};
+#endif
+
+// acc[i][j] = sum over units u of x[i][u] w_j[u] for mr rows and nr column blocks; the next panel's same units
+// are prefetched alongside when `next` is set.
+template <class M, int mr, int nr>
+inline void tile(const typename M::U* x, int64_t xs, const typename M::U* w, int64_t units, const typename M::U* next,
+                 int64_t pf_phase, int64_t pf_every, __m512 (&out)[MR][NR]) {
+  __m512 acc[mr][nr];  // local, so the compiler keeps them in registers (the out array would be memory)
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t bstride = units * L;
+  for (int64_t u = 0; u < units; ++u) {
+    typename M::B b[nr];
+    for (int j = 0; j < nr; ++j) b[j] = M::vload(w + j * bstride + u * L);
+    if (next != nullptr && u % pf_every == pf_phase)
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * bstride + u * L), _MM_HINT_T1);
+    for (int i = 0; i < mr; ++i) {
+      const typename M::B a = M::bcast(x + i * xs + u);
+      for (int j = 0; j < nr; ++j) acc[i][j] = M::dot(acc[i][j], a, b[j]);
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) out[i][j] = acc[i][j];
+}
+
+template <class M, int nr>
+inline void tile_rows(int mr, const typename M::U* x, int64_t xs, const typename M::U* w, int64_t units,
+                      const typename M::U* next, int64_t phase, int64_t every, __m512 (&acc)[MR][NR]) {
+  switch (mr) {
+    case 6: return tile<M, 6, nr>(x, xs, w, units, next, phase, every, acc);
+    case 5: return tile<M, 5, nr>(x, xs, w, units, next, phase, every, acc);
+    case 4: return tile<M, 4, nr>(x, xs, w, units, next, phase, every, acc);
+    case 3: return tile<M, 3, nr>(x, xs, w, units, next, phase, every, acc);
+    case 2: return tile<M, 2, nr>(x, xs, w, units, next, phase, every, acc);
+    default: return tile<M, 1, nr>(x, xs, w, units, next, phase, every, acc);
+  }
+}
+
+template <class M>
+inline void tile_any(int mr, int nr, const typename M::U* x, int64_t xs, const typename M::U* w, int64_t units,
+                     const typename M::U* next, int64_t phase, int64_t every, __m512 (&acc)[MR][NR]) {
+  switch (nr) {
+    case 4: return tile_rows<M, 4>(mr, x, xs, w, units, next, phase, every, acc);
+    case 3: return tile_rows<M, 3>(mr, x, xs, w, units, next, phase, every, acc);
+    case 2: return tile_rows<M, 2>(mr, x, xs, w, units, next, phase, every, acc);
+    default: return tile_rows<M, 1>(mr, x, xs, w, units, next, phase, every, acc);
+  }
+}
+
+// Calls visit(row0, mr, block0, nr, acc) for every register tile, threads splitting the panels of NR column
+// blocks; each thread prefetches its next panel into L2 while it computes the current one, spread over the
+// panel's row tiles (a 6-row tile alone is too short to cover the fetch).
+template <class M, class Visit>
+void for_tiles(const typename M::U* x, int64_t rows, int64_t xs, const typename M::U* w, int64_t units,
+               int64_t blocks, Visit&& visit) {
+  const int64_t panels = (blocks + NR - 1) / NR;
+  const int threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(panels)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+    const int64_t p0 = panels * t / threads, p1 = panels * (t + 1) / threads;
+    __m512 acc[MR][NR];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b0 = p * NR;
+      const int nr = static_cast<int>(std::min<int64_t>(NR, blocks - b0));
+      const typename M::U* wp = w + b0 * units * L;
+      const typename M::U* next = p + 1 < p1 ? wp + NR * units * L : nullptr;
+      const int64_t tiles = (rows + MR - 1) / MR;
+      for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, rows - r0));
+        tile_any<M>(mr, nr, x + r0 * xs, xs, wp, units, next, r0 / MR, tiles, acc);
+        visit(r0, mr, b0, nr, acc);
+      }
+    }
+  }
+}
+
+template <class M, typename T>
+void gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const std::optional<torch::Tensor>& bias,
+          torch::Tensor& out) {
+  using U = typename M::U;
+  const int64_t rows = x.size(0), units = packed.size(1), blocks = packed.size(0);
+  const U* xp = reinterpret_cast<const U*>(x.data_ptr());
+  const int64_t xs = x.stride(0) * int64_t(x.element_size()) / int64_t(sizeof(U));
+  T* o = reinterpret_cast<T*>(out.data_ptr());
+  const T* bp = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
+  for_tiles<M>(xp, rows, xs, reinterpret_cast<const U*>(packed.data_ptr()), units, blocks,
+               [&](int64_t r0, int mr, int64_t b0, int nr, __m512 (&acc)[MR][NR]) {
+    for (int j = 0; j < nr; ++j) {
+      const int64_t c0 = (b0 + j) * L;
+      const int64_t valid = std::min<int64_t>(L, n - c0);
+      __m512 b = _mm512_setzero_ps();
+      if (bp) {
+        alignas(64) float tmp[L] = {};
+        for (int64_t e = 0; e < valid; ++e) tmp[e] = load(bp, c0 + e);
+        b = _mm512_load_ps(tmp);
+      }
+      for (int i = 0; i < mr; ++i) {
+        const __m512 v = bp ? _mm512_add_ps(acc[i][j], b) : acc[i][j];  // one rounding, as oneDNN's
+        if (valid == L) {
+          store16(o + (r0 + i) * n + c0, v);
+        } else {
+          alignas(64) T tmp[L];
+          store16(tmp, v);
+          std::memcpy(o + (r0 + i) * n + c0, tmp, valid * sizeof(T));
+        }
+      }
+    }
+  });
+}
+
+// Per row, the first column of the largest value (NaN never wins; all-NaN rows give 0).
+template <class M, typename T>
+void gemm_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, torch::Tensor& out) {
+  using U = typename M::U;
+  const int64_t rows = x.size(0), units = packed.size(1), blocks = packed.size(0);
+  const U* xp = reinterpret_cast<const U*>(x.data_ptr());
+  const int64_t xs = x.stride(0) * int64_t(x.element_size()) / int64_t(sizeof(U));
+  const int threads = std::max(1, at::get_num_threads());
+  // Each thread's best per row, merged in thread order (threads own increasing column ranges).
+  std::vector<float> best(threads * rows, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> where(threads * rows, -1);
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for_tiles<M>(xp, rows, xs, reinterpret_cast<const U*>(packed.data_ptr()), units, blocks,
+               [&](int64_t r0, int mr, int64_t b0, int nr, __m512 (&acc)[MR][NR]) {
+    const int t = omp_get_thread_num();
+    for (int i = 0; i < mr; ++i) {
+      // Logits as the dtype holds them (bf16 rounds), so the argmax is that of the logits this kernel returns.
+      __m512 bv = _mm512_set1_ps(-INFINITY);
+      __m512i bi = _mm512_set1_epi32(-1);
+      for (int j = 0; j < nr; ++j) {
+        const int64_t c0 = (b0 + j) * L;
+        const int64_t valid = std::min<int64_t>(L, n - c0);
+        const __mmask16 in = static_cast<__mmask16>(valid == L ? 0xffff : (1u << valid) - 1);
+        const __m512 v = round_to16<T>(acc[i][j]);
+        const __mmask16 better = _mm512_mask_cmp_ps_mask(in, v, bv, _CMP_GT_OQ);  // strictly: earlier wins ties
+        bv = _mm512_mask_mov_ps(bv, better, v);
+        bi = _mm512_mask_mov_epi32(bi, better, _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(c0))));
+      }
+      alignas(64) float vals[L];
+      alignas(64) int32_t idx[L];
+      _mm512_store_ps(vals, bv);
+      _mm512_store_si512(idx, bi);
+      float tv = -INFINITY;
+      int64_t ti = -1;
+      for (int e = 0; e < L; ++e)
+        if (idx[e] >= 0 && (ti < 0 || vals[e] > tv || (vals[e] == tv && idx[e] < ti))) tv = vals[e], ti = idx[e];
+      // This thread saw this row's earlier columns before: only a strictly larger value replaces them.
+      float& bestv = best[t * rows + r0 + i];
+      int64_t& besti = where[t * rows + r0 + i];
+      if (ti >= 0 && (besti < 0 || tv > bestv)) bestv = tv, besti = ti;
+    }
+  });
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float bv = -std::numeric_limits<float>::infinity();
+    int64_t bi = -1;
+    for (int t = 0; t < threads; ++t) {
+      const int64_t i = where[t * rows + r];
+      if (i >= 0 && (bi < 0 || best[t * rows + r] > bv)) bv = best[t * rows + r], bi = i;
+    }
+    op[r] = std::max<int64_t>(bi, 0);
+  }
+}
+
+bool pairs_for(const torch::Tensor& w) {
+#if defined(KVRELAY_AVX512BF16)
+  return w.scalar_type() == torch::kBFloat16;
+#else
+  (void)w;
+  return false;
+#endif
+}
+
+}  // namespace
+
+// w [N, K] fp32 (or bf16 with AVX512-BF16, K even) -> [ceil(N/16), units of K, 16] float or int32 (bf16 pairs).
+torch::Tensor pack_small_gemm(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "w must be [N, K]");
+  const bool pairs = pairs_for(w);
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || pairs, "small_gemm: float32, or bfloat16 on AVX512-BF16");
+  TORCH_CHECK(!pairs || w.size(1) % 2 == 0, "small_gemm: bf16 needs an even K");
+  w = w.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), blocks = (n + L - 1) / L, units = pairs ? k / 2 : k;
+  auto out = torch::zeros({blocks, units, L}, w.options().dtype(pairs ? torch::kInt32 : torch::kFloat32));
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr());  // fp32, or two bf16 per unit
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr());
+  const int64_t row_units = pairs ? k / 2 : k;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t lane = 0; lane < L && b * L + lane < n; ++lane)
+        for (int64_t u = 0; u < units; ++u) dst[(b * units + u) * L + lane] = src[(b * L + lane) * row_units + u];
+  });
+  return out;
+}
+
+// x [M, K] (rows contiguous) in the weight's dtype -> [M, n]; bias [n] or None.
+torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
+  const bool pairs = packed.scalar_type() == torch::kInt32;
+  TORCH_CHECK(x.size(1) == packed.size(1) * (pairs ? 2 : 1), "x's K does not match the packed weight");
+  TORCH_CHECK(x.scalar_type() == (pairs ? torch::kBFloat16 : torch::kFloat32), "x's dtype does not match the weight");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == x.scalar_type()),
+              "bias must be [n] in x's dtype");
+  auto out = torch::empty({x.size(0), n}, x.options());
+#if defined(KVRELAY_AVX512BF16)
+  if (pairs) {
+    gemm<Pairs, at::BFloat16>(x, packed, n, bias, out);
+    return out;
+  }
+#endif
+  gemm<F32, float>(x, packed, n, bias, out);
+  return out;
+}
+
+// argmax over columns of small_gemm(x, packed, n) per row, int64 [M]; ties go to the lowest column.
+torch::Tensor small_gemm_argmax(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
+  const bool pairs = packed.scalar_type() == torch::kInt32;
+  TORCH_CHECK(x.size(1) == packed.size(1) * (pairs ? 2 : 1), "x's K does not match the packed weight");
+  TORCH_CHECK(x.scalar_type() == (pairs ? torch::kBFloat16 : torch::kFloat32), "x's dtype does not match the weight");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+#if defined(KVRELAY_AVX512BF16)
+  if (pairs) {
+    gemm_argmax<Pairs, at::BFloat16>(x, packed, n, out);
+    return out;
+  }
+#endif
+  gemm_argmax<F32, float>(x, packed, n, out);
+  return out;
+}
+
+bool small_gemm_available() { return true; }
+
+#else  // 16-lane kernels only
+
+torch::Tensor pack_small_gemm(torch::Tensor) { TORCH_CHECK(false, "small_gemm needs AVX512"); }
+torch::Tensor small_gemm(torch::Tensor, torch::Tensor, int64_t, std::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "small_gemm needs AVX512");
+}
+torch::Tensor small_gemm_argmax(torch::Tensor, torch::Tensor, int64_t) { TORCH_CHECK(false, "small_gemm needs AVX512"); }
+bool small_gemm_available() { return false; }
+
+#endif
+
+}  // namespace kvrelay

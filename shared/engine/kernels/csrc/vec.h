@@ -1,0 +1,167 @@
+// One fp32 vector type for the attention kernels, whatever the machine: 16 lanes with AVX512F, else 8 lanes
+// with AVX2 + FMA. The kernels are written once against `Vf` and compiled for the machine they run on
+// (-march=native). Also the AVX512-BF16 dot product of bf16 pairs, where the CPU has it.
+#pragma once
+
+#include "common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVRELAY_AVX512 1
+#if defined(__AVX512BF16__)
+#define KVRELAY_AVX512BF16 1  // bf16 dot products in hardware (vdpbf16ps)
+#endif
+#endif
+
+namespace kvrelay {
+
+#if defined(KVRELAY_AVX512)
+struct Vf {
+  using R = __m512;
+  static constexpr int W = 16;
+  static R zero() { return _mm512_setzero_ps(); }
+  static R set1(float x) { return _mm512_set1_ps(x); }
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
+  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+  static R max(R a, R b) { return _mm512_max_ps(a, b); }
+  static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  // a where keep (a <= b, compared lane by lane), else -inf
+  static R keep_le(R a, R x, R y) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, y, _CMP_LE_OQ), set1(-INFINITY), a);
+  }
+  static R keep_gt(R a, R x, R y) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, y, _CMP_GT_OQ), set1(-INFINITY), a);
+  }
+  static R select_if_neg_inf(R x, R when_inf) {  // when_inf where x == -inf, else x
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, set1(-INFINITY), _CMP_EQ_OQ), x, when_inf);
+  }
+  // exp for x <= 0 (x may be -inf): 0 below -87.3, as exp_neg (common.h) does for 8 lanes.
+  static R exp_neg(R x) {
+    const R lo = set1(-87.3f);
+    const __mmask16 ok = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+    x = _mm512_max_ps(x, lo);
+    const R n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    R r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+    R p = set1(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, set1(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, set1(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, set1(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, set1(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, set1(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, set1(1.f)));
+    return _mm512_maskz_mov_ps(ok, _mm512_scalef_ps(p, n));
+  }
+  static float hmax(R v) { return _mm512_reduce_max_ps(v); }
+  static float hsum(R v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(KVRELAY_AVX2)
+struct Vf {
+  using R = __m256;
+  static constexpr int W = 8;
+  static R zero() { return _mm256_setzero_ps(); }
+  static R set1(float x) { return _mm256_set1_ps(x); }
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
+  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static R max(R a, R b) { return _mm256_max_ps(a, b); }
+  static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R keep_le(R a, R x, R y) { return _mm256_blendv_ps(set1(-INFINITY), a, _mm256_cmp_ps(x, y, _CMP_LE_OQ)); }
+  static R keep_gt(R a, R x, R y) { return _mm256_blendv_ps(set1(-INFINITY), a, _mm256_cmp_ps(x, y, _CMP_GT_OQ)); }
+  static R select_if_neg_inf(R x, R when_inf) {
+    return _mm256_blendv_ps(x, when_inf, _mm256_cmp_ps(x, set1(-INFINITY), _CMP_EQ_OQ));
+  }
+  static R exp_neg(R x) { return kvrelay::exp_neg(x); }
+  static float hmax(R v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+  }
+  static float hsum(R v) { return hsum8(v); }
+};
+#endif
+
+#if defined(KVRELAY_AVX512)
+// exp for any x, as exp_ps (common.h) for 8 lanes: 0 below -87.3, +inf above 88.3, within 1 ulp of expf between.
+inline __m512 exp16(__m512 x) {
+  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+  const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.3f), _CMP_GT_OQ);
+  const __m512 e = Vf::exp_neg(_mm512_min_ps(x, _mm512_set1_ps(88.3f)));  // exp_neg's core serves any x <= 88.3
+  return _mm512_mask_blend_ps(over, _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), e), _mm512_set1_ps(INFINITY));
+}
+
+// fp32 lanes rounded to bf16 precision (nearest even, as torch rounds), kept as fp32; NaN stays NaN.
+inline __m512i bf16_bits_rne16(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(b, _mm512_set1_epi32(0x400000)));
+}
+inline __m512 round_bf16_16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_bits_rne16(x), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits_rne16(v), 16)));
+}
+// A value as the dtype T holds it (bf16 rounds), kept in fp32.
+template <typename T>
+inline __m512 round_to16(__m512 v) {
+  if constexpr (std::is_same<T, float>::value) return v;
+  else return round_bf16_16(v);
+}
+
+// 16 lanes of fp32 from fp32 or bf16 memory (bf16 widened exactly).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// v[i] = sum of the 16 lanes of a[i], for 16 vectors at once (a transposing tree of adds: 37 operations where
+// 16 separate reductions take ~160).
+inline __m512 hsum16x16(__m512 a[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // c[i], 128-bit lane L: the sums over lane L of a[4i..4i+3]; add the four lanes of each.
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+}
+#endif
+
+#if defined(KVRELAY_AVX512BF16)
+// Pairs of bf16 in one 32-bit lane: (lo, hi). dot_pairs(acc, a, b) adds a.lo * b.lo + a.hi * b.hi per lane, the
+// products exact and the sums in fp32.
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+// bf16(x) in the low and bf16(y) in the high half of each lane (rounded to nearest even).
+inline __m512i pack_pairs(__m512 x, __m512 y) {
+  const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(y, x));  // x in 0..15, y in 16..31
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, both);
+}
+// Lanes i of a and b (16-bit elements) interleaved: pairs (a[i], b[i]) for i in [16 half, 16 half + 16).
+inline __m512i interleave_pairs(__m512i a, __m512i b, int half) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                             38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  return _mm512_permutex2var_epi16(a, half ? hi : lo, b);
+}
+#endif
+
+}  // namespace kvrelay

@@ -1,0 +1,144 @@
+"""The native paged attention for whole steps (decodes and multi-token chunks in one call) against a dense
+reference: prefill chunks with and without cached context, GQA groups, head sizes with and without a compiled-in
+specialisation, sliding windows, block sizes, chunk lengths around the kernel's tile sizes; a chunk's rows do
+not depend on how the chunk was split; and the call reads a strided query view in place."""
+
+import random
+
+import pytest
+import torch
+
+from shared.engine import kernels as cpu_kernels
+from shared.engine.attention.base import AttentionMetadata
+from shared.engine.attention.torch_backend import TorchAttentionBackend
+from shared.records import kv_cache_shape
+
+native = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(native is None or native.attention_isa() == "scalar",
+                                reason="native chunk attention needs a C++ compiler and AVX2 or AVX512")
+
+
+class Step:
+    """Requests (cached context, new tokens) with random K/V histories in a shuffled paged cache."""
+
+    def __init__(self, batch, heads, kv_heads, d, bs, dtype, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.batch, self.heads, self.kv_heads, self.d, self.bs = batch, heads, kv_heads, d, bs
+        num_blocks = sum(-(-(c + n) // bs) for c, n in batch) + 4
+        free = random.Random(seed).sample(range(num_blocks), num_blocks)
+        self.cache = (torch.randn(kv_cache_shape(num_blocks, bs, kv_heads, d), generator=gen) * 50).to(dtype)
+        self.keys, self.values, self.tables = [], [], []
+        for context, new in batch:
+            total = context + new
+            k = torch.randn(total, kv_heads, d, generator=gen).to(dtype)
+            v = torch.randn(total, kv_heads, d, generator=gen).to(dtype)
+            blocks = [free.pop() for _ in range(-(-total // bs))]
+            for p in range(total):  # the whole context is in the cache, as after write_kv
+                self.cache[0, blocks[p // bs], p % bs] = k[p]
+                self.cache[1, blocks[p // bs], p % bs] = v[p]
+            self.keys.append(k)
+            self.values.append(v)
+            self.tables.append(blocks)
+        tokens = sum(n for _, n in batch)
+        self.q = torch.randn(tokens, heads, d, generator=gen).to(dtype)
+
+    def call(self, q=None, window=0):
+        width = max(len(t) for t in self.tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32)
+        starts = torch.tensor([0] + [n for _, n in self.batch], dtype=torch.int32).cumsum(0).to(torch.int32)
+        lens = torch.tensor([c + n for c, n in self.batch], dtype=torch.int32)
+        decodes = sum(1 for _, n in self.batch if n == 1)
+        assert all(n == 1 for _, n in self.batch[:decodes])
+        q = self.q if q is None else q
+        return native.paged_attention(q, self.cache, tables, starts, lens, decodes, self.d**-0.5, window)
+
+    def reference(self, window=0):
+        outs, row = [], 0
+        group = self.heads // self.kv_heads
+        for (context, new), k, v in zip(self.batch, self.keys, self.values):
+            q = self.q[row : row + new].double()
+            row += new
+            kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+            scores = torch.einsum("qhd,khd->hqk", q, kk) * self.d**-0.5
+            qpos = torch.arange(context, context + new)[:, None]
+            kpos = torch.arange(context + new)[None, :]
+            keep = (kpos <= qpos) & ((kpos > qpos - window) if window > 0 else True)
+            outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~keep, float("-inf")).softmax(-1), vv))
+        return torch.cat(outs)
+
+
+def _tolerance(dtype, d):
+    # fp32: summation order only. bf16: the output's own rounding (2^-9 relative, values up to ~3), and on
+    # AVX512-BF16 the weights rounded to bf16 for p . v.
+    return 2e-5 if dtype == torch.float32 else 4e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (16, 2, 64), (6, 2, 80)])
+def test_mixed_step_matches_dense_attention(dtype, heads, kv_heads, d):
+    batch = [(0, 1), (40, 1), (130, 1), (0, 37), (19, 45), (100, 16), (0, 2), (300, 70)]
+    step = Step(batch, heads, kv_heads, d, 16, dtype)
+    out = step.call()
+    assert out.dtype == dtype and out.shape == step.q.shape
+    assert (out.double() - step.reference()).abs().max().item() < _tolerance(dtype, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 7, 33, 100])
+@pytest.mark.parametrize("bs", [16, 4, 1])
+def test_windows_and_block_sizes(dtype, window, bs):
+    batch = [(5, 1), (90, 1), (0, 50), (61, 40), (200, 33)]
+    step = Step(batch, 6, 2, 64, bs, dtype, seed=3)
+    out = step.call(window=window)
+    assert (out.double() - step.reference(window)).abs().max().item() < _tolerance(dtype, 64)
+
+
+@pytest.mark.parametrize("new", list(range(2, 20)) + [31, 32, 33, 47, 48, 49, 64, 65])
+def test_chunk_lengths_around_the_tiles(new):
+    """Every chunk length from 2 to past the kernels' query tiles (16 tokens x 3 heads, or 5 with 8 lanes) and
+    key chunks (32): partial tiles, padded rows and padded keys."""
+    step = Step([(23, new), (0, new)], 9, 3, 64, 16, torch.float32, seed=new)
+    assert (step.call().double() - step.reference()).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_split_in_two_gives_the_same_rows_bit_for_bit(dtype):
+    """A row's result does not depend on the rows computed beside it: prefilling 70 tokens at once, or 29
+    then 41 with the first 29 as context, gives identical outputs for the last 41."""
+    whole = Step([(0, 70)], 9, 3, 64, 16, dtype, seed=7)
+    tail = Step([(29, 41)], 9, 3, 64, 16, dtype, seed=7)
+    tail.cache, tail.tables = whole.cache, whole.tables  # same keys and values, same blocks
+    tail.q = whole.q[29:]
+    assert torch.equal(whole.call()[29:], tail.call())
+
+
+def test_queries_are_read_in_place_from_a_fused_projection():
+    """q as the model passes it: a view of the qkv projection's rows (stride > heads x d)."""
+    step = Step([(3, 1), (0, 20)], 9, 3, 64, 16, torch.float32, seed=2)
+    qkv = torch.randn(step.q.shape[0], (9 + 6) * 64)
+    qkv[:, : 9 * 64] = step.q.reshape(step.q.shape[0], -1)
+    view = qkv[:, : 9 * 64].view(-1, 9, 64)
+    assert not view.is_contiguous()
+    assert torch.equal(step.call(q=view), step.call())
+
+
+def test_backend_uses_one_native_call_for_a_mixed_step():
+    """Through the backend: the mixed step equals the portable gather + SDPA path."""
+    batch = [(0, 1), (16, 1), (0, 23), (20, 13)]
+    step = Step(batch, 8, 2, 32, 16, torch.float32, seed=4)
+    width = max(len(t) for t in step.tables)
+    q_lens, seq_lens = [n for _, n in batch], [c + n for c, n in batch]
+    slots = [step.tables[i][p // 16] * 16 + p % 16 for i, (c, n) in enumerate(batch) for p in range(c, c + n)]
+    meta = AttentionMetadata(
+        num_reqs=len(batch), num_decodes=2, num_decode_tokens=2,
+        query_start_loc=torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_lens_cpu=q_lens, seq_lens_cpu=seq_lens,
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in step.tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots), block_size=16,
+    )
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(step.keys, batch)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(step.values, batch)])
+    a = TorchAttentionBackend(use_native=True).forward(step.q, new_k, new_v, step.cache.clone(), meta, 32**-0.5)
+    b = TorchAttentionBackend(use_native=False).forward(step.q, new_k, new_v, step.cache.clone(), meta, 32**-0.5)
+    assert (a - b).abs().max().item() < 1e-5

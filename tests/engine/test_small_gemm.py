@@ -1,0 +1,74 @@
+"""The small GEMM for decode-sized batches (AVX512 machines): products against float64, rows independent of
+the batch bit for bit, bias, output widths that are not a multiple of its 16-column blocks, and the fused
+argmax equal to torch.argmax of the same kernel's logits, ties included."""
+
+import pytest
+import torch
+
+from shared.engine import kernels as cpu_kernels
+from shared.engine.models import cpu_linear
+
+native = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(native is None or not native.small_gemm_available(),
+                                reason="the small GEMM is built on AVX512 machines only")
+
+
+def _dtypes():
+    # bf16 pairs need AVX512-BF16; elsewhere bf16 layers stay on oneDNN
+    return [torch.float32] + ([torch.bfloat16] if native.attention_isa() == "avx512-bf16" else [])
+
+
+@pytest.mark.parametrize("n, k", [(960, 576), (17, 32), (1000, 64), (33, 1536)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 131])
+def test_products_and_bias(n, k, rows):
+    for dtype in _dtypes():
+        gen = torch.Generator().manual_seed(rows * n)
+        w, b = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        packed = native.pack_small_gemm(w)
+        want = x.double() @ w.double().T
+        # fp32: summation order; bf16: exact products summed in fp32, then the output's rounding (2^-9 relative)
+        tol = 1e-5 * k**0.5 if dtype == torch.float32 else 8e-3 * want.abs().max().item()
+        got = native.small_gemm(x, packed, n, None)
+        assert got.shape == (rows, n) and got.dtype == dtype
+        assert (got.double() - want).abs().max().item() < tol
+        assert (native.small_gemm(x, packed, n, b).double() - (want + b.double())).abs().max().item() < tol
+
+
+def test_rows_do_not_depend_on_the_batch():
+    for dtype in _dtypes():
+        torch.manual_seed(3)
+        w = torch.randn(700, 576).to(dtype)
+        x = torch.randn(40, 576).to(dtype)
+        packed = native.pack_small_gemm(w)
+        alone = torch.cat([native.small_gemm(x[i : i + 1], packed, 700, None) for i in range(40)])
+        for rows in (1, 6, 7, 12, 40):
+            assert torch.equal(native.small_gemm(x[:rows], packed, 700, None), alone[:rows])
+
+
+def test_argmax_is_that_of_the_logits_ties_to_the_lowest_column():
+    for dtype in _dtypes():
+        torch.manual_seed(4)
+        n = 1000
+        w = torch.randn(n, 64).to(dtype)
+        w[700] = w[123]  # the same logit twice: column 123 must win wherever it is the largest
+        w[999] = w[998]
+        x = torch.randn(30, 64).to(dtype)
+        x[5] = w[123] * 4  # row 5 peaks at 123 (and 700)
+        x[6] = 0  # all logits 0: the first column
+        packed = native.pack_small_gemm(w)
+        logits = native.small_gemm(x, packed, n, None)
+        got = native.small_gemm_argmax(x, packed, n)
+        assert torch.equal(got, logits.argmax(dim=-1))
+        assert got[5].item() == 123 and got[6].item() == 0
+
+
+def test_linear_layers_pick_the_small_gemm_up_to_its_row_limit():
+    torch.manual_seed(5)
+    w = torch.randn(300, 128)
+    packed = cpu_linear.pack(w)
+    assert packed.small is not None and packed.onednn is not None
+    small = torch.randn(cpu_linear.SMALL_ROWS, 128)
+    assert torch.equal(cpu_linear.linear(small, w, None, packed), native.small_gemm(small, packed.small, 300, None))
+    big = torch.randn(cpu_linear.SMALL_ROWS + 1, 128)
+    torch.testing.assert_close(cpu_linear.linear(big, w, None, packed), big @ w.T, rtol=1e-5, atol=1e-4)
