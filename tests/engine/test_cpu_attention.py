@@ -50,7 +50,8 @@ class Step:
         decodes = sum(1 for _, n in self.batch if n == 1)
         assert all(n == 1 for _, n in self.batch[:decodes])
         q = self.q if q is None else q
-        return native.paged_attention(q, self.cache, tables, starts, lens, decodes, self.d**-0.5, window)
+        return native.paged_attention(q, None, None, self.cache, None, tables, starts, lens, decodes, self.d**-0.5,
+                                      window)
 
     def reference(self, window=0):
         outs, row = [], 0
@@ -142,3 +143,31 @@ def test_backend_uses_one_native_call_for_a_mixed_step():
     a = TorchAttentionBackend(use_native=True).forward(step.q, new_k, new_v, step.cache.clone(), meta, 32**-0.5)
     b = TorchAttentionBackend(use_native=False).forward(step.q, new_k, new_v, step.cache.clone(), meta, 32**-0.5)
     assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_call_writes_the_new_keys_and_values_first(tokens, dtype):
+    """k and v as the model passes them (views of the fused qkv rows; with one token their row strides differ)
+    land in their slots before anything is read: the result equals writing them first and calling without."""
+    heads, kvh, d, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kvh) * d, generator=gen).to(dtype)
+    q = qkv[:, : heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d : (heads + kvh) * d].view(tokens, kvh, d)
+    v = qkv[:, (heads + kvh) * d :].view(tokens, kvh, d)
+    cache = torch.randn(kv_cache_shape(8, bs, kvh, d), generator=gen).to(dtype)
+    context = 20  # one request: 20 cached tokens, then the new ones, in shuffled blocks
+    tables = torch.tensor([[5, 2, 7, 0, 0, 0, 0]], dtype=torch.int32)
+    slots = torch.tensor([int(tables[0, p // bs]) * bs + p % bs for p in range(context, context + tokens)])
+    starts = torch.tensor([0, tokens], dtype=torch.int32)
+    lens = torch.tensor([context + tokens], dtype=torch.int32)
+    decodes = 1 if tokens == 1 else 0
+    written = cache.clone()
+    got = native.paged_attention(q, k, v, written, slots, tables, starts, lens, decodes, d**-0.5, 0)
+    want_cache = cache.clone()
+    want_cache[0].view(-1, kvh, d)[slots] = k
+    want_cache[1].view(-1, kvh, d)[slots] = v
+    assert torch.equal(written, want_cache)
+    want = native.paged_attention(q, None, None, want_cache, None, tables, starts, lens, decodes, d**-0.5, 0)
+    assert torch.equal(got, want)

@@ -71,8 +71,8 @@ def test_native_decode_takes_bf16_queries(kv_dtype):
     native = cpu_kernels.load()
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     starts = torch.arange(len(lens) + 1, dtype=torch.int32)
-    got = native.paged_attention(q, kv, tables, starts, seq_lens, len(lens), 0.125, 0)
-    want = native.paged_attention(q.float(), kv, tables, starts, seq_lens, len(lens), 0.125, 0)
+    got = native.paged_attention(q, None, None, kv, None, tables, starts, seq_lens, len(lens), 0.125, 0)
+    want = native.paged_attention(q.float(), None, None, kv, None, tables, starts, seq_lens, len(lens), 0.125, 0)
     assert got.dtype == torch.bfloat16
     if kv_dtype == torch.bfloat16 and native.attention_isa() == "avx512-bf16":
         # p rounded to bf16 (relative 2^-9) over values of size ~1, then the output's own bf16 rounding

@@ -57,6 +57,8 @@ def _march() -> str:
 def load():
     """The compiled module, or None when it cannot be built here (or KVRELAY_DISABLE_CPU_KERNELS is set)."""
     global _module, _tried
+    if _tried:  # every linear layer asks: no lock, no environment lookup once decided
+        return _module
     if os.environ.get("KVRELAY_DISABLE_CPU_KERNELS"):
         return None
     with _lock:

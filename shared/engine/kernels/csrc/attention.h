@@ -57,7 +57,7 @@ struct AttnView {
 // Per-thread buffers, grown on first use and kept for the step.
 struct Scratch {
   std::vector<float> f[8];
-  std::vector<uint32_t> u[4];
+  std::vector<uint32_t> u[5];
   float* floats(int i, int64_t n) {
     if (int64_t(f[i].size()) < n) f[i].resize(n);
     return f[i].data();

@@ -6,9 +6,10 @@
 #include <vector>
 
 namespace kvrelay {
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                              torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t num_decodes, double scale,
-                              int64_t window);
+torch::Tensor paged_attention(torch::Tensor q, std::optional<torch::Tensor> k, std::optional<torch::Tensor> v,
+                              torch::Tensor kv_cache, std::optional<torch::Tensor> slot_mapping,
+                              torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                              int64_t num_decodes, double scale, int64_t window);
 std::string attention_isa();
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight,
                                         double eps);
@@ -23,15 +24,18 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, std::optional<torc
 }  // namespace kvrelay
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &kvrelay::paged_attention,
+  // The kernels run without the GIL: a node's event loop (gRPC streams) can run its Python meanwhile instead of
+  // holding up the engine thread between kernels.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_attention", &kvrelay::paged_attention, nogil,
         "attention of a step's decodes and chunks over the paged KV cache, reading it in place");
   m.def("attention_isa", &kvrelay::attention_isa, "the vector unit the attention kernels were built for");
-  m.def("add_rms_norm", &kvrelay::add_rms_norm, "residual += x; rms_norm(residual) * w -> (out, residual)");
-  m.def("silu_mul", &kvrelay::silu_mul, "silu(gate) * up over a fused gate|up row");
-  m.def("pack_small_gemm", &kvrelay::pack_small_gemm, "a weight [N, K] in small_gemm's panels");
-  m.def("small_gemm", &kvrelay::small_gemm, "y = x w^T + b for a decode step's few rows, on a packed weight");
-  m.def("small_gemm_argmax", &kvrelay::small_gemm_argmax, "argmax over columns of small_gemm(x, w) per row");
+  m.def("add_rms_norm", &kvrelay::add_rms_norm, nogil, "residual += x; rms_norm(residual) * w -> (out, residual)");
+  m.def("silu_mul", &kvrelay::silu_mul, nogil, "silu(gate) * up over a fused gate|up row");
+  m.def("pack_small_gemm", &kvrelay::pack_small_gemm, nogil, "a weight [N, K] in small_gemm's panels");
+  m.def("small_gemm", &kvrelay::small_gemm, nogil, "y = x w^T + b for a decode step's few rows, on a packed weight");
+  m.def("small_gemm_argmax", &kvrelay::small_gemm_argmax, nogil, "argmax over columns of small_gemm(x, w) per row");
   m.def("small_gemm_available", &kvrelay::small_gemm_available, "whether small_gemm was built (AVX512)");
-  m.def("skinny_linear", &kvrelay::skinny_linear, "y = x w^T + b for a few rows, each independent of the others");
-  m.def("rope_write_kv", &kvrelay::rope_write_kv, "rotate q, k in place and write k, v into the paged cache");
+  m.def("skinny_linear", &kvrelay::skinny_linear, nogil, "y = x w^T + b for a few rows, each independent of the others");
+  m.def("rope_write_kv", &kvrelay::rope_write_kv, nogil, "rotate q, k in place and write k, v into the paged cache");
 }

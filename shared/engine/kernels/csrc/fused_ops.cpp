@@ -27,10 +27,14 @@ inline float round_to(float v) {
   return std::is_same<T, float>::value ? v : bf16_to_f32(f32_to_bf16(v));
 }
 
+// Rows per thread: up to ~64K elements run on the calling thread alone (a decode step's batch). A parallel
+// region there costs more than the work, and its barrier stalls whenever the OS lends a core to a serving process.
+inline int64_t serial_rows(int64_t n) { return std::max<int64_t>(1, 65536 / n); }
+
 template <typename T>
 void add_rms_norm_impl(T* x, T* residual, const T* w, T* out, int64_t rows, int64_t n, int64_t x_stride,
                        double eps) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, serial_rows(n), [&](int64_t begin, int64_t end) {
     std::vector<float> row(n);
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * x_stride;
@@ -75,7 +79,7 @@ void add_rms_norm_impl(T* x, T* residual, const T* w, T* out, int64_t rows, int6
 
 template <typename T>
 void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, serial_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gu + r * gu_stride;
       const T* u = g + n;
@@ -126,7 +130,7 @@ void rope_write_impl(T* qk, int64_t token_stride, const T* v, int64_t v_stride, 
   const int64_t half = d / 2;
   C* kc = cache;
   C* vc = cache + num_slots * kv_heads * d;
-  at::parallel_for(0, tokens, std::max<int64_t>(1, 2048 / ((heads + kv_heads) * d) + 1), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, tokens, serial_rows((heads + kv_heads) * d), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       T* row = qk + t * token_stride;
       const T* c = cos + pos[t] * half;

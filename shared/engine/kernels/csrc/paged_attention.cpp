@@ -6,7 +6,9 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -42,9 +44,25 @@ std::vector<Item> plan(const int32_t* qsl, const int32_t* lens, int64_t reqs, in
   return items;
 }
 
+// Rows of new keys and values (k, v [tokens, kvh, d], strided rows) into their cache slots, in the cache's dtype.
+template <typename T, typename N>
+void write_row(const N* k, const N* v, int64_t slot, int64_t width, T* kc, T* vc) {
+  for (int64_t i = 0; i < width; ++i) {
+    put(kc + slot * width, i, load(k, i));
+    put(vc + slot * width, i, load(v, i));
+  }
+}
+
+struct NewKV {
+  const torch::Tensor* k;  // nullptr: the cache holds the step's keys and values already
+  const torch::Tensor* v;
+  const int64_t* slots;
+};
+
 template <typename T, typename Q>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& tables, const torch::Tensor& qsl,
-         const torch::Tensor& lens, int64_t decodes, double scale, int64_t window, torch::Tensor& out) {
+         const torch::Tensor& lens, int64_t decodes, double scale, int64_t window, const NewKV& fresh,
+         torch::Tensor& out) {
   AttnView<T, Q> a{};
   a.k = reinterpret_cast<const T*>(kv[0].data_ptr());
   a.v = reinterpret_cast<const T*>(kv[1].data_ptr());
@@ -60,8 +78,22 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   const std::vector<Item> items =
       plan(qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), lens.size(0), decodes, a.kvh, a.group(), threads);
   const int32_t* lp = lens.data_ptr<int32_t>();
+  const int64_t tokens = q.size(0), width = a.kvh * a.d;
+  T* kc = reinterpret_cast<T*>(kv[0].data_ptr());
+  T* vc = reinterpret_cast<T*>(kv[1].data_ptr());
 #pragma omp parallel num_threads(threads)
   {
+    if (fresh.k != nullptr) {  // the step's new rows first; the barrier after this loop orders them before reads
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t ks = fresh.k->stride(0), vs = fresh.v->stride(0), slot = fresh.slots[t];
+        if (fresh.k->scalar_type() == torch::kFloat32)
+          write_row(fresh.k->data_ptr<float>() + t * ks, fresh.v->data_ptr<float>() + t * vs, slot, width, kc, vc);
+        else
+          write_row(fresh.k->data_ptr<at::BFloat16>() + t * ks, fresh.v->data_ptr<at::BFloat16>() + t * vs, slot,
+                    width, kc, vc);
+      }
+    }
     thread_local Scratch scratch;  // kept across steps: the pool's threads live as long as the process
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < items.size(); ++i) {
@@ -75,12 +107,14 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
 }  // namespace
 
 // q [tokens, heads, d] fp32|bf16 (rows may be strided: a view of a fused qkv projection); kv_cache
-// [2, num_blocks, bs, kvh, d] fp32|bf16, holding every token of the step already (written before the call);
-// block_tables [reqs, max_blocks], query_start_loc [reqs + 1], seq_lens [reqs] int32, the first num_decodes
-// requests with one query token each; window <= 0: full attention. Returns [tokens, heads, d] in q's dtype.
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                              torch::Tensor query_start_loc, torch::Tensor seq_lens, int64_t num_decodes, double scale,
-                              int64_t window) {
+// [2, num_blocks, bs, kvh, d] fp32|bf16; block_tables [reqs, max_blocks], query_start_loc [reqs + 1], seq_lens
+// [reqs] int32, the first num_decodes requests with one query token each; window <= 0: full attention.
+// k, v [tokens, kvh, d] (strided rows) and slot_mapping [tokens] int64: the step's new keys and values, written
+// into the cache first (None: the cache holds them already). Returns [tokens, heads, d] in q's dtype.
+torch::Tensor paged_attention(torch::Tensor q, std::optional<torch::Tensor> k, std::optional<torch::Tensor> v,
+                              torch::Tensor kv_cache, std::optional<torch::Tensor> slot_mapping,
+                              torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                              int64_t num_decodes, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, d] with contiguous heads");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "q: float32 or bfloat16");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous [2, nb, bs, kvh, d]");
@@ -94,12 +128,29 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) >= seq_lens.size(0),
               "one query start per request plus one, a block table row per request");
   TORCH_CHECK(num_decodes == seq_lens.size(0) || prefill_tile_tokens(1) > 0, "no native prefill on this CPU");
+  NewKV fresh{nullptr, nullptr, nullptr};
+  if (k.has_value()) {
+    TORCH_CHECK(v.has_value() && slot_mapping.has_value(), "k needs v and slot_mapping");
+    for (const auto* t : {&*k, &*v})
+      TORCH_CHECK(t->dim() == 3 && t->size(0) == q.size(0) && t->size(1) == kv_cache.size(3) &&
+                      t->size(2) == q.size(2) && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
+                      t->scalar_type() == q.scalar_type(),
+                  "k and v must be [tokens, kv heads, d] rows like q's, in q's dtype");
+    TORCH_CHECK(slot_mapping->scalar_type() == torch::kInt64 && slot_mapping->is_contiguous() &&
+                slot_mapping->numel() == q.size(0), "slot_mapping: int64, one slot per token");
+    fresh = {&*k, &*v, slot_mapping->data_ptr<int64_t>()};
+  }
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const bool kf32 = kv_cache.scalar_type() == torch::kFloat32, qf32 = q.scalar_type() == torch::kFloat32;
-  if (kf32 && qf32) run<float, float>(q, kv_cache, block_tables, query_start_loc, seq_lens, num_decodes, scale, window, out);
-  else if (kf32) run<float, at::BFloat16>(q, kv_cache, block_tables, query_start_loc, seq_lens, num_decodes, scale, window, out);
-  else if (qf32) run<at::BFloat16, float>(q, kv_cache, block_tables, query_start_loc, seq_lens, num_decodes, scale, window, out);
-  else run<at::BFloat16, at::BFloat16>(q, kv_cache, block_tables, query_start_loc, seq_lens, num_decodes, scale, window, out);
+  auto go = [&](auto* tag_t, auto* tag_q) {
+    using T = std::remove_pointer_t<decltype(tag_t)>;
+    using Q = std::remove_pointer_t<decltype(tag_q)>;
+    run<T, Q>(q, kv_cache, block_tables, query_start_loc, seq_lens, num_decodes, scale, window, fresh, out);
+  };
+  if (kf32 && qf32) go(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  else if (kf32) go(static_cast<float*>(nullptr), static_cast<at::BFloat16*>(nullptr));
+  else if (qf32) go(static_cast<at::BFloat16*>(nullptr), static_cast<float*>(nullptr));
+  else go(static_cast<at::BFloat16*>(nullptr), static_cast<at::BFloat16*>(nullptr));
   return out;
 }
 

@@ -97,25 +97,25 @@ inline void tile_any(int mr, int nr, const typename M::U* x, int64_t xs, const t
   }
 }
 
-// Calls visit(row0, mr, block0, nr, acc) for every register tile, threads splitting the panels of NR column
-// blocks; each thread prefetches its next panel into L2 while it computes the current one, spread over the
-// panel's row tiles (a 6-row tile alone is too short to cover the fetch).
+// Calls visit(row0, mr, block0, nr, acc) for every register tile. Panels of NR column blocks are handed out
+// one at a time, so a thread the OS preempts (a serving process shares these cores) is covered by the other
+// instead of stalling it at the end; each thread prefetches into L2, spread over the current panel's row tiles
+// (a 6-row tile alone is too short to cover the fetch), the panel it will most likely take next.
 template <class M, class Visit>
 void for_tiles(const typename M::U* x, int64_t rows, int64_t xs, const typename M::U* w, int64_t units,
                int64_t blocks, Visit&& visit) {
   const int64_t panels = (blocks + NR - 1) / NR;
   const int threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(panels)));
+  const int64_t tiles = (rows + MR - 1) / MR;
 #pragma omp parallel num_threads(threads)
   {
-    const int t = omp_get_thread_num();
-    const int64_t p0 = panels * t / threads, p1 = panels * (t + 1) / threads;
     __m512 acc[MR][NR];
-    for (int64_t p = p0; p < p1; ++p) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t p = 0; p < panels; ++p) {
       const int64_t b0 = p * NR;
       const int nr = static_cast<int>(std::min<int64_t>(NR, blocks - b0));
       const typename M::U* wp = w + b0 * units * L;
-      const typename M::U* next = p + 1 < p1 ? wp + NR * units * L : nullptr;
-      const int64_t tiles = (rows + MR - 1) / MR;
+      const typename M::U* next = p + threads < panels ? wp + threads * NR * units * L : nullptr;
       for (int64_t r0 = 0; r0 < rows; r0 += MR) {
         const int mr = static_cast<int>(std::min<int64_t>(MR, rows - r0));
         tile_any<M>(mr, nr, x + r0 * xs, xs, wp, units, next, r0 / MR, tiles, acc);
@@ -167,7 +167,7 @@ void gemm_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
   const U* xp = reinterpret_cast<const U*>(x.data_ptr());
   const int64_t xs = x.stride(0) * int64_t(x.element_size()) / int64_t(sizeof(U));
   const int threads = std::max(1, at::get_num_threads());
-  // Each thread's best per row, merged in thread order (threads own increasing column ranges).
+  // Each thread's best per row; merged below, ties to the lowest column (threads' panels interleave).
   std::vector<float> best(threads * rows, -std::numeric_limits<float>::infinity());
   std::vector<int64_t> where(threads * rows, -1);
   const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -195,7 +195,8 @@ void gemm_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
       int64_t ti = -1;
       for (int e = 0; e < L; ++e)
         if (idx[e] >= 0 && (ti < 0 || vals[e] > tv || (vals[e] == tv && idx[e] < ti))) tv = vals[e], ti = idx[e];
-      // This thread saw this row's earlier columns before: only a strictly larger value replaces them.
+      // A thread takes panels in increasing order: this row's earlier columns came first, so only a strictly
+      // larger value replaces them.
       float& bestv = best[t * rows + r0 + i];
       int64_t& besti = where[t * rows + r0 + i];
       if (ti >= 0 && (besti < 0 || tv > bestv)) bestv = tv, besti = ti;
@@ -207,7 +208,8 @@ void gemm_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
     int64_t bi = -1;
     for (int t = 0; t < threads; ++t) {
       const int64_t i = where[t * rows + r];
-      if (i >= 0 && (bi < 0 || best[t * rows + r] > bv)) bv = best[t * rows + r], bi = i;
+      const float v = best[t * rows + r];
+      if (i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi))) bv = v, bi = i;
     }
     op[r] = std::max<int64_t>(bi, 0);
   }
