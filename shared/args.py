@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=0,
                    help="requests (and queued decode reservations) that may wait for room; past it new ones are "
                         "refused, which the gateway answers with 429 (0: no bound)")
+    g.add_argument("--admission-headroom", action=argparse.BooleanOptionalAction, default=True,
+                   help="admit a request only if the KV blocks it takes leave room for the running requests' "
+                        "prompts and one block each to grow into (fewer preemptions, each of which recomputes)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of identical prompt prefixes")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
@@ -74,6 +77,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_waiting_requests=args.max_waiting_requests,
+        admission_headroom=args.admission_headroom,
         enable_prefix_caching=args.enable_prefix_caching,
         policy=args.scheduling_policy,
         attention_backend=args.attention_backend,

@@ -84,6 +84,9 @@ class SchedulerConfig:
     kv_lease_s: float = 30.0
     # Requests (and queued reservations) that may wait for room; past it new ones are refused (QueueFull).
     max_waiting_requests: int = 0  # 0: no bound
+    # Admit a waiting request only if the blocks it takes leave what the running ones still need for their
+    # prompts plus one block each; off: admit while blocks are free and preempt (recompute) later, as vLLM.
+    admission_headroom: bool = True
 
 
 SPEC_METHODS = ("ngram", "draft_model")

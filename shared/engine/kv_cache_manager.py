@@ -89,6 +89,17 @@ class KVCacheManager:
             hit.append(block)
         return PrefixHit(tuple(hit), len(hit) * self.block_size)
 
+    def blocks_to_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT,
+                           num_lookahead_tokens: int = 0) -> int:
+        """Free blocks `allocate_slots` with the same arguments would take (new ones, hit blocks revived from
+        the free queue, copies of shared ones)."""
+        blocks = self.req_to_blocks.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + hit.num_tokens
+        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+        num_new = max(0, num_required - len(blocks) - len(hit.blocks))
+        shared = self._shared_write_targets(blocks, num_computed, num_computed + num_new_tokens)
+        return num_new + sum(1 for b in hit.blocks if b.ref_cnt == 0) + len(shared)
+
     def allocate_slots(
         self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT, cache: bool = True,
         num_lookahead_tokens: int = 0,

@@ -262,9 +262,20 @@ class Scheduler(SpecSchedulerMixin, BeamSchedulerMixin):
         plan.preempted.add(req.request_id)
         self.waiting.add_front(req)
 
+    def _admission_headroom(self, plan: _StepPlan) -> int:
+        """Free blocks an admission must leave: what the running requests still need for the rest of their
+        prompts (past this step's chunk), and one block each to grow into. Admitting into the last free blocks
+        only to preempt (and recompute) a running request a few steps later throws work away: 8% of the tokens
+        computed in a 128-request fp32 benchmark whose KV cache held half of them."""
+        bs = self.kv.block_size
+        return sum(cdiv(max(0, r.num_prompt_tokens - r.num_computed_tokens - plan.tokens.get(r.request_id, 0)), bs)
+                   + 1 for r in self.running)
+
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         compiling: list[Request] = []
         seqs = self.config.max_num_seqs
+        keep = self.config.admission_headroom
+        headroom = self._admission_headroom(plan) if keep else 0
         while len(self.waiting) and plan.budget > 0 and len(self.running) + self.beam_seats() < seqs:
             req = self.waiting.peek()
             if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
@@ -281,10 +292,15 @@ class Scheduler(SpecSchedulerMixin, BeamSchedulerMixin):
             n, spec, lookahead, proposes = chunk
             if not self.config.enable_chunked_prefill and n < req.num_tokens - hit.num_tokens:
                 break
+            needed = self.kv.blocks_to_allocate(req, n + len(spec), hit, num_lookahead_tokens=lookahead)
+            if self.running and self.kv.num_free_blocks - needed < headroom:  # wait for room instead
+                break
             new_blocks = self.kv.allocate_slots(req, n + len(spec), hit, num_lookahead_tokens=lookahead)
             if new_blocks is None:
                 break
             self.waiting.pop()
+            if keep:
+                headroom += cdiv(max(0, req.num_prompt_tokens - hit.num_tokens - n), self.kv.block_size) + 1
             self._admit(req, hit, plan)
             self._add_to_plan(req, n, spec, proposes, plan)
             plan.new.append(self._new_request_data(req))

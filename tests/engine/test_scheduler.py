@@ -158,8 +158,11 @@ def test_no_prefix_hits_without_caching():
 # -- preemption -----------------------------------------------------------------------------------------
 
 
+# These fill the cache on purpose: without admission headroom, so that growing requests must preempt.
+
+
 def test_preemption_fcfs_preempts_the_latest_arrival_and_it_resumes():
-    d = Driver(num_blocks=6, block_size=4, caching=False)
+    d = Driver(num_blocks=6, block_size=4, caching=False, headroom=False)
     a = d.add("a", prompt(8), max_tokens=6)
     b = d.add("b", prompt(8, 100), max_tokens=6)
     c = d.add("c", prompt(7, 200), max_tokens=6)
@@ -185,6 +188,48 @@ def test_preemption_fcfs_preempts_the_latest_arrival_and_it_resumes():
     d.check_all_free()
 
 
+def test_admission_headroom_waits_instead_of_preempting():
+    """Three requests as above, a and b growing into exactly the rest of the cache: without the headroom c
+    is admitted into it and then preempted; with it, c waits until a and b finish and nothing is computed
+    twice."""
+    d = Driver(num_blocks=6, block_size=4, caching=False)
+    d.add("a", prompt(8), max_tokens=4)
+    d.add("b", prompt(8, 100), max_tokens=4)
+    d.add("c", prompt(7, 200), max_tokens=4)
+    out, _ = d.step()
+    # a, b take 2 blocks each; c's 2 would leave none for a and b to grow into (they need 1 each).
+    assert [n.req_id for n in out.new_reqs] == ["a", "b"] and d.pool.num_free_blocks == 2
+    scheduled = sum(out.num_scheduled_tokens.values())
+    for o in d.run():
+        scheduled += sum(o.num_scheduled_tokens.values())
+        assert not o.preempted_req_ids
+    assert d.sched.counters.num_preemptions == 0
+    assert scheduled == 8 + 8 + 7 + 3 * 3  # every prompt once, every output but the last once
+    for rid in "abc":
+        assert d.outputs[rid] == [1000 + i for i in range(4)]
+    d.check_all_free()
+    greedy = Driver(num_blocks=6, block_size=4, caching=False, headroom=False)
+    for rid, start in (("a", 0), ("b", 100), ("c", 200)):
+        greedy.add(rid, prompt(7 if rid == "c" else 8, start), max_tokens=4)
+    greedy.run()
+    assert greedy.sched.counters.num_preemptions == 1
+
+
+def test_admission_headroom_counts_the_rest_of_chunked_prompts():
+    """A prompt prefilled in chunks still needs blocks for its next chunks: the headroom keeps them, so a
+    later request is not admitted into them."""
+    d = Driver(num_blocks=8, block_size=4, budget=8, caching=False)
+    d.add("long", prompt(24), max_tokens=2)  # 6 blocks, 8 tokens a step
+    d.add("short", prompt(4, 100), max_tokens=2)
+    out, _ = d.step()
+    # long: 2 blocks now, 4 more to come, plus 1 to grow: 5 of the 6 free blocks; short's 1 block would leave 5.
+    assert [n.req_id for n in out.new_reqs] == ["long"]
+    d.run()
+    assert d.sched.counters.num_preemptions == 0
+    assert d.outputs["long"] == [1000, 1001] and d.outputs["short"] == [1000, 1001]
+    d.check_all_free()
+
+
 def test_preempted_request_resumes_from_the_prefix_cache():
     d = Driver(num_blocks=6, block_size=4, caching=True)
     a = d.add("a", prompt(8), max_tokens=6)
@@ -206,7 +251,7 @@ def test_preempted_request_resumes_from_the_prefix_cache():
 
 
 def test_preemption_priority_preempts_the_lowest_priority():
-    d = Driver(num_blocks=6, block_size=4, policy=PRIORITY, caching=False)
+    d = Driver(num_blocks=6, block_size=4, policy=PRIORITY, caching=False, headroom=False)
     d.add("a", prompt(8), max_tokens=6, priority=5)  # arrives first, lowest priority
     d.add("b", prompt(8, 100), max_tokens=6, priority=0)
     d.add("c", prompt(7, 200), max_tokens=6, priority=1)
@@ -242,7 +287,7 @@ def test_priority_preemption_of_an_already_scheduled_request():
     """A low-priority request admitted first is scheduled first in a step, then preempted in that same
     step for a higher-priority one: its tokens and budget are given back, and none of its blocks keeps a
     hash for KV that was never computed."""
-    d = Driver(num_blocks=7, block_size=4, budget=16, long_prefill=8, policy=PRIORITY, caching=True)
+    d = Driver(num_blocks=7, block_size=4, budget=16, long_prefill=8, policy=PRIORITY, caching=True, headroom=False)
     low = d.add("low", prompt(24), max_tokens=3, priority=9)
     d.step()  # low: tokens 0..7 in [0, 1]
     d.add("high", prompt(4, 100), max_tokens=6, priority=0)
@@ -305,7 +350,7 @@ def test_abort_between_schedule_and_update_drops_the_sample():
 
 
 def test_abort_preempted_request():
-    d = Driver(num_blocks=6, block_size=4, caching=False)
+    d = Driver(num_blocks=6, block_size=4, caching=False, headroom=False)
     d.add("a", prompt(8), max_tokens=6)
     d.add("b", prompt(8, 100), max_tokens=6)
     d.add("c", prompt(7, 200), max_tokens=6)

@@ -50,6 +50,7 @@ class Driver:
         propose_fn: Callable[[Request, tuple[int, ...]], list[int]] | None = None,
         token_at: Callable[[Request, int], int] | None = None,
         beam_fn: Callable[[Request], list[tuple[int, float]]] | None = None,
+        headroom: bool = True,
     ) -> None:
         self.bs = block_size
         self.pool = BlockPool(num_blocks, caching)
@@ -60,6 +61,7 @@ class Driver:
             policy=policy,
             enable_chunked_prefill=chunked,
             long_prefill_token_threshold=long_prefill,
+            admission_headroom=headroom,
         )
         self.max_model_len = max_model_len or num_blocks * block_size
         self.sched = Scheduler(self.config, self.kv, self.max_model_len, spec_lookahead=spec_lookahead)
