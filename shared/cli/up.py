@@ -72,30 +72,49 @@ def _decode_flags(args: argparse.Namespace) -> list[str]:
     return ["--speculative-config", args.speculative_config] if args.speculative_config else []
 
 
-def threads_per_engine(args: argparse.Namespace) -> int:
-    """The machine's cores shared evenly by the engines (each engine's torch threads)."""
-    engines = 1 if args.colocated else args.prefill + args.decode
-    return max(1, (os.cpu_count() or 1) // engines)
+MIN_CORES_PER_ENGINE = 2  # disaggregation below this: each prefill runs on one core while decodes hold the rest
 
 
-def placement_note(args: argparse.Namespace) -> str:
-    """What `up` chose for the engines' threads, and a warning where disaggregation cannot pay off here."""
-    cores, threads = os.cpu_count() or 1, threads_per_engine(args)
+@dataclass(frozen=True)
+class Placement:
+    """What `up` runs where: colocated or how many nodes of each role, torch threads per engine, and why."""
+
+    colocated: bool
+    prefill: int
+    decode: int
+    threads: int
+    note: str
+
+
+def placement(args: argparse.Namespace) -> Placement:
+    """--colocated or explicit node counts are followed; otherwise the machine decides: one prefill and one decode
+    node where each gets MIN_CORES_PER_ENGINE cores, else one colocated engine with every core."""
+    cores = os.cpu_count() or 1
+    explicit = args.prefill is not None or args.decode is not None
+    colocated = args.colocated or (not explicit and cores < 2 * MIN_CORES_PER_ENGINE)
+    prefill = 0 if colocated else (1 if args.prefill is None else args.prefill)
+    decode = 1 if colocated else (1 if args.decode is None else args.decode)
+    threads = max(1, cores // (1 if colocated else prefill + decode))
     note = f"{cores} CPU cores: {threads} torch thread(s) per engine"
-    if not args.colocated and threads < 2:
+    if colocated and not args.colocated:
+        note += (f"; one colocated engine, as disaggregating would leave each engine under {MIN_CORES_PER_ENGINE} "
+                 "cores (docs/benchmarks.md: time to first token 3x the colocated one at concurrency 32 on 2 "
+                 "cores); --prefill 1 --decode 1 disaggregates anyway")
+    elif not colocated and threads < MIN_CORES_PER_ENGINE:
         note += ("; with a core or less per engine, each prefill runs on one core while decodes hold the other: "
-                 "time to first token suffers most (docs/benchmarks.md: 20x the colocated TTFT at concurrency 32 "
+                 "time to first token suffers most (docs/benchmarks.md: 3x the colocated TTFT at concurrency 32 "
                  "on 2 cores). --colocated gives one engine every core")
-    return note
+    return Placement(colocated, prefill, decode, threads, note)
 
 
 def plan_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
     """The node and gateway processes, with ports picked up front so the gateway can be told them."""
-    threads = str(threads_per_engine(args))
+    where = placement(args)
+    threads = str(where.threads)
     common = ["--redis-url", redis_url, "--host", args.host, "--num-threads", threads,
               "--shutdown-timeout", str(args.shutdown_timeout), *_engine_flags(args)]
     children = []
-    roles = [("decode", 1)] if args.colocated else [("prefill", args.prefill), ("decode", args.decode)]
+    roles = [("decode", 1)] if where.colocated else [("prefill", where.prefill), ("decode", where.decode)]
     for role, count in roles:
         for i in range(count):
             port = free_port()
@@ -127,7 +146,7 @@ class Fleet:
     def start(self) -> None:
         redis_url = self.args.redis_url or self._start_redis()
         self.children = plan_children(self.args, redis_url)
-        logger.info("placement: %s", placement_note(self.args))
+        logger.info("placement: %s", placement(self.args).note)
         for child in self.children:
             self._spawn(child)
 
@@ -166,7 +185,8 @@ class Fleet:
 
     def _all_nodes_routable(self, health: dict) -> bool:
         """The gateway answers before the nodes have loaded the model; ready means it routes to all of them."""
-        prefill, decode = (0, 1) if self.args.colocated else (self.args.prefill, self.args.decode)
+        where = placement(self.args)
+        prefill, decode = where.prefill, where.decode
         return health.get("prefill_nodes", 0) >= prefill and health.get("decode_nodes", 0) >= decode
 
     def _check_children(self, restart: bool) -> None:
@@ -233,10 +253,11 @@ def banner(args: argparse.Namespace, fleet: Fleet) -> str:
     base = f"http://{args.host}:{args.port}/v1"
     key = args.api_key or "unused"
     model = args.served_model_name or _served_name(args)
-    layout = "colocated (1 engine)" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
+    where = placement(args)
+    layout = "colocated (1 engine)" if where.colocated else f"{where.prefill} prefill + {where.decode} decode"
     return f"""
 kvrelay is up: {layout}, model {model}
-  placement       : {placement_note(args)}
+  placement       : {where.note}
   OpenAI base URL : {base}
   gRPC API        : {args.host}:{args.grpc_port}
   metrics         : http://{args.host}:{args.port}/metrics
@@ -301,9 +322,13 @@ def register(sub) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per node (CPU)")
     p.add_argument("--speculative-config", type=speculative_json, default=None,
                    help="speculative decoding on the decode nodes, as vLLM takes it (JSON; see `kvrelay decode -h`)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill nodes")
-    p.add_argument("--decode", type=int, default=1, help="decode nodes")
-    p.add_argument("--colocated", action="store_true", help="one engine that prefills and decodes (the baseline)")
+    p.add_argument("--prefill", type=int, default=None,
+                   help="prefill nodes (default: 1, or a colocated engine where the machine has under "
+                        f"{2 * MIN_CORES_PER_ENGINE} cores)")
+    p.add_argument("--decode", type=int, default=None, help="decode nodes (default: 1, as --prefill)")
+    p.add_argument("--colocated", action="store_true",
+                   help="one engine that prefills and decodes with every core (the default under "
+                        f"{2 * MIN_CORES_PER_ENGINE} cores)")
     p.add_argument("--connector", default="auto", choices=["auto", "shm", "ucx", "nccl"],
                    help="KV transfer connector between processes: auto = shared memory on this machine")
     p.add_argument("--routing-policy", default="cache_aware", choices=["cache_aware", "round_robin", "least_loaded"],

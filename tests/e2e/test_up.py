@@ -19,8 +19,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 def test_up_serves_chat_and_stops_cleanly(default_model_dir, tmp_path):
     port, grpc_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "shared.cli", "up", "--model", "default", "--port", str(port),
-           "--grpc-port", str(grpc_port), "--kv-cache-memory", str(256 * 2**20), "--shutdown-timeout", "5"]
+    # Disaggregated explicitly: on a machine under 4 cores the default is one colocated engine.
+    cmd = [sys.executable, "-m", "shared.cli", "up", "--model", "default", "--prefill", "1", "--decode", "1",
+           "--port", str(port), "--grpc-port", str(grpc_port), "--kv-cache-memory", str(256 * 2**20), "--shutdown-timeout", "5"]
     log = open(tmp_path / "up.log", "w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:

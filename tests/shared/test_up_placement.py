@@ -1,5 +1,6 @@
-"""`kvrelay up` shares the machine's cores among its engines and says so, warning where disaggregation leaves
-each engine less than two cores."""
+"""`kvrelay up` places its engines for the machine and says so: by default one prefill and one decode node where
+each gets two cores, else one colocated engine with every core; explicit counts are followed, with a warning
+where they leave an engine less than two cores."""
 
 import argparse
 
@@ -19,7 +20,11 @@ def _threads(children: list[up.Child]) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(("cores", "argv", "want"), [
-    (2, [], {"prefill-0": "1", "decode-0": "1"}),
+    (2, [], {"decode-0": "2"}),  # too small to disaggregate: one colocated engine
+    (3, [], {"decode-0": "3"}),
+    (4, [], {"prefill-0": "2", "decode-0": "2"}),
+    (2, ["--prefill", "1", "--decode", "1"], {"prefill-0": "1", "decode-0": "1"}),
+    (2, ["--decode", "1"], {"prefill-0": "1", "decode-0": "1"}),  # one count given: disaggregated, as asked
     (2, ["--colocated"], {"decode-0": "2"}),
     (16, ["--prefill", "2", "--decode", "2"], {f"{r}-{i}": "4" for r in ("prefill", "decode") for i in (0, 1)}),
     (3, ["--prefill", "2", "--decode", "2"], {f"{r}-{i}": "1" for r in ("prefill", "decode") for i in (0, 1)}),
@@ -29,10 +34,16 @@ def test_engines_share_the_cores(monkeypatch, cores, argv, want):
     assert _threads(up.plan_children(_args(*argv), "redis://127.0.0.1:1/0")) == want
 
 
-def test_placement_note_warns_only_when_disaggregation_starves_the_engines(monkeypatch):
+def test_placement_note_says_what_was_chosen_and_why(monkeypatch):
     monkeypatch.setattr(up.os, "cpu_count", lambda: 2)
-    assert up.placement_note(_args()).startswith("2 CPU cores: 1 torch thread(s) per engine; with a core or less")
-    assert "--colocated" in up.placement_note(_args())
-    assert up.placement_note(_args("--colocated")) == "2 CPU cores: 2 torch thread(s) per engine"
+    auto = up.placement(_args())
+    assert auto.colocated and auto.note.startswith("2 CPU cores: 2 torch thread(s) per engine; one colocated engine")
+    assert "--prefill 1 --decode 1" in auto.note
+    forced = up.placement(_args("--prefill", "1", "--decode", "1"))
+    assert not forced.colocated and (forced.prefill, forced.decode) == (1, 1)
+    assert forced.note.startswith("2 CPU cores: 1 torch thread(s) per engine; with a core or less")
+    assert "--colocated" in forced.note
+    assert up.placement(_args("--colocated")).note == "2 CPU cores: 2 torch thread(s) per engine"
     monkeypatch.setattr(up.os, "cpu_count", lambda: 8)
-    assert up.placement_note(_args()) == "8 CPU cores: 4 torch thread(s) per engine"
+    assert up.placement(_args()).note == "8 CPU cores: 4 torch thread(s) per engine"
+    assert up.placement(_args("--prefill", "3", "--decode", "1")).note == "8 CPU cores: 2 torch thread(s) per engine"
