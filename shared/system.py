@@ -1,5 +1,5 @@
-"""Operating-system helpers the launchers, nodes and tests share: free ports, advertised host names, and
-children that die with their parent."""
+"""Operating-system helpers the launchers, nodes and tests share: free ports, advertised host names,
+children that die with their parent, and a heap that keeps what it frees."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ import signal
 import socket
 
 _handed_out: set[int] = set()
+
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+KEEP_CHUNKS_BELOW = 32 << 20  # glibc's largest mmap threshold (half its 64 MiB heap)
+KEEP_FREE_TOP = 1 << 30
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -61,3 +67,20 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def keep_freed_memory() -> bool:
+    """glibc only: keep freed memory in the heap for the next allocation rather than handing it back.
+
+    A CPU forward pass allocates and frees tens of MiB of activations per layer. By default glibc returns
+    such chunks to the kernel (mmap'd chunks on free, the heap's top past its trim threshold), so the next step
+    page-faults the same memory back in, zeroed by the kernel: a 2048-token bf16 prefill spent 20% of its time
+    there (sys time, 300K minor faults per 20K tokens). vLLM gets the same effect from preloading tcmalloc.
+    Returns whether the setting took (False off glibc).
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_CHUNKS_BELOW)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_TOP))

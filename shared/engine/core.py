@@ -37,6 +37,7 @@ from shared.engine.scheduler_output import EngineCoreOutput, Reservation
 from shared.engine.structured import GrammarCompiler, GrammarVocab, create_grammar_compiler
 from shared.records import BlockEvent, BlockHash, KVLayout, NodeLoad
 from shared.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
+from shared.system import keep_freed_memory
 
 _COMPUTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING)
 MAX_BEAM_CANDIDATES = 20  # a beam's candidates come back as its row's top logprobs
@@ -62,6 +63,8 @@ class EngineCore:
         self.config = config
         t0 = time.perf_counter()
         self.info: ModelInfo = load_model_info(config.model)
+        if self.info.device.type == "cpu" and not keep_freed_memory():
+            logger.info("not glibc: activations freed each step may be page-faulted back in (slower on CPU)")
         self.grammars = grammars or create_grammar_compiler(config.structured, self._grammar_vocab)
         self.runner = ModelRunner(config, self.info, kv_sender, kv_allocator, self.grammars)
         self.vocab_size = self.runner.vocab_size

@@ -1,4 +1,10 @@
+import platform
+import resource
 import socket
+import subprocess
+import sys
+
+import pytest
 
 from shared.system import _ephemeral_range, free_port
 
@@ -25,3 +31,30 @@ def test_a_free_port_can_be_bound_while_the_kernel_hands_out_its_own():
     finally:
         for s in taken:
             s.close()
+
+
+_CHURN = """
+import resource, sys
+from shared.system import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+def step():  # one forward pass's worth of activations: three 8 MiB buffers, written, then freed
+    bufs = [bytearray(8 << 20) for _ in range(3)]
+    del bufs
+step(); step()  # the first steps may fault: the heap grows to its working size
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_freed_activations_are_reused_rather_than_faulted_back_in():
+    def faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _CHURN, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout)
+
+    pages_per_step = 3 * (8 << 20) // resource.getpagesize()
+    assert faults("default") > 3 * pages_per_step  # glibc's default returns the buffers to the kernel
+    assert faults("keep") < pages_per_step // 10
