@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import argparse
 
-from shared.config import DEFAULT_BLOCK_SIZE, EngineConfig, SpeculativeConfig, engine_config_from_kwargs
+from shared.config import (
+    DEFAULT_BLOCK_SIZE,
+    EngineConfig,
+    SchedulingPolicy,
+    SpeculativeConfig,
+    engine_config_from_kwargs,
+)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -21,7 +27,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+SCHEDULING_POLICIES = [p.value for p in SchedulingPolicy]
+
+
+def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
+    """`serving`: for a server's engine, whose requests arrive over time (the waiting order defaults to sjf);
+    offline, everything arrives at once and fcfs keeps the caller's order, as vLLM does."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="default",
                    help="HF-style model folder, a .gguf file, or 'default' (SmolLM2-135M-Instruct, converted once)")
@@ -45,8 +56,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "prompts and one block each to grow into (fewer preemptions, each of which recomputes)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of identical prompt prefixes")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
-                   help="waiting order, and who is preempted first when KV blocks run out")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="sjf" if serving else "fcfs",
+                   help="waiting order (fcfs; priority: by the request's priority, then arrival; sjf: the shortest "
+                        "prompt first, each second waited worth 1000 prompt tokens, so a burst's short prompts "
+                        "start decoding while long ones compute); with priority, the lowest priority is "
+                        "preempted first when KV blocks run out")
     g.add_argument("--attention-backend", choices=["auto", "torch", "flash_attn"], default="auto",
                    help="auto: flash-attn on CUDA when installed, else the portable torch backend")
     g.add_argument("--structured-outputs-backend", choices=["xgrammar"], default="xgrammar",

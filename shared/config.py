@@ -21,6 +21,7 @@ DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3  # bytes, CPU
 class SchedulingPolicy(str, enum.Enum):
     FCFS = "fcfs"
     PRIORITY = "priority"
+    SJF = "sjf"  # shortest prompt first, with aging
 
 
 _DTYPES = {
@@ -77,6 +78,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # sjf: a second of waiting is worth this many prompt tokens (no request waits behind later arrivals for
+    # longer than its prompt length / this).
+    sjf_tokens_per_s: float = 1000.0
     enable_chunked_prefill: bool = True
     # A long prompt takes at most this many tokens of one step, so decodes keep flowing.
     long_prefill_token_threshold: int = 0  # 0: no cap beyond the budget

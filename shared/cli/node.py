@@ -32,7 +32,7 @@ def register(subparsers) -> None:
 
 
 def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
-    add_engine_args(p)
+    add_engine_args(p, serving=True)
     p.set_defaults(dtype="auto", max_waiting_requests=1024)  # a node's queues are bounded
     g = p.add_argument_group("node")
     g.add_argument("--served-model-name", default=None, help="model name in metrics labels (default: the model id)")

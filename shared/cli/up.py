@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from shared.args import HelpFormatter, speculative_json
+from shared.args import SCHEDULING_POLICIES, HelpFormatter, speculative_json
 from shared.system import die_with_parent, free_port
 
 logger = logging.getLogger("kvrelay.up")
@@ -55,6 +55,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--served-model-name", args.served_model_name]
     if args.max_waiting_requests is not None:
         flags += ["--max-waiting-requests", str(args.max_waiting_requests)]
+    if args.scheduling_policy is not None:
+        flags += ["--scheduling-policy", args.scheduling_policy]
     return flags
 
 
@@ -341,6 +343,8 @@ def register(sub) -> None:
     p.add_argument("--restart", action="store_true", help="restart a child that dies")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="per node: requests that may wait for room; past it the gateway answers 429 (node default)")
+    p.add_argument("--scheduling-policy", default=None, choices=SCHEDULING_POLICIES,
+                   help="per node: waiting order (node default: sjf, shortest prompt first with aging)")
     p.add_argument("--max-concurrent-requests", type=int, default=None,
                    help="gateway: generations in progress at once; past it 429 (gateway default)")
     p.add_argument("--request-timeout", type=float, default=None, help="gateway: per-request deadline, seconds")

@@ -1,9 +1,9 @@
 """Iteration-level scheduler: each step spends a token budget bringing num_computed_tokens up to num_tokens.
 
 Request lifecycle:
-1. `add_request` puts it in the waiting queue (fcfs order, or by (priority, arrival)). A request whose
-   grammar is still compiling (WAITING_FOR_GRAMMAR) keeps its place but is passed over until
-   `grammar_ready`; the requests behind it are admitted meanwhile.
+1. `add_request` puts it in the waiting queue (fcfs order, by (priority, arrival), or shortest prompt
+   first with aging: request_queue.py). A request whose grammar is still compiling (WAITING_FOR_GRAMMAR)
+   keeps its place but is passed over until `grammar_ready`; the requests behind it are admitted meanwhile.
 2. `schedule` first serves running requests (decodes and unfinished prefill chunks); when blocks run
    out it preempts the lowest-priority / latest-arrived running request (its blocks are freed, it goes
    back to waiting and is recomputed later, usually from the prefix cache). Then it admits waiting
@@ -87,7 +87,7 @@ class Scheduler(SpecSchedulerMixin, BeamSchedulerMixin):
         self.spec_lookahead = spec_lookahead
         self.spec_disable_by_batch_size = spec_disable_by_batch_size
         self.requests: dict[str, Request] = {}
-        self.waiting = create_request_queue(config.policy)
+        self.waiting = create_request_queue(config)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.counters = EngineCounters()

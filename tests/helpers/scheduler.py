@@ -25,6 +25,7 @@ from shared.sampling_params import SamplingParams
 EOS = 2
 FCFS = SchedulingPolicy.FCFS
 PRIORITY = SchedulingPolicy.PRIORITY
+SJF = SchedulingPolicy.SJF
 
 
 def default_token(req: Request) -> int:
@@ -51,6 +52,7 @@ class Driver:
         token_at: Callable[[Request, int], int] | None = None,
         beam_fn: Callable[[Request], list[tuple[int, float]]] | None = None,
         headroom: bool = True,
+        sjf_tokens_per_s: float = 1000.0,
     ) -> None:
         self.bs = block_size
         self.pool = BlockPool(num_blocks, caching)
@@ -62,6 +64,7 @@ class Driver:
             enable_chunked_prefill=chunked,
             long_prefill_token_threshold=long_prefill,
             admission_headroom=headroom,
+            sjf_tokens_per_s=sjf_tokens_per_s,
         )
         self.max_model_len = max_model_len or num_blocks * block_size
         self.sched = Scheduler(self.config, self.kv, self.max_model_len, spec_lookahead=spec_lookahead)
@@ -83,10 +86,13 @@ class Driver:
     # -- requests ---------------------------------------------------------------------------------------
 
     def add(
-        self, rid: str, prompt: list[int], max_tokens: int | None = 16, priority: int = 0, salt: str = "", **params
+        self, rid: str, prompt: list[int], max_tokens: int | None = 16, priority: int = 0, salt: str = "",
+        arrival: float | None = None, **params
     ) -> Request:
+        """`arrival`: seconds (default: one more than the previous request's)."""
         sp = SamplingParams(max_tokens=max_tokens, priority=priority, **params)
-        req = Request(rid, prompt, sp, eos_token_id=EOS, arrival_time=float(next(self.arrival)), cache_salt=salt)
+        arrival = float(next(self.arrival)) if arrival is None else arrival
+        req = Request(rid, prompt, sp, eos_token_id=EOS, arrival_time=arrival, cache_salt=salt)
         room = self.max_model_len - len(prompt)
         req.max_tokens = room if max_tokens is None else min(max_tokens, room)  # as EngineCore does
         self.sched.add_request(req)
