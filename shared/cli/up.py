@@ -109,9 +109,8 @@ def placement(args: argparse.Namespace) -> Placement:
     return Placement(colocated, prefill, decode, threads, note)
 
 
-def plan_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
+def plan_children(args: argparse.Namespace, redis_url: str, where: Placement) -> list[Child]:
     """The node and gateway processes, with ports picked up front so the gateway can be told them."""
-    where = placement(args)
     threads = str(where.threads)
     common = ["--redis-url", redis_url, "--host", args.host, "--num-threads", threads,
               "--shutdown-timeout", str(args.shutdown_timeout), *_engine_flags(args)]
@@ -140,6 +139,7 @@ def plan_children(args: argparse.Namespace, redis_url: str) -> list[Child]:
 class Fleet:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.placement = placement(args)
         self.redis = None
         self.children: list[Child] = []
         self.log_dir = tempfile.mkdtemp(prefix="kvrelay-up-")
@@ -147,8 +147,8 @@ class Fleet:
 
     def start(self) -> None:
         redis_url = self.args.redis_url or self._start_redis()
-        self.children = plan_children(self.args, redis_url)
-        logger.info("placement: %s", placement(self.args).note)
+        self.children = plan_children(self.args, redis_url, self.placement)
+        logger.info("placement: %s", self.placement.note)
         for child in self.children:
             self._spawn(child)
 
@@ -187,8 +187,7 @@ class Fleet:
 
     def _all_nodes_routable(self, health: dict) -> bool:
         """The gateway answers before the nodes have loaded the model; ready means it routes to all of them."""
-        where = placement(self.args)
-        prefill, decode = where.prefill, where.decode
+        prefill, decode = self.placement.prefill, self.placement.decode
         return health.get("prefill_nodes", 0) >= prefill and health.get("decode_nodes", 0) >= decode
 
     def _check_children(self, restart: bool) -> None:
@@ -255,7 +254,7 @@ def banner(args: argparse.Namespace, fleet: Fleet) -> str:
     base = f"http://{args.host}:{args.port}/v1"
     key = args.api_key or "unused"
     model = args.served_model_name or _served_name(args)
-    where = placement(args)
+    where = fleet.placement
     layout = "colocated (1 engine)" if where.colocated else f"{where.prefill} prefill + {where.decode} decode"
     return f"""
 kvrelay is up: {layout}, model {model}

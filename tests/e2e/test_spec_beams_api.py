@@ -117,7 +117,7 @@ def test_up_passes_the_speculative_config_to_decode_nodes_only():
     parser = argparse.ArgumentParser()
     up.register(parser.add_subparsers())
     args = parser.parse_args(["up", "--prefill", "1", "--decode", "2", "--speculative-config", json.dumps(SPEC)])
-    children = up.plan_children(args, "redis://127.0.0.1:1/0")
+    children = up.plan_children(args, "redis://127.0.0.1:1/0", up.placement(args))
     argvs = {c.name: c.argv for c in children}
     for name in ("decode-0", "decode-1"):
         i = argvs[name].index("--speculative-config")

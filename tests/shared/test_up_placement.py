@@ -31,7 +31,8 @@ def _threads(children: list[up.Child]) -> dict[str, str]:
 ])
 def test_engines_share_the_cores(monkeypatch, cores, argv, want):
     monkeypatch.setattr(up.os, "cpu_count", lambda: cores)
-    assert _threads(up.plan_children(_args(*argv), "redis://127.0.0.1:1/0")) == want
+    args = _args(*argv)
+    assert _threads(up.plan_children(args, "redis://127.0.0.1:1/0", up.placement(args))) == want
 
 
 def test_placement_note_says_what_was_chosen_and_why(monkeypatch):

@@ -73,16 +73,16 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        if self._native_ok(q, kv_cache, meta) and k.dtype == q.dtype:
-            # One call for the step: the new K/V written, then every row attended, K/V read in place.
-            return self._native.paged_attention(q, k, v, kv_cache, meta.slot_mapping, meta.block_tables,
+        if self._native_ok(q, kv_cache, meta):
+            fused = k.dtype == q.dtype  # then the kernel writes the step's K/V itself before attending
+            if not fused:
+                write_kv(k, v, kv_cache, meta.slot_mapping)
+            # Every row of the step in one call, K/V read in place through the block tables.
+            return self._native.paged_attention(q, k if fused else None, v if fused else None, kv_cache,
+                                                meta.slot_mapping if fused else None, meta.block_tables,
                                                 meta.query_start_loc, meta.seq_lens, meta.num_decodes, scale,
                                                 sliding_window or 0)
         write_kv(k, v, kv_cache, meta.slot_mapping)
-        if self._native_ok(q, kv_cache, meta):
-            return self._native.paged_attention(q, None, None, kv_cache, None, meta.block_tables,
-                                                meta.query_start_loc, meta.seq_lens, meta.num_decodes, scale,
-                                                sliding_window or 0)
         plan = self._step_plan(meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
