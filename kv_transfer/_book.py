@@ -30,6 +30,7 @@ class _Transfer:
     all_enqueued: float | None = None  # sender: when the last layer was handed over
     finished: float | None = None
     error: TransferError | None = None
+    waited: bool = False  # one waiter per transfer: its answer closes the record
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,9 @@ class TransferBook:
                     self._metrics.add(failures=1)
                     raise orphan
                 raise TransferError(f"unknown transfer {transfer_id!r} ({self._direction} side)")
+            if t.waited:
+                raise RuntimeError(f"{self._direction} transfer {transfer_id!r} already has a waiter")
+            t.waited = True
             while t.error is None and t.finished is None:
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -118,10 +118,13 @@ class PrefillServer(NodeServer):
         return out
 
     async def _finish_transfer(self, rid: str, peer: str):
+        # The wait runs in a thread that a cancelled RPC cannot stop; a client that leaves hands that same
+        # wait to _settle, since the connector answers one waiter per transfer.
+        waiting = asyncio.ensure_future(self.blocking(self.connector.wait, rid, self.settings.transfer_timeout))
         try:
-            result = await self.blocking(self.connector.wait, rid, self.settings.transfer_timeout)
+            result = await asyncio.shield(waiting)
         except asyncio.CancelledError:
-            self._settle_later(rid)
+            self._settle_later(rid, waiting)
             raise
         except TransferError as e:
             self.metrics.observe_transfer_failure("send")
@@ -133,19 +136,24 @@ class PrefillServer(NodeServer):
         self.metrics.observe_transfer("send", result.nbytes, result.seconds)
         return result
 
-    def _settle_later(self, rid: str) -> None:
+    def _settle_later(self, rid: str, waiting: asyncio.Future | None = None) -> None:
         self._settling.add(rid)
-        task = asyncio.get_running_loop().create_task(self._settle(rid))
+        task = asyncio.get_running_loop().create_task(self._settle(rid, waiting))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _settle(self, rid: str) -> None:
-        # A barrier first: the step running when the client left may have started the send, and only once it
-        # is over does the connector know the transfer (the abort queued before the barrier ran, too).
+    async def _settle(self, rid: str, waiting: asyncio.Future | None) -> None:
+        """Release a departed client's blocks once nothing reads them any more. `waiting`: the transfer wait
+        already under way, if the client left during it."""
         try:
-            await self.engine.call(lambda core: None)
+            if waiting is None:
+                # A barrier first: the step running when the client left may have started the send, and only
+                # once it is over does the connector know the transfer (the abort queued before it, too).
+                await self.engine.call(lambda core: None)
+                waiting = asyncio.ensure_future(
+                    self.blocking(self.connector.wait, rid, self.settings.transfer_timeout))
             try:
-                await self.blocking(self.connector.wait, rid, self.settings.transfer_timeout)
+                await waiting
             except TransferError:
                 pass  # never started, or failed: either way nothing reads the blocks any more
             await self.engine.release_held(rid)

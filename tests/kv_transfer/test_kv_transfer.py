@@ -6,6 +6,7 @@ nothing is shared but the loopback interface. Both processes are reused across t
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -188,6 +189,32 @@ def test_waits_are_bounded() -> None:
     with pytest.raises(TransferError, match="unreachable"):
         sender.wait("v", timeout=1)
     assert sender.metrics.failures == 2 and receiver.metrics.failures == 1
+    sender.close()
+    receiver.close()
+
+
+@pytest.mark.timeout(30)
+def test_second_waiter_is_refused() -> None:
+    """One waiter per transfer: its answer closes the record, so a second would find it gone at the end."""
+    sender, receiver, _, _ = local_pair(layout("float32"), layout("float32"))
+    receiver.expect("t", [1])
+    sender.send_blocks(receiver.address, "t", 0, [1], [1])  # 1 of 4 layers: the first waiter stays
+    answers: list[BaseException] = []
+
+    def first_waiter() -> None:
+        try:
+            sender.wait("t", 1.0)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            answers.append(e)
+
+    first = threading.Thread(target=first_waiter)
+    first.start()
+    time.sleep(0.2)
+    with pytest.raises(RuntimeError, match="already has a waiter"):
+        sender.wait("t", 1.0)
+    first.join()
+    assert len(answers) == 1 and isinstance(answers[0], TransferError) and "timed out" in str(answers[0])
+    assert sender.metrics.failures == 1  # the first waiter's timeout only
     sender.close()
     receiver.close()
 

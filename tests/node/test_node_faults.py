@@ -246,6 +246,27 @@ def test_prefill_client_gone_frees_blocks(nodes):
     assert len(disaggregated(P, D, "gone", prompt, GREEDY).tokens) == 4  # the id is free for reuse
 
 
+@pytest.mark.timeout(60)
+def test_prefill_client_gone_during_transfer_frees_blocks(nodes):
+    """The client leaves after the prompt is computed, while the prefill node waits for the decode node's
+    acknowledgements (the decode node is frozen): the blocks are released once the transfer is over, well
+    before the prefill node's 30 s hold lease would free them."""
+    P, D = nodes["P"], nodes["D"]
+    prompt = [(7 * i + 3) % 500 for i in range(200)]
+    res = reserve(D, "gone-mid-transfer", prompt, GREEDY, lease_ms=20_000)
+    os.kill(D.proc.pid, signal.SIGSTOP)  # its acks cannot come; resumed before its registry entry lapses
+    try:
+        err = rpc_error(P.stub().Prefill, prefill_request("gone-mid-transfer", prompt, GREEDY, res), timeout=0.8)
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+        load = P.load()
+        assert load.num_running == 0 and load.free_kv_blocks < load.total_kv_blocks  # computed, blocks held
+    finally:
+        os.kill(D.proc.pid, signal.SIGCONT)
+    wait_for(lambda: all_blocks_free(P), 10, "the prefill node to release the blocks once the transfer ended")
+    D.stub().Abort(pb.AbortRequest(request_id="gone-mid-transfer"), timeout=5)  # the gateway's move
+    wait_for(lambda: all_blocks_free(D), 5, "the decode node to free the reservation")
+
+
 @pytest.mark.timeout(90)
 def test_prefill_killed_after_reservation(nodes, doomed_prefill):
     P, D = doomed_prefill, nodes["D"]
