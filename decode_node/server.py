@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 
 import grpc
 
@@ -144,8 +144,16 @@ class DecodeServer(NodeServer):
         # The KV may take as long as the lease allows (a Generate may come before the prefill is done), and
         # the wait must close the transfer before the lease frees the blocks a late layer would land in.
         timeout = max(0.0, deadline - time.monotonic() - _LEASE_MARGIN_S)
+        waiting = asyncio.ensure_future(self.blocking(self.connector.wait_received, rid, timeout))
         try:
-            result = await self.blocking(self.connector.wait_received, rid, timeout)
+            result = await asyncio.shield(waiting)
+        except asyncio.CancelledError:
+            # The client left; the caller frees the blocks next. The wait (in a thread a cancel cannot stop)
+            # must close the transfer first, or a late layer would land in blocks another request may own.
+            self.connector.abandon_received(rid)
+            with suppress(TransferError):
+                await waiting  # answers at once now
+            raise
         except TransferError as e:
             self.metrics.observe_transfer_failure("recv")
             raise transfer_failure(e, f"the KV of {rid!r} did not arrive") from None

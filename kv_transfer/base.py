@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from kv_transfer._book import TransferBooks
-from kv_transfer.types import ConnectorConfig, TransferResult, torch_dtype
+from kv_transfer.types import ConnectorConfig, TransferError, TransferResult, torch_dtype
 from shared.records import KVLayout
 
 
@@ -90,6 +90,12 @@ class KVConnector(ABC):
     def wait_received(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
         """Block until every layer of an expected transfer is in place in this node's cache."""
         return self._received.wait(transfer_id, self._timeout(timeout))
+
+    def abandon_received(self, transfer_id: str) -> None:
+        """Refuse the rest of an expected transfer (its blocks are about to be freed): its waiter answers at
+        once with TransferError, and layers that come later are refused."""
+        self._received.fail_unfinished(transfer_id, TransferError(f"transfer {transfer_id!r} was abandoned "
+                                                                  "by the receiver (its request left)"))
 
     @abstractmethod
     def close(self) -> None:

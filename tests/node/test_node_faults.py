@@ -220,6 +220,24 @@ def test_abort_and_cancel_mid_stream_free_blocks(nodes):
 
 
 @pytest.mark.timeout(60)
+def test_generate_client_gone_before_kv_closes_the_transfer(nodes):
+    """A Generate whose client leaves while it waits for the KV frees the reservation, and a prefill that
+    comes later is refused: its layers must not land in blocks that may already serve another request."""
+    P, D = nodes["P"], nodes["D"]
+    prompt = [(11 * i + 5) % 500 for i in range(120)]
+    res = reserve(D, "early-leaver", prompt, GREEDY, lease_ms=20_000)
+    req = pb.GenerateRequest(request_id="early-leaver", prompt_token_ids=prompt, params=sampling_to_proto(GREEDY),
+                             handoff=pb.Handoff(first_token_id=1))
+    err = rpc_error(lambda: list(D.stub().Generate(req, timeout=0.5)))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+    wait_for(lambda: all_blocks_free(D), 5, "the decode node to free the abandoned reservation")
+    late = rpc_error(P.stub().Prefill, prefill_request("early-leaver", prompt, GREEDY, res), timeout=30)
+    assert late.code() == grpc.StatusCode.UNAVAILABLE and "not expected" in late.details(), late
+    wait_for(lambda: all_blocks_free(P), 10, "the prefill node to release the refused request's blocks")
+    assert all_blocks_free(D)
+
+
+@pytest.mark.timeout(60)
 def test_reservation_nobody_fills_expires(nodes):
     D = nodes["D"]
     before = D.load().free_kv_blocks
