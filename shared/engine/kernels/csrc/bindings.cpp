@@ -1,27 +1,8 @@
 // The Python module of the CPU kernels (one extension, built once per machine by shared/engine/kernels).
 #include <torch/extension.h>
 
-#include <optional>
-#include <string>
-#include <vector>
+#include "api.h"
 
-namespace kvrelay {
-torch::Tensor paged_attention(torch::Tensor q, std::optional<torch::Tensor> k, std::optional<torch::Tensor> v,
-                              torch::Tensor kv_cache, std::optional<torch::Tensor> slot_mapping,
-                              torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
-                              int64_t num_decodes, double scale, int64_t window);
-std::string attention_isa();
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight,
-                                        double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-void rope_write_kv(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
-                   std::optional<torch::Tensor> kv_cache, std::optional<torch::Tensor> slot_mapping, int64_t heads);
-torch::Tensor pack_small_gemm(torch::Tensor w);
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias);
-torch::Tensor small_gemm_argmax(torch::Tensor x, torch::Tensor packed, int64_t n);
-bool small_gemm_available();
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias);
-}  // namespace kvrelay
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL: a node's event loop (gRPC streams) can run its Python meanwhile instead of

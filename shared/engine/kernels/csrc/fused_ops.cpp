@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "api.h"
 #include "common.h"
 #include "vec.h"
 
@@ -154,8 +155,7 @@ void check_row_major(const torch::Tensor& t, const char* name) {
 
 // Returns (out, residual). With a residual: residual += x in place and out = rms_norm(residual) * weight;
 // without: out = rms_norm(x) * weight and x itself is the residual.
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight,
-                                        double eps) {
+std::vector<torch::Tensor> add_rms_norm(TensorArg x, OptTensorArg residual, TensorArg weight, double eps) {
   check_row_major(x, "x");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
               "weight must match x's last dim and dtype");
@@ -180,7 +180,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, std::optional<torch::Te
 }
 
 // gate_up [T, 2n] (gate | up) -> silu(gate) * up [T, n]
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+torch::Tensor silu_mul(TensorArg gate_up) {
   check_row_major(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   auto out = torch::empty({rows, n}, gate_up.options());
@@ -197,8 +197,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 // qk [T, heads + kv_heads, d] (a view with contiguous heads), v [T, kv_heads, d]; cos, sin [max_pos, d/2];
 // positions, slot_mapping [T] int64; kv_cache [2, nb, bs, kv_heads, d] or None (rotate only).
-void rope_write_kv(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
-                   std::optional<torch::Tensor> kv_cache, std::optional<torch::Tensor> slot_mapping, int64_t heads) {
+void rope_write_kv(TensorArg qk, TensorArg v, TensorArg cos, TensorArg sin, TensorArg positions,
+                   OptTensorArg kv_cache, OptTensorArg slot_mapping, int64_t heads) {
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "qk must be [T, H, d], heads packed");
   TORCH_CHECK(v.dim() == 3 && v.stride(2) == 1 && v.stride(1) == v.size(2), "v must be [T, kvh, d], heads packed");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qk.scalar_type() &&

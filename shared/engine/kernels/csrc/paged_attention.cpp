@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "api.h"
 #include "common.h"
 #include "vec.h"
 
@@ -111,10 +112,9 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
 // [reqs] int32, the first num_decodes requests with one query token each; window <= 0: full attention.
 // k, v [tokens, kvh, d] (strided rows) and slot_mapping [tokens] int64: the step's new keys and values, written
 // into the cache first (None: the cache holds them already). Returns [tokens, heads, d] in q's dtype.
-torch::Tensor paged_attention(torch::Tensor q, std::optional<torch::Tensor> k, std::optional<torch::Tensor> v,
-                              torch::Tensor kv_cache, std::optional<torch::Tensor> slot_mapping,
-                              torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
-                              int64_t num_decodes, double scale, int64_t window) {
+torch::Tensor paged_attention(TensorArg q, OptTensorArg k, OptTensorArg v, TensorArg kv_cache,
+                              OptTensorArg slot_mapping, TensorArg block_tables, TensorArg query_start_loc,
+                              TensorArg seq_lens, int64_t num_decodes, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, d] with contiguous heads");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "q: float32 or bfloat16");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous [2, nb, bs, kvh, d]");

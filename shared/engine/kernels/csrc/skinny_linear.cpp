@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "api.h"
 #include "common.h"
 
 namespace {
@@ -89,10 +90,10 @@ void all_rows(const float* x, const float* w, const float* bias, float* y, int64
 
 namespace kvrelay {
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias) {
+torch::Tensor skinny_linear(TensorArg x_in, TensorArg w, OptTensorArg bias) {
+  const torch::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K], w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "skinny_linear: float32 only");
-  x = x.contiguous();
   TORCH_CHECK(w.is_contiguous(), "skinny_linear: w must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());

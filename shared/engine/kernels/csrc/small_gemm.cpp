@@ -21,6 +21,7 @@
 #include <limits>
 #include <optional>
 
+#include "api.h"
 #include "common.h"
 #include "vec.h"
 
@@ -227,12 +228,12 @@ bool pairs_for(const torch::Tensor& w) {
 }  // namespace
 
 // w [N, K] fp32 (or bf16 with AVX512-BF16, K even) -> [ceil(N/16), units of K, 16] float or int32 (bf16 pairs).
-torch::Tensor pack_small_gemm(torch::Tensor w) {
+torch::Tensor pack_small_gemm(TensorArg weight) {
+  const torch::Tensor w = weight.contiguous();
   TORCH_CHECK(w.dim() == 2, "w must be [N, K]");
   const bool pairs = pairs_for(w);
   TORCH_CHECK(w.scalar_type() == torch::kFloat32 || pairs, "small_gemm: float32, or bfloat16 on AVX512-BF16");
   TORCH_CHECK(!pairs || w.size(1) % 2 == 0, "small_gemm: bf16 needs an even K");
-  w = w.contiguous();
   const int64_t n = w.size(0), k = w.size(1), blocks = (n + L - 1) / L, units = pairs ? k / 2 : k;
   auto out = torch::zeros({blocks, units, L}, w.options().dtype(pairs ? torch::kInt32 : torch::kFloat32));
   const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr());  // fp32, or two bf16 per unit
@@ -247,7 +248,7 @@ torch::Tensor pack_small_gemm(torch::Tensor w) {
 }
 
 // x [M, K] (rows contiguous) in the weight's dtype -> [M, n]; bias [n] or None.
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, std::optional<torch::Tensor> bias) {
+torch::Tensor small_gemm(TensorArg x, TensorArg packed, int64_t n, OptTensorArg bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   const bool pairs = packed.scalar_type() == torch::kInt32;
   TORCH_CHECK(x.size(1) == packed.size(1) * (pairs ? 2 : 1), "x's K does not match the packed weight");
@@ -266,7 +267,7 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t n, std::
 }
 
 // argmax over columns of small_gemm(x, packed, n) per row, int64 [M]; ties go to the lowest column.
-torch::Tensor small_gemm_argmax(torch::Tensor x, torch::Tensor packed, int64_t n) {
+torch::Tensor small_gemm_argmax(TensorArg x, TensorArg packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   const bool pairs = packed.scalar_type() == torch::kInt32;
   TORCH_CHECK(x.size(1) == packed.size(1) * (pairs ? 2 : 1), "x's K does not match the packed weight");
@@ -286,11 +287,11 @@ bool small_gemm_available() { return true; }
 
 #else  // 16-lane kernels only
 
-torch::Tensor pack_small_gemm(torch::Tensor) { TORCH_CHECK(false, "small_gemm needs AVX512"); }
-torch::Tensor small_gemm(torch::Tensor, torch::Tensor, int64_t, std::optional<torch::Tensor>) {
+torch::Tensor pack_small_gemm(TensorArg) { TORCH_CHECK(false, "small_gemm needs AVX512"); }
+torch::Tensor small_gemm(TensorArg, TensorArg, int64_t, OptTensorArg) {
   TORCH_CHECK(false, "small_gemm needs AVX512");
 }
-torch::Tensor small_gemm_argmax(torch::Tensor, torch::Tensor, int64_t) { TORCH_CHECK(false, "small_gemm needs AVX512"); }
+torch::Tensor small_gemm_argmax(TensorArg, TensorArg, int64_t) { TORCH_CHECK(false, "small_gemm needs AVX512"); }
 bool small_gemm_available() { return false; }
 
 #endif

@@ -1,0 +1,34 @@
+// The functions of the Python module (bindings.cpp), declared once for it and for the files defining them.
+//
+// They run without the GIL, so tensors come in by const reference: pybind moves a by-value tensor out of its
+// caster, and dropping it when the call returns (C++ refcount 2 -> 1) releases the Python object, which takes
+// the GIL back. In a node that waited on the event loop's Python for up to a switch interval, with the other
+// core idle: ~10% of the engine thread's time in a served run (py-spy, docs/benchmarks.md).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kvrelay {
+
+using TensorArg = const at::Tensor&;
+using OptTensorArg = const std::optional<at::Tensor>&;
+
+at::Tensor paged_attention(TensorArg q, OptTensorArg k, OptTensorArg v, TensorArg kv_cache, OptTensorArg slot_mapping,
+                           TensorArg block_tables, TensorArg query_start_loc, TensorArg seq_lens, int64_t num_decodes,
+                           double scale, int64_t window);
+std::string attention_isa();
+std::vector<at::Tensor> add_rms_norm(TensorArg x, OptTensorArg residual, TensorArg weight, double eps);
+at::Tensor silu_mul(TensorArg gate_up);
+void rope_write_kv(TensorArg qk, TensorArg v, TensorArg cos, TensorArg sin, TensorArg positions, OptTensorArg kv_cache,
+                   OptTensorArg slot_mapping, int64_t heads);
+at::Tensor pack_small_gemm(TensorArg w);
+at::Tensor small_gemm(TensorArg x, TensorArg packed, int64_t n, OptTensorArg bias);
+at::Tensor small_gemm_argmax(TensorArg x, TensorArg packed, int64_t n);
+bool small_gemm_available();
+at::Tensor skinny_linear(TensorArg x, TensorArg w, OptTensorArg bias);
+
+}  // namespace kvrelay
