@@ -93,9 +93,12 @@ class DecodeServer(NodeServer):
             return self._expected.pop(rid, None)
 
     def _forget_transfer(self, rid: str) -> None:
-        """Stop accepting layers for a reservation that will not be admitted."""
+        """Stop accepting layers for a reservation that will not be admitted: closed here, or abandoned when a
+        Generate waits for them (its wait answers at once; nothing happens to a transfer already over)."""
         if self._claim(rid) is not None:
             self._close_transfer(rid)
+        else:
+            self.connector.abandon_received(rid)
 
     def _close_transfer(self, rid: str) -> None:
         try:
@@ -150,7 +153,7 @@ class DecodeServer(NodeServer):
         except asyncio.CancelledError:
             # The client left; the caller frees the blocks next. The wait (in a thread a cancel cannot stop)
             # must close the transfer first, or a late layer would land in blocks another request may own.
-            self.connector.abandon_received(rid)
+            self._forget_transfer(rid)
             with suppress(TransferError):
                 await waiting  # answers at once now
             raise

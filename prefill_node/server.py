@@ -120,7 +120,7 @@ class PrefillServer(NodeServer):
     async def _finish_transfer(self, rid: str, peer: str):
         # The wait runs in a thread that a cancelled RPC cannot stop; a client that leaves hands that same
         # wait to _settle, since the connector answers one waiter per transfer.
-        waiting = asyncio.ensure_future(self.blocking(self.connector.wait, rid, self.settings.transfer_timeout))
+        waiting = self._wait_sent(rid)
         try:
             result = await asyncio.shield(waiting)
         except asyncio.CancelledError:
@@ -136,6 +136,10 @@ class PrefillServer(NodeServer):
         self.metrics.observe_transfer("send", result.nbytes, result.seconds)
         return result
 
+    def _wait_sent(self, rid: str) -> asyncio.Future:
+        """The wait for the decode node's acknowledgements, as a future that outlives a cancelled caller."""
+        return asyncio.ensure_future(self.blocking(self.connector.wait, rid, self.settings.transfer_timeout))
+
     def _settle_later(self, rid: str, waiting: asyncio.Future | None = None) -> None:
         self._settling.add(rid)
         task = asyncio.get_running_loop().create_task(self._settle(rid, waiting))
@@ -150,8 +154,7 @@ class PrefillServer(NodeServer):
                 # A barrier first: the step running when the client left may have started the send, and only
                 # once it is over does the connector know the transfer (the abort queued before it, too).
                 await self.engine.call(lambda core: None)
-                waiting = asyncio.ensure_future(
-                    self.blocking(self.connector.wait, rid, self.settings.transfer_timeout))
+                waiting = self._wait_sent(rid)
             try:
                 await waiting
             except TransferError:

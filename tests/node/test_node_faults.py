@@ -238,6 +238,27 @@ def test_generate_client_gone_before_kv_closes_the_transfer(nodes):
 
 
 @pytest.mark.timeout(60)
+def test_abort_while_generate_waits_for_kv_closes_the_transfer(nodes):
+    """An Abort (the gateway's) while a Generate waits for the KV frees the reservation and refuses the layers
+    of a prefill that comes later, as when the Generate's own client leaves."""
+    P, D = nodes["P"], nodes["D"]
+    prompt = [(13 * i + 7) % 500 for i in range(120)]
+    res = reserve(D, "aborted-waiter", prompt, GREEDY, lease_ms=20_000)
+    req = pb.GenerateRequest(request_id="aborted-waiter", prompt_token_ids=prompt, params=sampling_to_proto(GREEDY),
+                             handoff=pb.Handoff(first_token_id=1))
+    thread, box = in_thread(lambda: list(D.stub().Generate(req, timeout=30)))
+    time.sleep(0.5)  # the Generate is waiting for the KV
+    D.stub().Abort(pb.AbortRequest(request_id="aborted-waiter"), timeout=5)
+    thread.join(10)
+    assert not thread.is_alive() and "result" not in box, box
+    wait_for(lambda: all_blocks_free(D), 5, "the decode node to free the aborted reservation")
+    late = rpc_error(P.stub().Prefill, prefill_request("aborted-waiter", prompt, GREEDY, res), timeout=30)
+    assert late.code() == grpc.StatusCode.UNAVAILABLE and "not expected" in late.details(), late
+    wait_for(lambda: all_blocks_free(P), 10, "the prefill node to release the refused request's blocks")
+    assert all_blocks_free(D)
+
+
+@pytest.mark.timeout(60)
 def test_reservation_nobody_fills_expires(nodes):
     D = nodes["D"]
     before = D.load().free_kv_blocks
