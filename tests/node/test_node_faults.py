@@ -344,18 +344,20 @@ def test_dead_node_leaves_registry_and_index(index, doomed_prefill):
 
 @pytest.mark.timeout(60)
 def test_sigterm_drains_then_exits_zero(nodes, index):
-    D = nodes["D"]
+    """SIGTERM mid-request: the node refuses new work but finishes what it has accepted. The request in flight
+    is a disaggregated one between its reservation and its Generate, so it cannot finish before the signal
+    (a plain stream on the tiny model can) and its Prefill and Generate both arrive while the node drains."""
+    P, D = nodes["P"], nodes["D"]
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    thread, box = in_thread(generate, D, "drain", [1, 2, 3, 4, 5], long)
-    wait_for(lambda: D.load().num_running == 1, 10, "the stream to start")
+    prompt = [(9 * i + 4) % 500 for i in range(40)]  # + 200 tokens fits the tiny model (256)
+    res = reserve(D, "drain", prompt, long, lease_ms=20_000)
     D.terminate()
-    health = wait_for(lambda: D.stub().Health(pb.HealthRequest(), timeout=5), 5, "health")
     wait_for(lambda: D.stub().Health(pb.HealthRequest(), timeout=5).draining, 5, "draining")
-    assert health.healthy
+    assert D.stub().Health(pb.HealthRequest(), timeout=5).healthy
     error = rpc_error(reserve, D, "too-late", PROMPT, GREEDY)
     assert error.code() == grpc.StatusCode.UNAVAILABLE and "draining" in error.details()
-    thread.join(30)
-    tokens, chunks = box["result"]
+    pre = P.stub().Prefill(prefill_request("drain", prompt, long, res), timeout=30)
+    tokens, chunks = generate(D, "drain", prompt, long, handoff=pre)
     assert len(tokens) == 200 and chunks[-1].finish_reason == "length"
     assert D.proc.wait(timeout=30) == 0
     live, idx = index
