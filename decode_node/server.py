@@ -147,7 +147,7 @@ class DecodeServer(NodeServer):
         # The KV may take as long as the lease allows (a Generate may come before the prefill is done), and
         # the wait must close the transfer before the lease frees the blocks a late layer would land in.
         timeout = max(0.0, deadline - time.monotonic() - _LEASE_MARGIN_S)
-        waiting = asyncio.ensure_future(self.blocking(self.connector.wait_received, rid, timeout))
+        waiting = self.blocking(self.connector.wait_received, rid, timeout)
         try:
             result = await asyncio.shield(waiting)
         except asyncio.CancelledError:

@@ -138,7 +138,7 @@ class PrefillServer(NodeServer):
 
     def _wait_sent(self, rid: str) -> asyncio.Future:
         """The wait for the decode node's acknowledgements, as a future that outlives a cancelled caller."""
-        return asyncio.ensure_future(self.blocking(self.connector.wait, rid, self.settings.transfer_timeout))
+        return self.blocking(self.connector.wait, rid, self.settings.transfer_timeout)
 
     def _settle_later(self, rid: str, waiting: asyncio.Future | None = None) -> None:
         self._settling.add(rid)

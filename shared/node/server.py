@@ -226,9 +226,10 @@ class NodeServer(pb_grpc.EngineServicer):
         return pb.AbortResponse(aborted=await self.engine.abort(request.request_id))
 
     # -- helpers ------------------------------------------------------------------------------------
-    async def blocking(self, fn: Callable, *args):
-        """Run a blocking connector call (transfer waits) on the wait pool."""
-        return await asyncio.get_running_loop().run_in_executor(self.waits, fn, *args)
+    def blocking(self, fn: Callable, *args) -> asyncio.Future:
+        """A blocking connector call (transfer waits) started on the wait pool. Its thread runs to the end
+        whatever happens to the caller: await it shielded to keep its answer when the caller is cancelled."""
+        return asyncio.get_running_loop().run_in_executor(self.waits, fn, *args)
 
 
 def require_request_id(request_id: str) -> None:

@@ -219,22 +219,32 @@ def test_abort_and_cancel_mid_stream_free_blocks(nodes):
     assert not D.stub().Abort(pb.AbortRequest(request_id="ab2"), timeout=5).aborted  # already gone
 
 
-@pytest.mark.timeout(60)
-def test_generate_client_gone_before_kv_closes_the_transfer(nodes):
-    """A Generate whose client leaves while it waits for the KV frees the reservation, and a prefill that
-    comes later is refused: its layers must not land in blocks that may already serve another request."""
-    P, D = nodes["P"], nodes["D"]
-    prompt = [(11 * i + 5) % 500 for i in range(120)]
-    res = reserve(D, "early-leaver", prompt, GREEDY, lease_ms=20_000)
-    req = pb.GenerateRequest(request_id="early-leaver", prompt_token_ids=prompt, params=sampling_to_proto(GREEDY),
-                             handoff=pb.Handoff(first_token_id=1))
-    err = rpc_error(lambda: list(D.stub().Generate(req, timeout=0.5)))
-    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
-    wait_for(lambda: all_blocks_free(D), 5, "the decode node to free the abandoned reservation")
-    late = rpc_error(P.stub().Prefill, prefill_request("early-leaver", prompt, GREEDY, res), timeout=30)
+def _generate_before_kv(rid: str, prompt: list[int]) -> pb.GenerateRequest:
+    """A Generate for a reservation whose KV has not come yet (its first token a stand-in): it waits."""
+    return pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=sampling_to_proto(GREEDY),
+                              handoff=pb.Handoff(first_token_id=1))
+
+
+def _late_prefill_is_refused(P, D, rid: str, prompt: list[int], res: pb.ReserveResponse) -> None:
+    """A prefill after the reservation was given up: its layers must not land in blocks that may already serve
+    another request; both nodes end with every block free."""
+    late = rpc_error(P.stub().Prefill, prefill_request(rid, prompt, GREEDY, res), timeout=30)
     assert late.code() == grpc.StatusCode.UNAVAILABLE and "not expected" in late.details(), late
     wait_for(lambda: all_blocks_free(P), 10, "the prefill node to release the refused request's blocks")
     assert all_blocks_free(D)
+
+
+@pytest.mark.timeout(60)
+def test_generate_client_gone_before_kv_closes_the_transfer(nodes):
+    """A Generate whose client leaves while it waits for the KV frees the reservation, and a prefill that
+    comes later is refused."""
+    P, D = nodes["P"], nodes["D"]
+    prompt = [(11 * i + 5) % 500 for i in range(120)]
+    res = reserve(D, "early-leaver", prompt, GREEDY, lease_ms=20_000)
+    err = rpc_error(lambda: list(D.stub().Generate(_generate_before_kv("early-leaver", prompt), timeout=0.5)))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+    wait_for(lambda: all_blocks_free(D), 5, "the decode node to free the abandoned reservation")
+    _late_prefill_is_refused(P, D, "early-leaver", prompt, res)
 
 
 @pytest.mark.timeout(60)
@@ -244,18 +254,14 @@ def test_abort_while_generate_waits_for_kv_closes_the_transfer(nodes):
     P, D = nodes["P"], nodes["D"]
     prompt = [(13 * i + 7) % 500 for i in range(120)]
     res = reserve(D, "aborted-waiter", prompt, GREEDY, lease_ms=20_000)
-    req = pb.GenerateRequest(request_id="aborted-waiter", prompt_token_ids=prompt, params=sampling_to_proto(GREEDY),
-                             handoff=pb.Handoff(first_token_id=1))
+    req = _generate_before_kv("aborted-waiter", prompt)
     thread, box = in_thread(lambda: list(D.stub().Generate(req, timeout=30)))
     time.sleep(0.5)  # the Generate is waiting for the KV
     D.stub().Abort(pb.AbortRequest(request_id="aborted-waiter"), timeout=5)
     thread.join(10)
     assert not thread.is_alive() and "result" not in box, box
     wait_for(lambda: all_blocks_free(D), 5, "the decode node to free the aborted reservation")
-    late = rpc_error(P.stub().Prefill, prefill_request("aborted-waiter", prompt, GREEDY, res), timeout=30)
-    assert late.code() == grpc.StatusCode.UNAVAILABLE and "not expected" in late.details(), late
-    wait_for(lambda: all_blocks_free(P), 10, "the prefill node to release the refused request's blocks")
-    assert all_blocks_free(D)
+    _late_prefill_is_refused(P, D, "aborted-waiter", prompt, res)
 
 
 @pytest.mark.timeout(60)
