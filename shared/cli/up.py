@@ -61,7 +61,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def _gateway_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--migration-limit", str(args.migration_limit)]
+    # The gateway hashes prompts in blocks of the nodes' size and refuses nodes of another size.
+    flags = ["--migration-limit", str(args.migration_limit), "--block-size", str(args.block_size)]
     for flag in ("max_concurrent_requests", "request_timeout"):
         value = getattr(args, flag)
         if value is not None:

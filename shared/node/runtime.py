@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -86,6 +87,20 @@ class Node:
         logger.info("%s stopped", node_id)
 
 
+def _build_core(config: NodeConfig, connector: KVConnector) -> EngineCore:
+    """The engine, loaded and warmed up on a thread that ends with the build.
+
+    libgomp keeps an OpenMP team for every thread that ever started a parallel region. Loaded on the main
+    thread, which then runs the event loop for good, the model would leave an idle team behind; libgomp, then
+    managing more threads than cores, stops spinning between the engine thread's regions and wakes its
+    worker through the kernel for each one (some 150 per step). The finished thread takes its team with it,
+    leaving the engine thread's as the only one: +5% served fp32 tokens/s on 2 cores (docs/benchmarks.md).
+    """
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrelay-engine-build") as pool:
+        return pool.submit(EngineCore, config.engine, record_block_events=bool(config.registry.redis_url),
+                           kv_sender=connector, kv_allocator=connector.kv_allocator()).result()
+
+
 async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
     # The engine thread and the event loop (gRPC streams) share the GIL. When a kernel returns while the loop
     # runs Python, the engine waits for the GIL, and the engine's other core with it, up to the switch
@@ -94,8 +109,7 @@ async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
     torch.set_num_threads(config.num_threads)
     connector = build_connector(config)
     try:
-        core = EngineCore(config.engine, record_block_events=bool(config.registry.redis_url), kv_sender=connector,
-                          kv_allocator=connector.kv_allocator())
+        core = _build_core(config, connector)
         grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
         try:
             port = grpc_server.add_insecure_port(f"{config.host}:{config.port}")

@@ -48,3 +48,17 @@ def test_placement_note_says_what_was_chosen_and_why(monkeypatch):
     monkeypatch.setattr(up.os, "cpu_count", lambda: 8)
     assert up.placement(_args()).note == "8 CPU cores: 4 torch thread(s) per engine"
     assert up.placement(_args("--prefill", "3", "--decode", "1")).note == "8 CPU cores: 2 torch thread(s) per engine"
+
+
+@pytest.mark.parametrize("argv", [
+    [],
+    ["--block-size", "32"],
+    ["--prefill", "1", "--decode", "1", "--block-size", "64"],
+])
+def test_every_process_gets_the_fleet_block_size(argv):
+    # The gateway refuses to route to a node whose block size differs from its own.
+    args = _args(*argv)
+    children = up.plan_children(args, "redis://127.0.0.1:1/0", up.placement(args))
+    sizes = {c.name: c.argv[c.argv.index("--block-size") + 1] for c in children}  # ValueError if one lacks it
+    assert "gateway" in sizes
+    assert set(sizes.values()) == {str(args.block_size)}
