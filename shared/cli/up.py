@@ -45,14 +45,21 @@ def _kvrelay(*args: str) -> list[str]:
     return [sys.executable, "-m", "shared.cli", *args]
 
 
+def _fleet_flags(args: argparse.Namespace) -> list[str]:
+    """What the nodes and the gateway must agree on: the gateway hashes prompts in blocks of the nodes' size and
+    refuses a node whose block size or model differs."""
+    flags = ["--model", args.model, "--block-size", str(args.block_size)]
+    if args.served_model_name:
+        flags += ["--served-model-name", args.served_model_name]
+    return flags
+
+
 def _engine_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size)]
+    flags = [*_fleet_flags(args), "--dtype", args.dtype]
     if args.max_model_len:
         flags += ["--max-model-len", str(args.max_model_len)]
     if args.kv_cache_memory:
         flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    if args.served_model_name:
-        flags += ["--served-model-name", args.served_model_name]
     if args.max_waiting_requests is not None:
         flags += ["--max-waiting-requests", str(args.max_waiting_requests)]
     if args.scheduling_policy is not None:
@@ -61,8 +68,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def _gateway_flags(args: argparse.Namespace) -> list[str]:
-    # The gateway hashes prompts in blocks of the nodes' size and refuses nodes of another size.
-    flags = ["--migration-limit", str(args.migration_limit), "--block-size", str(args.block_size)]
+    flags = [*_fleet_flags(args), "--migration-limit", str(args.migration_limit)]
     for flag in ("max_concurrent_requests", "request_timeout"):
         value = getattr(args, flag)
         if value is not None:
@@ -126,11 +132,9 @@ def plan_children(args: argparse.Namespace, redis_url: str, where: Placement) ->
                 argv += _decode_flags(args)
             children.append(Child(f"{role}-{i}", argv))
     gateway = _kvrelay("gateway", "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
-                       "--redis-url", redis_url, "--model", args.model,
+                       "--redis-url", redis_url,
                        "--shutdown-timeout", str(args.shutdown_timeout), "--routing-policy", args.routing_policy,
                        *_gateway_flags(args))
-    if args.served_model_name:
-        gateway += ["--served-model-name", args.served_model_name]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
     children.append(Child("gateway", gateway))
