@@ -29,6 +29,7 @@ SCHEME = "shm://"
 SOCKET_PREFIX = "kvrelay-kv-"
 _LEN = struct.Struct("<I")
 _ALIGN = 4096  # each layer starts on a page: a peer maps the whole segment, offsets stay page-aligned
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+; Python 3.13 names it
 _STALE_AFTER_S = 10.0  # a socket nobody listens on is only swept once this old (it may be starting up)
 
 
@@ -109,6 +110,16 @@ class Segment:
             raise
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # holds the map for as long as it lives
         self.base = self._bytes.data_ptr()
+        self._populate()
+
+    def _populate(self) -> None:
+        """Back every page now, as torch.zeros does for plain caches. Left to first touch, the kernel would
+        allocate and clear each page inside the engine's attention kernels as blocks are first written: 4.9% of
+        a served fp32 run's samples (docs/benchmarks.md). A full /dev/shm also fails here, not mid-request."""
+        try:
+            self._map.madvise(_MADV_POPULATE_WRITE)
+        except OSError:  # kernels before 5.14: touch every page by writing its zeros
+            self._bytes.zero_()
 
     def layer(self, i: int, nbytes: int) -> torch.Tensor:
         return self._bytes[self.offsets[i] : self.offsets[i] + nbytes]

@@ -1,4 +1,5 @@
-"""In-process connector: peers found in a registry dict, blocks moved by direct tensor copies (for tests)."""
+"""In-process connector: peers found in a registry dict, blocks moved by direct tensor copies. Tests use it, and so
+does a colocated node, which exchanges KV with no other process: it starts no thread and allocates nothing."""
 
 from __future__ import annotations
 

@@ -53,7 +53,9 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     k = p.add_argument_group("KV transfer")
     k.add_argument("--connector", choices=["auto", "shm", "ucx", "nccl", "local"], default="auto",
                    help="auto (shared memory to nodes on this host, else --remote-connector), shm (same host "
-                        "only, CPU), ucx (ucxx), nccl (torch.distributed; gloo on CPU), local (in-process tests)")
+                        "only, CPU), ucx (ucxx), nccl (torch.distributed; gloo on CPU), local (in-process only: "
+                        "no KV to or from other processes, no transfer threads; `kvrelay up` gives it to a "
+                        "colocated engine)")
     k.add_argument("--remote-connector", choices=["ucx", "nccl"], default="ucx",
                    help="auto: the connector to nodes on other hosts")
     k.add_argument("--shm-dir", default=None,

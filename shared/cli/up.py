@@ -92,6 +92,7 @@ class Placement:
     prefill: int
     decode: int
     threads: int
+    connector: str
     note: str
 
 
@@ -113,7 +114,12 @@ def placement(args: argparse.Namespace) -> Placement:
         note += ("; with a core or less per engine, each prefill runs on one core while decodes hold the other: "
                  "time to first token suffers most (docs/benchmarks.md: 3x the colocated TTFT at concurrency 32 "
                  "on 2 cores). --colocated gives one engine every core")
-    return Placement(colocated, prefill, decode, threads, note)
+    connector = args.connector or ("local" if colocated else "auto")
+    if colocated and not args.connector:
+        # auto would start a UCX worker whose progress thread wakes every millisecond, for a node that never
+        # sends or receives KV: 2-3% of served throughput on 2 cores (docs/benchmarks.md).
+        note += "; KV connector local, as a lone engine hands KV to no other process"
+    return Placement(colocated, prefill, decode, threads, connector, note)
 
 
 def plan_children(args: argparse.Namespace, redis_url: str, where: Placement) -> list[Child]:
@@ -127,7 +133,7 @@ def plan_children(args: argparse.Namespace, redis_url: str, where: Placement) ->
         for i in range(count):
             port = free_port()
             argv = _kvrelay(role, "--port", str(port), "--metrics-port", str(free_port()),
-                            "--connector", args.connector, "--node-id", f"{role}-{i}", *common)
+                            "--connector", where.connector, "--node-id", f"{role}-{i}", *common)
             if role == "decode":
                 argv += _decode_flags(args)
             children.append(Child(f"{role}-{i}", argv))
@@ -335,8 +341,9 @@ def register(sub) -> None:
     p.add_argument("--colocated", action="store_true",
                    help="one engine that prefills and decodes with every core (the default under "
                         f"{2 * MIN_CORES_PER_ENGINE} cores)")
-    p.add_argument("--connector", default="auto", choices=["auto", "shm", "ucx", "nccl"],
-                   help="KV transfer connector between processes: auto = shared memory on this machine")
+    p.add_argument("--connector", default=None, choices=["auto", "shm", "ucx", "nccl", "local"],
+                   help="KV transfer connector between processes (default: auto, shared memory to nodes on this "
+                        "host and ucx to others; a colocated engine gets local: it moves KV in-process only)")
     p.add_argument("--routing-policy", default="cache_aware", choices=["cache_aware", "round_robin", "least_loaded"],
                    help="how the gateway picks prefill and decode nodes")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded one")

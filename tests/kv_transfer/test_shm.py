@@ -219,3 +219,27 @@ def test_a_segment_that_could_shrink_is_refused(tmp_path):
     finally:
         os.close(fd)
         receiver.close()
+
+
+def _size_and_resident(address: int) -> tuple[int, int]:
+    """(Size, Rss) in kB of the mapping of this process that starts at `address` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            fields = dict(entry.split(":", 1) for entry in lines[i + 1 : i + 8])
+            return int(fields["Size"].split()[0]), int(fields["Rss"].split()[0])
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
+def test_the_caches_are_backed_before_the_engine_writes_them(tmp_path):
+    """Every page of the segment is resident once the caches exist, as torch.zeros leaves plain caches: left
+    to first touch, the kernel allocates and clears each page inside the attention kernels mid-run."""
+    connector = ShmConnector(config(tmp_path))
+    try:
+        caches = make_caches(LAYOUT, None, allocator=connector.kv_allocator())
+        size, resident = _size_and_resident(caches[0].data_ptr())  # layer 0 opens the segment
+        assert size >= LAYOUT.num_layers * 2 * LAYOUT.num_blocks * LAYOUT.block_nbytes // 1024
+        assert resident == size
+        assert all(int(c.count_nonzero()) == 0 for c in caches)  # still the zeros a fresh cache holds
+    finally:
+        connector.close()

@@ -44,7 +44,9 @@ def test_placement_note_says_what_was_chosen_and_why(monkeypatch):
     assert not forced.colocated and (forced.prefill, forced.decode) == (1, 1)
     assert forced.note.startswith("2 CPU cores: 1 torch thread(s) per engine; with a core or less")
     assert "--colocated" in forced.note
-    assert up.placement(_args("--colocated")).note == "2 CPU cores: 2 torch thread(s) per engine"
+    local = "; KV connector local, as a lone engine hands KV to no other process"
+    assert up.placement(_args("--colocated")).note == "2 CPU cores: 2 torch thread(s) per engine" + local
+    assert auto.note.endswith(local)
     monkeypatch.setattr(up.os, "cpu_count", lambda: 8)
     assert up.placement(_args()).note == "8 CPU cores: 4 torch thread(s) per engine"
     assert up.placement(_args("--prefill", "3", "--decode", "1")).note == "8 CPU cores: 2 torch thread(s) per engine"
@@ -62,3 +64,20 @@ def test_every_process_gets_the_fleet_block_size(argv):
     sizes = {c.name: c.argv[c.argv.index("--block-size") + 1] for c in children}  # ValueError if one lacks it
     assert "gateway" in sizes
     assert set(sizes.values()) == {str(args.block_size)}
+
+
+def _connectors(children: list[up.Child]) -> dict[str, str]:
+    return {c.name: c.argv[c.argv.index("--connector") + 1] for c in children if "--connector" in c.argv}
+
+
+@pytest.mark.parametrize(("cores", "argv", "want"), [
+    (2, [], {"decode-0": "local"}),  # colocated: no KV crosses a process, so no transfer threads either
+    (2, ["--colocated"], {"decode-0": "local"}),
+    (2, ["--connector", "auto"], {"decode-0": "auto"}),  # asked for: followed
+    (4, [], {"prefill-0": "auto", "decode-0": "auto"}),
+    (2, ["--prefill", "1", "--decode", "1", "--connector", "ucx"], {"prefill-0": "ucx", "decode-0": "ucx"}),
+])
+def test_nodes_get_the_connector_their_placement_needs(monkeypatch, cores, argv, want):
+    monkeypatch.setattr(up.os, "cpu_count", lambda: cores)
+    args = _args(*argv)
+    assert _connectors(up.plan_children(args, "redis://127.0.0.1:1/0", up.placement(args))) == want
