@@ -8,6 +8,7 @@ maps it lets go (its owner's exit, a crash included, and the peers' unmaps).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -115,11 +116,14 @@ class Segment:
     def _populate(self) -> None:
         """Back every page now, as torch.zeros does for plain caches. Left to first touch, the kernel would
         allocate and clear each page inside the engine's attention kernels as blocks are first written: 4.9% of
-        a served fp32 run's samples (docs/benchmarks.md). A full /dev/shm also fails here, not mid-request."""
+        a served fp32 run's samples (docs/benchmarks.md). Memory that is not there fails here, at start-up."""
         try:
             self._map.madvise(_MADV_POPULATE_WRITE)
-        except OSError:  # kernels before 5.14: touch every page by writing its zeros
-            self._bytes.zero_()
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise MemoryError(f"cannot back the {self.nbytes / 2**30:.2f} GiB KV cache segment ({e}); "
+                                  "give the node less --kv-cache-memory") from e
+            self._bytes.zero_()  # kernels before 5.14 know no MADV_POPULATE_WRITE: touch every page
 
     def layer(self, i: int, nbytes: int) -> torch.Tensor:
         return self._bytes[self.offsets[i] : self.offsets[i] + nbytes]
