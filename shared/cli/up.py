@@ -86,7 +86,8 @@ MIN_CORES_PER_ENGINE = 2  # disaggregation below this: each prefill runs on one 
 
 @dataclass(frozen=True)
 class Placement:
-    """What `up` runs where: colocated or how many nodes of each role, torch threads per engine, and why."""
+    """What `up` runs where: colocated or how many nodes of each role, torch threads per engine, the KV
+    connector, and why."""
 
     colocated: bool
     prefill: int
