@@ -115,10 +115,11 @@ def placement(args: argparse.Namespace) -> Placement:
         note += ("; with a core or less per engine, each prefill runs on one core while decodes hold the other: "
                  "time to first token suffers most (docs/benchmarks.md: 3x the colocated TTFT at concurrency 32 "
                  "on 2 cores). --colocated gives one engine every core")
-    connector = args.connector or ("local" if colocated else "auto")
+    connector = args.connector or "auto"
     if colocated and not args.connector:
         # auto would start a UCX worker whose progress thread wakes every millisecond, for a node that never
         # sends or receives KV: 2-3% of served throughput on 2 cores (docs/benchmarks.md).
+        connector = "local"
         note += "; KV connector local, as a lone engine hands KV to no other process"
     return Placement(colocated, prefill, decode, threads, connector, note)
 

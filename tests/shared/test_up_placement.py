@@ -15,8 +15,9 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["up", *argv])
 
 
-def _threads(children: list[up.Child]) -> dict[str, str]:
-    return {c.name: c.argv[c.argv.index("--num-threads") + 1] for c in children if "--num-threads" in c.argv}
+def _flag(children: list[up.Child], flag: str) -> dict[str, str]:
+    """{child name: the value it gets for `flag`}, for the children given the flag."""
+    return {c.name: c.argv[c.argv.index(flag) + 1] for c in children if flag in c.argv}
 
 
 @pytest.mark.parametrize(("cores", "argv", "want"), [
@@ -32,7 +33,7 @@ def _threads(children: list[up.Child]) -> dict[str, str]:
 def test_engines_share_the_cores(monkeypatch, cores, argv, want):
     monkeypatch.setattr(up.os, "cpu_count", lambda: cores)
     args = _args(*argv)
-    assert _threads(up.plan_children(args, "redis://127.0.0.1:1/0", up.placement(args))) == want
+    assert _flag(up.plan_children(args, "redis://127.0.0.1:1/0", up.placement(args)), "--num-threads") == want
 
 
 def test_placement_note_says_what_was_chosen_and_why(monkeypatch):
@@ -61,13 +62,10 @@ def test_every_process_gets_the_fleet_block_size(argv):
     # The gateway refuses to route to a node whose block size differs from its own.
     args = _args(*argv)
     children = up.plan_children(args, "redis://127.0.0.1:1/0", up.placement(args))
-    sizes = {c.name: c.argv[c.argv.index("--block-size") + 1] for c in children}  # ValueError if one lacks it
+    sizes = _flag(children, "--block-size")
+    assert set(sizes) == {c.name for c in children}  # the gateway and every node
     assert "gateway" in sizes
     assert set(sizes.values()) == {str(args.block_size)}
-
-
-def _connectors(children: list[up.Child]) -> dict[str, str]:
-    return {c.name: c.argv[c.argv.index("--connector") + 1] for c in children if "--connector" in c.argv}
 
 
 @pytest.mark.parametrize(("cores", "argv", "want"), [
@@ -80,4 +78,4 @@ def _connectors(children: list[up.Child]) -> dict[str, str]:
 def test_nodes_get_the_connector_their_placement_needs(monkeypatch, cores, argv, want):
     monkeypatch.setattr(up.os, "cpu_count", lambda: cores)
     args = _args(*argv)
-    assert _connectors(up.plan_children(args, "redis://127.0.0.1:1/0", up.placement(args))) == want
+    assert _flag(up.plan_children(args, "redis://127.0.0.1:1/0", up.placement(args)), "--connector") == want
