@@ -101,7 +101,11 @@ inline void tile_any(int mr, int nr, const typename M::U* x, int64_t xs, const t
 // Calls visit(row0, mr, block0, nr, acc) for every register tile. Panels of NR column blocks are handed out
 // one at a time, so a thread the OS preempts (a serving process shares these cores) is covered by the other
 // instead of stalling it at the end; each thread prefetches into L2, spread over the current panel's row tiles
-// (a 6-row tile alone is too short to cover the fetch), the panel it will most likely take next.
+// (a 6-row tile alone is too short to cover the fetch), the panel it will most likely take next. The rows are
+// split evenly over the fewest tiles of at most MR rows (32 rows: 6+6+5+5+5+5, not 6x5+2): a tile of one or two
+// rows keeps too few sums in flight to fill the FMA units (32 rows, 30 SmolLM2 layers and the LM head, cold
+// weights: 23.4 -> 22.6 ms; 25 rows: 20.2 -> 18.4 ms; AMD EPYC Zen 5, 2 threads). A row's sums do not depend on
+// which tile it is in.
 template <class M, class Visit>
 void for_tiles(const typename M::U* x, int64_t rows, int64_t xs, const typename M::U* w, int64_t units,
                int64_t blocks, Visit&& visit) {
@@ -117,10 +121,11 @@ void for_tiles(const typename M::U* x, int64_t rows, int64_t xs, const typename 
       const int nr = static_cast<int>(std::min<int64_t>(NR, blocks - b0));
       const typename M::U* wp = w + b0 * units * L;
       const typename M::U* next = p + threads < panels ? wp + threads * NR * units * L : nullptr;
-      for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(MR, rows - r0));
-        tile_any<M>(mr, nr, x + r0 * xs, xs, wp, units, next, r0 / MR, tiles, acc);
+      for (int64_t i = 0, r0 = 0; i < tiles; ++i) {
+        const int mr = static_cast<int>(rows / tiles + (i < rows % tiles));
+        tile_any<M>(mr, nr, x + r0 * xs, xs, wp, units, next, i, tiles, acc);
         visit(r0, mr, b0, nr, acc);
+        r0 += mr;
       }
     }
   }
