@@ -186,9 +186,34 @@ inline __m512 scores16(const at::BFloat16* q, const at::BFloat16* const* k) {
 }
 #endif
 
+// Prefetches the rows an item reads in the order it reads them (the keys of each of its kv heads, then the
+// values of each), so the stream runs on from one walk into the next instead of starting cold at each walk.
+template <typename T, typename Q>
+class WalkAhead {
+ public:
+  WalkAhead(const AttnView<T, Q>& a, const int32_t* table, int64_t first, int64_t seq_len, int64_t h0, int64_t nh)
+      : a_(a), table_(table), first_(first), n_(seq_len - first), h0_(h0), walks_(2 * nh), nh_(nh),
+        cur_(a.rows(a.k, table, first, h0)) {}
+  void advance(int64_t rows) {
+    for (; rows > 0 && walk_ < walks_; --rows) {
+      prefetch(cur_.next(), a_.d * int64_t(sizeof(T)));
+      if (++done_ < n_) continue;
+      done_ = 0;
+      if (++walk_ < walks_) cur_ = a_.rows(walk_ < nh_ ? a_.k : a_.v, table_, first_, h0_ + walk_ % nh_);
+    }
+  }
+
+ private:
+  const AttnView<T, Q>& a_;
+  const int32_t* table_;
+  int64_t first_, n_, h0_, walks_, nh_, walk_ = 0, done_ = 0;
+  RowCursor<T> cur_;
+};
+
 // Decode for kv heads [h0, h0 + nh) of one request, 16 lanes. Pairs mode (bf16 cache and queries on a CPU
 // with AVX512-BF16): the queries stay bf16 and the weights are rounded to bf16 for p . v.
-// Each kv head walks its keys, then its values, on its own, prefetching KV_PF_DIST rows ahead. (Walking a chunk
+// Each kv head walks its keys, then its values, on its own; one WalkAhead prefetches KV_PF_DIST rows ahead
+// across all of the item's walks (32 x 600 tokens fp32: 5% faster than restarting at each walk). (Walking a chunk
 // of 16 tokens for all the item's heads at once, reading each block's rows front to back, measured 20-25%
 // slower on an AVX512-BF16 EPYC, whatever the prefetch distance or hint.)
 template <typename T, typename Q, int D>
@@ -200,7 +225,6 @@ void decode_heads_512(const AttnView<T, Q>& a, const int32_t* table, int64_t tok
   constexpr bool pairs = false;
 #endif
   using QRow = typename std::conditional<pairs, Q, float>::type;
-  constexpr int64_t row_bytes = D * int64_t(sizeof(T));
   const int64_t group = a.group(), rows = nh * group, n = seq_len - first, npad = (n + 15) / 16 * 16;
   const Q* q = a.q + token * a.q_stride + h0 * group * D;
   const QRow* qrows;
@@ -209,14 +233,15 @@ void decode_heads_512(const AttnView<T, Q>& a, const int32_t* table, int64_t tok
   float* scores = s.floats(0, rows * npad);
   // Pass 1: scores, 16 keys at a time (the last group padded with its last key, its extra lanes not stored).
   const T* kp[16];
+  WalkAhead<T, Q> ahead(a, table, first, seq_len, h0, nh);
+  ahead.advance(KV_PF_DIST);
   for (int64_t hh = 0; hh < nh; ++hh) {
-    RowCursor<T> keys = a.rows(a.k, table, first, h0 + hh), ahead = a.rows(a.k, table, first, h0 + hh);
-    for (int64_t i = 0; i < KV_PF_DIST && first + i < seq_len; ++i) ahead.next();
+    RowCursor<T> keys = a.rows(a.k, table, first, h0 + hh);
     for (int64_t t0 = first; t0 < seq_len; t0 += 16) {
       const int64_t cnt = std::min<int64_t>(16, seq_len - t0);
       for (int64_t i = 0; i < cnt; ++i) kp[i] = keys.next();
       for (int64_t i = cnt; i < 16; ++i) kp[i] = kp[cnt - 1];
-      for (int64_t i = 0; i < 16 && t0 + KV_PF_DIST + i < seq_len; ++i) prefetch(ahead.next(), row_bytes);
+      ahead.advance(cnt);
       const __mmask16 m = static_cast<__mmask16>(cnt == 16 ? 0xffff : (1u << cnt) - 1);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t row = hh * group + g;
@@ -243,14 +268,14 @@ void decode_heads_512(const AttnView<T, Q>& a, const int32_t* table, int64_t tok
       __m512 acc[GT][C];
       for (int g = 0; g < GT; ++g)
         for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-      RowCursor<T> vals = a.rows(a.v, table, first, h0 + hh), ahead = a.rows(a.v, table, first, h0 + hh);
-      for (int64_t i = 0; i < KV_PF_DIST && first + i < seq_len; ++i) ahead.next();
+      RowCursor<T> vals = a.rows(a.v, table, first, h0 + hh);
+      const bool lead = g0 == 0;  // a head's later groups re-read values the first group brought in
       if constexpr (pairs) {
 #if defined(KVRELAY_AVX512BF16)
         for (int64_t t = first; t < seq_len; t += 2) {
           const T* va = vals.next();
           const T* vb = t + 1 < seq_len ? vals.next() : va;  // its weight is 0
-          for (int64_t i = 0; i < 2 && t + KV_PF_DIST + i < seq_len; ++i) prefetch(ahead.next(), row_bytes);
+          if (lead) ahead.advance(2);
           const int64_t j = (t - first) / 2;
           for (int c = 0; c < C / 2; ++c) {
             const __m512i x = _mm512_loadu_si512(va + 32 * c), y = _mm512_loadu_si512(vb + 32 * c);
@@ -267,7 +292,7 @@ void decode_heads_512(const AttnView<T, Q>& a, const int32_t* table, int64_t tok
       } else {
         for (int64_t t = first; t < seq_len; ++t) {
           const T* vt = vals.next();
-          if (t + KV_PF_DIST < seq_len) prefetch(ahead.next(), row_bytes);
+          if (lead) ahead.advance(1);
           __m512 v[C];
           for (int c = 0; c < C; ++c) v[c] = load16(vt + 16 * c);
           for (int g = 0; g < GT; ++g) {
