@@ -192,21 +192,21 @@ template <typename T, typename Q>
 class WalkAhead {
  public:
   WalkAhead(const AttnView<T, Q>& a, const int32_t* table, int64_t first, int64_t seq_len, int64_t h0, int64_t nh)
-      : a_(a), table_(table), first_(first), n_(seq_len - first), h0_(h0), walks_(2 * nh), nh_(nh),
+      : a_(a), table_(table), first_(first), n_(seq_len - first), h0_(h0), nh_(nh),
         cur_(a.rows(a.k, table, first, h0)) {}
   void advance(int64_t rows) {
-    for (; rows > 0 && walk_ < walks_; --rows) {
+    for (; rows > 0 && walk_ < 2 * nh_; --rows) {
       prefetch(cur_.next(), a_.d * int64_t(sizeof(T)));
       if (++done_ < n_) continue;
       done_ = 0;
-      if (++walk_ < walks_) cur_ = a_.rows(walk_ < nh_ ? a_.k : a_.v, table_, first_, h0_ + walk_ % nh_);
+      if (++walk_ < 2 * nh_) cur_ = a_.rows(walk_ < nh_ ? a_.k : a_.v, table_, first_, h0_ + walk_ % nh_);
     }
   }
 
  private:
   const AttnView<T, Q>& a_;
   const int32_t* table_;
-  int64_t first_, n_, h0_, walks_, nh_, walk_ = 0, done_ = 0;
+  int64_t first_, n_, h0_, nh_, walk_ = 0, done_ = 0;  // walks 0..nh-1: keys of head h0 + walk; then values
   RowCursor<T> cur_;
 };
 
