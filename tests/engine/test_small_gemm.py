@@ -18,7 +18,7 @@ def _dtypes():
     return [torch.float32] + ([torch.bfloat16] if native.attention_isa() == "avx512-bf16" else [])
 
 
-@pytest.mark.parametrize("n, k", [(960, 576), (17, 32), (1000, 64), (33, 1536)])
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (560, 64), (17, 32), (1000, 64), (33, 1536)])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 131])
 def test_products_and_bias(n, k, rows):
     for dtype in _dtypes():
@@ -44,6 +44,27 @@ def test_rows_do_not_depend_on_the_batch():
         alone = torch.cat([native.small_gemm(x[i : i + 1], packed, 700, None) for i in range(40)])
         for rows in (1, 6, 7, 12, 25, 32, 40):  # 25 and 32: tiles split evenly (5x5; 6+6+5+5+5+5)
             assert torch.equal(native.small_gemm(x[:rows], packed, 700, None), alone[:rows])
+
+
+@pytest.mark.parametrize("n", [576, 560, 960, 3072])
+def test_results_do_not_depend_on_the_threads(n):
+    """The panel width follows the thread count (576 outputs: panels of 3 blocks on 2 threads, of 4 on one);
+    every output's sum runs over K in the same order whatever panel it is in."""
+    before = torch.get_num_threads()
+    for dtype in _dtypes():
+        torch.manual_seed(n)
+        w, x = torch.randn(n, 576).to(dtype), torch.randn(32, 576).to(dtype)
+        packed = native.pack_small_gemm(w)
+        try:
+            runs = []
+            for threads in (1, 2, 3, 4):
+                torch.set_num_threads(threads)
+                runs.append((native.small_gemm(x, packed, n, None), native.small_gemm_argmax(x, packed, n)))
+        finally:
+            torch.set_num_threads(before)
+        for logits, best in runs[1:]:
+            assert torch.equal(logits, runs[0][0]) and torch.equal(best, runs[0][1])
+        assert torch.equal(runs[0][1], runs[0][0].argmax(dim=-1))
 
 
 def test_argmax_is_that_of_the_logits_ties_to_the_lowest_column():
