@@ -1,11 +1,12 @@
-"""grpc.aio clients of the engine service. Protobuf stays in this module (and shared.wire, which converts):
-callers see the wire records.
+"""grpc.aio clients of the engine service. Protobuf stays in this module, gateway.node_streams and shared.wire
+(which converts): callers see the wire records.
 
-One channel per node address, reused by every request (HTTP/2 multiplexes the streams), reconnecting within
-a second or two once a restarted node listens again. Every unary call has a deadline; the token stream has
-the request's own deadline, if it has one, and is cancelled with its request. A call made with a CallWatch
-can be failed from outside (the liveness monitor, when its node stops answering): it then raises
-NodeRpcError like any failed call.
+One channel per node address, reused by every request, reconnecting within a second or two once a restarted
+node listens again. Every unary call has a deadline. Token streams go over one GenerateMany call per node
+(gateway.node_streams: a message per engine step rather than per token per sequence), or a Generate call per
+sequence to a node that lacks GenerateMany; either way a stream has the request's own deadline, if it has one,
+and is cancelled with its request. A call made with a CallWatch can be failed from outside (the liveness
+monitor, when its node stops answering): it then raises NodeRpcError like any failed call.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.node_errors import CallWatch, NodeRpcError
+from gateway.node_streams import SequenceStream
 from shared import wire
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
@@ -38,8 +42,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-_BUSY = {grpc.StatusCode.RESOURCE_EXHAUSTED}
-_BAD_INPUT = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 
 
 @dataclass(frozen=True)
@@ -80,78 +82,6 @@ class EngineRequest:
         return limit if left is None else max(0.001, min(limit, left))
 
 
-class NodeRpcError(Exception):
-    """A failed engine call. `kind` is what the node itself said went wrong (shared.wire.NodeErrorKind), or
-    None when the call failed without the node answering (down, hung, unreachable)."""
-
-    def __init__(self, address: str, method: str, code: grpc.StatusCode, details: str,
-                 kind: str | None = None) -> None:
-        super().__init__(f"{method} on {address}: {code.name}: {details}")
-        self.address, self.method, self.code, self.details, self.kind = address, method, code, details, kind
-
-    @classmethod
-    def from_grpc(cls, address: str, method: str, e: grpc.aio.AioRpcError) -> NodeRpcError:
-        try:
-            kind = dict(e.trailing_metadata() or ()).get(wire.NODE_ERROR_KEY)
-        except (TypeError, ValueError):
-            kind = None
-        return cls(address, method, e.code(), e.details() or "", kind)
-
-    @property
-    def busy(self) -> bool:
-        """Refused for capacity: the node is fine, its queues are full."""
-        return self.code in _BUSY
-
-    @property
-    def bad_input(self) -> bool:
-        return self.code in _BAD_INPUT
-
-    @property
-    def duplicate(self) -> bool:
-        """The node still holds a sequence under this id: it must not run it twice."""
-        return self.code == grpc.StatusCode.ALREADY_EXISTS
-
-    @property
-    def draining(self) -> bool:
-        return self.kind == wire.NodeErrorKind.DRAINING.value
-
-    @property
-    def handoff_failed(self) -> bool:
-        """The node answered that the KV transfer with its peer failed (the node itself is fine)."""
-        return self.kind == wire.NodeErrorKind.HANDOFF.value
-
-    @property
-    def answered(self) -> bool:
-        """The node's own code returned this error: the node is alive."""
-        return self.kind is not None
-
-
-class CallWatch:
-    """One call in flight on one node, as the liveness monitor sees it: when it last heard from the node,
-    and a way to fail the call from outside (the node stopped answering)."""
-
-    __slots__ = ("node_id", "last", "call", "error")
-
-    def __init__(self, node_id: str) -> None:
-        self.node_id = node_id
-        self.last = time.monotonic()
-        self.call = None
-        self.error: str | None = None
-
-    def touch(self) -> None:
-        self.last = time.monotonic()
-
-    def fail(self, reason: str) -> None:
-        self.error = reason
-        if self.call is not None:
-            self.call.cancel()
-
-    def raise_if_failed(self, address: str, method: str) -> None:
-        """Inside `except CancelledError`: the watch cancelled the call (not the caller's own task)."""
-        if self.error is not None and not asyncio.current_task().cancelling():
-            raise NodeRpcError(address, method, grpc.StatusCode.UNAVAILABLE, self.error) from None
-
-
 # ------------------------------------------------------------------------------------------- client
 
 
@@ -163,8 +93,20 @@ class NodeClient:
         self.timeouts = timeouts or Timeouts()
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.EngineStub(self._channel)
+        self._streams: SequenceStream | None = None
+        self._many = True  # False once the node answered that it has no GenerateMany
+
+    @property
+    def multiplexed(self) -> bool | None:
+        """True: this node's token streams share one GenerateMany call; False: the node lacks it, so each
+        sequence has its own Generate call; None: no token stream yet."""
+        if not self._many:
+            return False
+        return None if self._streams is None else True
 
     async def close(self) -> None:
+        if self._streams is not None:
+            self._streams.close()
         await self._channel.close(grace=None)
 
     async def _unary(self, method: str, request, timeout: float, watch: CallWatch | None = None):
@@ -224,6 +166,27 @@ class NodeClient:
             msg.handoff.CopyFrom(wire.handoff_to_proto(handoff))
         if req.beam_search is not None:
             msg.beam_search.CopyFrom(wire.beam_search_to_proto(req.beam_search))
+        if self._many:
+            if self._streams is None or self._streams.ended:
+                self._streams = SequenceStream(self.address, self._stub)
+            streamed = False
+            try:
+                async with aclosing(self._streams.sequence(msg, req.deadline, watch)) as chunks:
+                    async for chunk in chunks:
+                        streamed = True
+                        yield wire.chunk_from_proto(chunk)
+                return
+            except NodeRpcError as e:
+                if streamed or not self._streams.refused(e):
+                    raise
+                self._many = False
+                logger.info("node %s has no GenerateMany: a Generate call per sequence", self.address)
+        async with aclosing(self._generate_one(msg, req, watch)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _generate_one(self, msg: pb.GenerateRequest, req: EngineRequest,
+                            watch: CallWatch | None) -> AsyncIterator[TokenChunk]:
         call = self._stub.Generate(msg, timeout=None if req.deadline is None else req.timeout(float("inf")))
         if watch is not None:
             watch.call = call

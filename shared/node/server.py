@@ -1,4 +1,5 @@
-"""The Engine gRPC service, common to both roles: node info, health, load, local Generate, Abort.
+"""The Engine gRPC service, common to both roles: node info, health, load, local Generate (a stream per
+sequence, or many sequences over one stream with GenerateMany: shared.node.multiplex), Abort.
 
 Role servers (prefill_node.server, decode_node.server) subclass NodeServer and fill in Prefill, Reserve and
 Generate with a hand-off; an RPC meant for the other role answers FAILED_PRECONDITION naming the role.
@@ -28,6 +29,7 @@ from shared.engine.core import EngineCore
 from shared.engine.reservation_queue import DuplicateRequest, QueueFull
 from shared.engine.scheduler_output import EngineCoreOutput
 from shared.node.metrics import NodeMetrics
+from shared.node.multiplex import SequenceMux
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 from shared.sampling_params import SamplingParams
@@ -197,6 +199,18 @@ class NodeServer(pb_grpc.EngineServicer):
 
     @stream_rpc
     async def Generate(self, request, context):  # noqa: N802
+        async with aclosing(self.token_chunks(request)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    @stream_rpc
+    async def GenerateMany(self, request_iterator, context):  # noqa: N802
+        async with aclosing(SequenceMux(self.token_chunks, _status).run(request_iterator)) as responses:
+            async for response in responses:
+                yield response
+
+    async def token_chunks(self, request: pb.GenerateRequest) -> AsyncIterator[pb.TokenChunk]:
+        """One sequence's stream, for Generate and GenerateMany alike."""
         arrival = time.monotonic()
         require_request_id(request.request_id)
         if request.HasField("beam_search"):

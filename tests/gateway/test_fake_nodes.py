@@ -1,5 +1,8 @@
 """Gateway behaviour against scripted stand-in nodes (fast, no model): the OpenAI surface, stop strings,
-n > 1, disconnect aborts, fallbacks and errors. The real-process tests are in test_gateway_e2e.py."""
+n > 1, disconnect aborts, fallbacks and errors. The real-process tests are in test_gateway_e2e.py.
+
+The stand-ins implement Generate but not GenerateMany, as a node from before it: every stream here goes
+through the gateway's fallback to a Generate call per sequence (GenerateMany itself: tests/node)."""
 
 from __future__ import annotations
 
@@ -320,6 +323,16 @@ def test_models_health_metrics(fleet):
     assert health["status"] == "ok" and health["decode_nodes"] == 2
     text = httpx.get(fleet.url + "/metrics").text
     assert "kvrelay:routing_decision_seconds" in text and "kvrelay:requests_total" in text
+
+
+def test_a_node_without_generate_many_gets_a_generate_per_sequence(fleet):
+    client = fleet.client()
+    for _ in range(3):
+        client.completions.create(model=DEFAULT_MODEL_ID, prompt="Once upon a time", max_tokens=3)
+    assert [m for _, m, _ in fleet.script.calls].count("Generate") == 3
+    served = {node for node, m, _ in fleet.script.calls if m == "Generate"}
+    modes = {n.node_id: fleet.gateway.clients.get(n.address).multiplexed for n in fleet.nodes if n.node_id in served}
+    assert modes and set(modes.values()) == {False}, modes
 
 
 def test_sse_ends_with_done(fleet):

@@ -64,6 +64,11 @@ class EngineStub:
                 request_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/kvrelay.engine.v1.Engine/GenerateMany',
+                request_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvrelay.engine.v1.Engine/Abort',
                 request_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -110,6 +115,12 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateMany(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -148,6 +159,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.TokenChunk.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.GenerateManyRequest.FromString,
+                    response_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.GenerateManyResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -317,6 +333,33 @@ class Engine:
             '/kvrelay.engine.v1.Engine/Generate',
             kvrelay_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
             kvrelay_dot_engine_dot_v1_dot_engine__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvrelay.engine.v1.Engine/GenerateMany',
+            kvrelay_dot_engine_dot_v1_dot_engine__pb2.GenerateManyRequest.SerializeToString,
+            kvrelay_dot_engine_dot_v1_dot_engine__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
