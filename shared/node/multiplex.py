@@ -39,7 +39,6 @@ class SequenceMux:
         self._tasks: dict[str, asyncio.Task] = {}
         self._outbox: list[pb.SequenceUpdate] = []
         self._wake = asyncio.Event()
-        self._closed = False  # the caller half-closed: no more starts
 
     async def run(self, requests: AsyncIterator[pb.GenerateManyRequest]) -> AsyncIterator[pb.GenerateManyResponse]:
         reader = asyncio.create_task(self._read(requests))

@@ -125,9 +125,10 @@ inline int panel_width(int64_t blocks, int64_t threads) {
 template <class M, class Visit>
 void for_tiles(const typename M::U* x, int64_t rows, int64_t xs, const typename M::U* w, int64_t units,
                int64_t blocks, Visit&& visit) {
-  const int pw = panel_width(blocks, std::max(1, at::get_num_threads()));
+  const int team = std::max(1, at::get_num_threads());
+  const int pw = panel_width(blocks, team);
   const int64_t panels = (blocks + pw - 1) / pw;
-  const int threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(panels)));
+  const int threads = std::max(1, std::min<int>(team, static_cast<int>(panels)));
   const int64_t tiles = (rows + MR - 1) / MR;
 #pragma omp parallel num_threads(threads)
   {
