@@ -1,9 +1,10 @@
 """Operating-system helpers the launchers, nodes and tests share: free ports, advertised host names,
-children that die with their parent, and a heap that keeps what it frees."""
+children that die with their parent, a heap that keeps what it frees, and huge pages for large tensors."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 import signal
 import socket
@@ -15,6 +16,8 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 KEEP_CHUNKS_BELOW = 32 << 20  # glibc's largest mmap threshold (half its 64 MiB heap)
 KEEP_FREE_TOP = 1 << 30
+TORCH_THP_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's switch for THP-advised CPU allocations of 2 MiB and more
+THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -84,3 +87,22 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_CHUNKS_BELOW)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_TOP))
+
+
+def huge_pages_for_tensors() -> bool:
+    """Have torch's CPU allocator ask for transparent huge pages (2 MiB) for every block of 2 MiB or more.
+
+    The weights, the KV cache and a prefill's activations are walked in full every step; on 4 KiB pages that
+    is a TLB miss every 4 KiB. torch reads the switch once, at the process's first such allocation, so call
+    this before a model is loaded; an explicit THP_MEM_ALLOC_ENABLE=0 is left alone. Returns whether the
+    kernel gives huge pages to memory that asks for them (THP mode `always` or `madvise`, not `never`).
+    """
+    try:
+        with open(THP_MODE_FILE) as f:
+            mode = f.read()
+    except OSError:
+        return False
+    if "[never]" in mode:
+        return False
+    os.environ.setdefault(TORCH_THP_ENV, "1")
+    return os.environ[TORCH_THP_ENV] == "1"

@@ -37,7 +37,7 @@ from shared.engine.scheduler_output import EngineCoreOutput, Reservation
 from shared.engine.structured import GrammarCompiler, GrammarVocab, create_grammar_compiler
 from shared.records import BlockEvent, BlockHash, KVLayout, NodeLoad
 from shared.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
-from shared.system import keep_freed_memory
+from shared.system import TORCH_THP_ENV, huge_pages_for_tensors, keep_freed_memory
 
 _COMPUTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING)
 MAX_BEAM_CANDIDATES = 20  # a beam's candidates come back as its row's top logprobs
@@ -63,8 +63,8 @@ class EngineCore:
         self.config = config
         t0 = time.perf_counter()
         self.info: ModelInfo = load_model_info(config.model)
-        if self.info.device.type == "cpu" and not keep_freed_memory():
-            logger.info("not glibc: activations freed each step may be page-faulted back in (slower on CPU)")
+        if self.info.device.type == "cpu":
+            self._tune_cpu_memory()
         self.grammars = grammars or create_grammar_compiler(config.structured, self._grammar_vocab)
         self.runner = ModelRunner(config, self.info, kv_sender, kv_allocator, self.grammars)
         self.vocab_size = self.runner.vocab_size
@@ -89,6 +89,15 @@ class EngineCore:
             self.num_blocks, block_size, capacity, self.num_blocks * self.runner.bytes_per_block / 2**20,
             self.max_model_len,
         )
+
+    @staticmethod
+    def _tune_cpu_memory() -> None:
+        # Both before the model loads: what torch allocates from here on follows them.
+        if not keep_freed_memory():
+            logger.info("not glibc: activations freed each step may be page-faulted back in (slower on CPU)")
+        if not huge_pages_for_tensors():
+            logger.info("no transparent huge pages for tensors (THP off here or %s=0): more TLB misses walking "
+                        "weights and KV", TORCH_THP_ENV)
 
     def _max_model_len(self, capacity: int) -> int:
         limit = self.config.model.max_model_len or self.info.max_position_embeddings

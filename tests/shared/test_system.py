@@ -1,3 +1,4 @@
+import os
 import platform
 import resource
 import socket
@@ -6,7 +7,7 @@ import sys
 
 import pytest
 
-from shared.system import _ephemeral_range, free_port
+from shared.system import THP_MODE_FILE, TORCH_THP_ENV, _ephemeral_range, free_port
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_are_never_repeated():
@@ -58,3 +59,45 @@ def test_freed_activations_are_reused_rather_than_faulted_back_in():
     pages_per_step = 3 * (8 << 20) // resource.getpagesize()
     assert faults("default") > 3 * pages_per_step  # glibc's default returns the buffers to the kernel
     assert faults("keep") < pages_per_step // 10
+
+
+_THP_PROBE = """
+import sys
+from shared.system import huge_pages_for_tensors
+print(huge_pages_for_tensors())
+import torch
+t = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)  # a block far past torch's 2 MiB threshold
+ptr, eligible = t.data_ptr(), None
+with open("/proc/self/smaps") as f:
+    inside = False
+    for line in f:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= ptr < end
+        elif inside and head == "THPeligible:":
+            eligible = line.split()[1]
+print(eligible)
+"""
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open(THP_MODE_FILE) as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
+def test_large_tensors_ask_for_huge_pages_unless_told_not_to():
+    def probe(env: dict[str, str]) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", _THP_PROBE], capture_output=True, text=True, check=True,
+                             env={k: v for k, v in os.environ.items() if k != TORCH_THP_ENV} | env)
+        return out.stdout.split()
+
+    assert probe({}) == ["True", "1"]  # the tensor's mapping may take huge pages
+    took, eligible = probe({TORCH_THP_ENV: "0"})
+    assert took == "False"
+    if _thp_mode() == "madvise":  # (with `always` every mapping may, asked or not)
+        assert eligible == "0"
