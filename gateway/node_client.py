@@ -169,15 +169,14 @@ class NodeClient:
         if self._many:
             if self._streams is None or self._streams.ended:
                 self._streams = SequenceStream(self.address, self._stub)
-            streamed = False
+            stream = self._streams  # another sequence may replace self._streams once this call has ended
             try:
-                async with aclosing(self._streams.sequence(msg, req.deadline, watch)) as chunks:
+                async with aclosing(stream.sequence(msg, req.deadline, watch)) as chunks:
                     async for chunk in chunks:
-                        streamed = True
                         yield wire.chunk_from_proto(chunk)
                 return
             except NodeRpcError as e:
-                if streamed or not self._streams.refused(e):
+                if not stream.refused(e):  # (a call that streamed anything was answered: never refused)
                     raise
                 self._many = False
                 logger.info("node %s has no GenerateMany: a Generate call per sequence", self.address)

@@ -98,13 +98,12 @@ class SequenceStream:
                                                           queue.put_nowait, _Marker(late))
         if watch is not None:
             watch.call = _WatchHandle(queue, watch, self.address)
-        over = False  # the node is done with it (ended, or the call is gone)
+        over = False  # the node ended it (with the call gone, there is nothing to cancel either)
         try:
             await self._write(pb.GenerateManyRequest(start=msg))
             while True:
                 item = await queue.get()
                 if isinstance(item, _Marker):
-                    over = self._error is not None
                     raise item.error
                 if watch is not None:
                     watch.last = time.monotonic()

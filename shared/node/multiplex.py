@@ -54,7 +54,6 @@ class SequenceMux:
                     if not self._tasks:
                         return
         finally:
-            reader.cancel()
             tasks = [reader, *self._tasks.values()]
             for task in tasks:
                 task.cancel()
