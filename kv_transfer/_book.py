@@ -57,6 +57,9 @@ class TransferBook:
         self._cond = threading.Condition()
         self._transfers: dict[str, _Transfer] = {}
         self._orphans: OrderedDict[str, TransferError] = OrderedDict()
+        # Receiver: transfer id -> layers check_layer let in that may still be writing into the cache. Kept
+        # apart from the records, which a wait removes while such a write can still be under way.
+        self._landing: dict[str, int] = {}
 
     # -- opening ---------------------------------------------------------------------------------------
     def open(self, transfer_id: str, num_layers: int, allowed_dst: frozenset[int] | None = None) -> None:
@@ -87,7 +90,8 @@ class TransferBook:
 
     # -- progress --------------------------------------------------------------------------------------
     def check_layer(self, transfer_id: str, layer: int, dst_block_ids: list[int]) -> str | None:
-        """Receiver: why this layer must be refused, or None if it may be written."""
+        """Receiver: why this layer must be refused, or None if it may be written; then the caller writes it
+        and calls landed() once the write is over, whatever its outcome."""
         with self._cond:
             t = self._transfers.get(transfer_id)
             if t is None:
@@ -103,7 +107,24 @@ class TransferBook:
                 return f"transfer {transfer_id!r}: dst blocks {extra} were not reserved for it"
             if t.started is None:
                 t.started = time.perf_counter()
+            self._landing[transfer_id] = self._landing.get(transfer_id, 0) + 1
             return None
+
+    def landed(self, transfer_id: str) -> None:
+        """Receiver: a layer that check_layer let in no longer writes into the cache."""
+        with self._cond:
+            left = self._landing[transfer_id] - 1
+            if left:
+                self._landing[transfer_id] = left
+            else:
+                del self._landing[transfer_id]
+                self._cond.notify_all()
+
+    def wait_landed(self, transfer_id: str, timeout: float) -> bool:
+        """Receiver: block until no layer of the transfer is being written into the cache (so that its blocks
+        may be freed); False if one still was after timeout seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: transfer_id not in self._landing, timeout)
 
     def layer_done(self, transfer_id: str, layer: int, nbytes: int) -> None:
         with self._cond:

@@ -111,9 +111,6 @@ class AutoConnector(KVConnector):
         connector = self._shm if peer is not None and peer.startswith(SHM_SCHEME) else self._remote
         return connector.wait(transfer_id, timeout)
 
-    def wait_received(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
-        return self._shm.wait_received(transfer_id, timeout)  # shm's also waits out a copy in flight
-
     def close(self) -> None:
         self._shm.close()
         self._remote.close()

@@ -9,6 +9,7 @@ admitted. Before the first transfer between two connectors they exchange `KVLayo
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import Protocol
 
@@ -17,6 +18,11 @@ import torch
 from kv_transfer._book import TransferBooks
 from kv_transfer.types import ConnectorConfig, TransferError, TransferResult, torch_dtype
 from shared.records import KVLayout
+
+logger = logging.getLogger(__name__)
+
+# How long past transfer_timeout a freed transfer waits for a layer still being written into its blocks.
+_SETTLE_GRACE_S = 5.0
 
 
 class KVAllocator(Protocol):
@@ -88,14 +94,28 @@ class KVConnector(ABC):
         self._received.open(transfer_id, layers, allowed_dst=frozenset(dst_block_ids))
 
     def wait_received(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
-        """Block until every layer of an expected transfer is in place in this node's cache."""
-        return self._received.wait(transfer_id, self._timeout(timeout))
+        """Block until every layer of an expected transfer is in place in this node's cache. Once it returns
+        or raises, no layer of the transfer writes into the cache any more."""
+        try:
+            return self._received.wait(transfer_id, self._timeout(timeout))
+        finally:
+            self._settle(transfer_id)
 
     def abandon_received(self, transfer_id: str) -> None:
         """Refuse the rest of an expected transfer (its blocks are about to be freed): its waiter answers at
-        once with TransferError, and layers that come later are refused."""
+        once with TransferError, and layers that come later are refused. Returns once no layer that was
+        already let in still writes into the blocks."""
         self._received.fail_unfinished(transfer_id, TransferError(f"transfer {transfer_id!r} was abandoned "
                                                                   "by the receiver (its request left)"))
+        self._settle(transfer_id)
+
+    def _settle(self, transfer_id: str) -> None:
+        # The caller frees the transfer's blocks next. A layer's receive is bounded by transfer_timeout (the
+        # connectors drop the connection when one overruns), so this wait is too.
+        limit = self.config.transfer_timeout + _SETTLE_GRACE_S
+        if not self._received.wait_landed(transfer_id, limit):
+            logger.error("transfer %s: a layer was still being received %.0f s after the transfer ended; its "
+                         "blocks are released anyway", transfer_id, limit)
 
     @abstractmethod
     def close(self) -> None:

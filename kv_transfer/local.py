@@ -97,9 +97,12 @@ class LocalConnector(KVConnector):
         if refusal is not None:
             self._received.fail(transfer_id, TransferError(refusal))
             raise TransferError(f"receiver {self._address} refused: {refusal}")
-        data = _blocks.gather(src_cache, src_ids, _blocks.BOTH).to(self._caches[layer].device)
-        _blocks.scatter(self._caches[layer], dst_ids, _blocks.BOTH, data)
-        _blocks.sync_device(data)
-        nbytes = data.numel() * data.element_size()
-        self._received.layer_done(transfer_id, layer, nbytes)
+        try:
+            data = _blocks.gather(src_cache, src_ids, _blocks.BOTH).to(self._caches[layer].device)
+            _blocks.scatter(self._caches[layer], dst_ids, _blocks.BOTH, data)
+            _blocks.sync_device(data)
+            nbytes = data.numel() * data.element_size()
+            self._received.layer_done(transfer_id, layer, nbytes)
+        finally:
+            self._received.landed(transfer_id)
         return nbytes

@@ -252,16 +252,20 @@ class NcclConnector(KVConnector):
         segments = [_blocks.Segment.from_list(s) for s in msg["segments"]]
         cache = self._caches[layer]
         refusal = self._received.check_layer(transfer_id, layer, dst)
-        buffers, complete = _blocks.layer_sinks(cache, dst, segments, self._staging, refusal is not None)
-        works = [pg.recv([_blocks.as_bytes(buf)], 0, next(tags)) for buf in buffers]
-        for work in works:
-            work.wait(timedelta(seconds=self.config.transfer_timeout))
-        nbytes = complete()
+        try:
+            buffers, complete = _blocks.layer_sinks(cache, dst, segments, self._staging, refusal is not None)
+            works = [pg.recv([_blocks.as_bytes(buf)], 0, next(tags)) for buf in buffers]
+            for work in works:
+                work.wait(timedelta(seconds=self.config.transfer_timeout))
+            nbytes = complete()
+            if refusal is None:
+                self._received.layer_done(transfer_id, layer, nbytes)
+        finally:
+            if refusal is None:
+                self._received.landed(transfer_id)
         if refusal is not None:
             self._received.fail(transfer_id, TransferError(refusal))
-            return refusal
-        self._received.layer_done(transfer_id, layer, nbytes)
-        return None
+        return refusal
 
 
 class _PairSender:

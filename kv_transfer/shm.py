@@ -83,8 +83,6 @@ class ShmConnector(KVConnector):
         self._peers: dict[str, Outbound] = {}
         self._inbound: set[Inbound] = set()
         self._lock = threading.Lock()
-        self._fence = threading.Condition()
-        self._copying: dict[str, int] = {}  # transfer id -> layer copies in flight
         self._helpers = (concurrent.futures.ThreadPoolExecutor(config.copy_threads - 1, "kvrelay-shm-copy")
                          if config.copy_threads > 1 else None)
         self._closed = False
@@ -181,14 +179,6 @@ class ShmConnector(KVConnector):
         return msg, segment.fd
 
     # -- receiver side ---------------------------------------------------------------------------------
-    def wait_received(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
-        try:
-            return super().wait_received(transfer_id, timeout)
-        finally:
-            # Whatever the outcome, the caller may free the blocks next: no copy into them may still run.
-            with self._fence:
-                self._fence.wait_for(lambda: transfer_id not in self._copying)
-
     def _accept_loop(self) -> None:
         while True:
             try:
@@ -226,12 +216,10 @@ class ShmConnector(KVConnector):
         """Check and copy one layer; (why it was refused or None, bytes copied)."""
         transfer_id, layer, src, dst = msg["t"], msg["l"], msg["s"], msg["d"]
         theirs = sender.layout
-        with self._fence:
+        if len(src) != len(dst) or any(not 0 <= b < theirs.num_blocks for b in src):
+            refusal = f"transfer {transfer_id!r}: src blocks outside the sender's cache"
+        else:
             refusal = self._received.check_layer(transfer_id, layer, dst)
-            if refusal is None and (len(src) != len(dst) or any(not 0 <= b < theirs.num_blocks for b in src)):
-                refusal = f"transfer {transfer_id!r}: src blocks outside the sender's cache"
-            if refusal is None:
-                self._copying[transfer_id] = self._copying.get(transfer_id, 0) + 1
         if refusal is not None:
             self._received.fail(transfer_id, TransferError(refusal))
             return refusal, 0
@@ -243,13 +231,7 @@ class ShmConnector(KVConnector):
             self._received.layer_done(transfer_id, layer, nbytes)
             return None, nbytes
         finally:
-            with self._fence:
-                left = self._copying[transfer_id] - 1
-                if left:
-                    self._copying[transfer_id] = left
-                else:
-                    del self._copying[transfer_id]
-                    self._fence.notify_all()
+            self._received.landed(transfer_id)
 
     def _copy(self, dst: np.ndarray, src: np.ndarray, plan: tuple) -> int:
         parts = split_plan(plan, self.config.copy_threads) if plan[2].sum() >= _PARALLEL_COPY_BYTES else [plan]

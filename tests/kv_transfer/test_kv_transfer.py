@@ -194,6 +194,44 @@ def test_waits_are_bounded() -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("release", ["abandon_received", "wait_received"])
+def test_blocks_are_released_only_once_no_admitted_layer_is_landing(release: str) -> None:
+    """A layer the receiver let in before its request left still writes into the reserved blocks. Both ways of
+    letting go of a transfer (abandoning it, or a wait that fails) return only once that write is over, so
+    the engine never frees blocks a layer is about to land in; layers arriving meanwhile are refused.
+    A wire cannot be paused between a layer's header and its bytes on demand, so the layer in flight is
+    held open through the connector's own books, as a wire receive does."""
+    sender, receiver, _, _ = local_pair(layout("float32"), layout("float32"))
+    receiver.expect("t", [1, 2])
+    book = receiver.books.received
+    assert book.check_layer("t", 0, [1, 2]) is None  # layer 0's bytes are on their way into blocks 1 and 2
+    answers: list[TransferError] = []
+    returned = threading.Event()
+
+    def let_go() -> None:
+        try:
+            if release == "abandon_received":
+                receiver.abandon_received("t")
+            else:
+                receiver.wait_received("t", timeout=0.1)
+        except TransferError as e:
+            answers.append(e)
+        returned.set()
+
+    thread = threading.Thread(target=let_go)
+    thread.start()
+    assert not returned.wait(0.5), "the transfer was let go while a layer was still landing in its blocks"
+    assert book.check_layer("t", 1, [1, 2]) is not None  # a later layer is refused
+    book.landed("t")
+    assert returned.wait(5)
+    thread.join()
+    assert [type(e) for e in answers] == ([] if release == "abandon_received" else [TransferError])
+    assert book.wait_landed("t", 0)
+    sender.close()
+    receiver.close()
+
+
+@pytest.mark.timeout(30)
 def test_second_waiter_is_refused() -> None:
     """One waiter per transfer: its answer closes the record, so a second would find it gone at the end."""
     sender, receiver, _, _ = local_pair(layout("float32"), layout("float32"))
