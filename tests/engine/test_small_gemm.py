@@ -1,5 +1,5 @@
-"""The small GEMM for decode-sized batches (AVX512 machines): products against float64, rows independent of
-the batch bit for bit, bias, output widths that are not a multiple of its 16-column blocks, and the fused
+"""The small GEMM for decode-sized batches (AVX2 and AVX512 machines): products against float64, rows independent of
+the batch bit for bit, bias, output widths that are not a multiple of its 8- or 16-column blocks, and the fused
 argmax equal to torch.argmax of the same kernel's logits, ties included."""
 
 import pytest
@@ -10,7 +10,7 @@ from shared.engine.models import cpu_linear
 
 native = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(native is None or not native.small_gemm_available(),
-                                reason="the small GEMM is built on AVX512 machines only")
+                                reason="the small GEMM needs AVX2 + FMA or AVX512")
 
 
 def _dtypes():
@@ -89,7 +89,8 @@ def test_linear_layers_pick_the_small_gemm_up_to_its_row_limit():
     w = torch.randn(300, 128)
     packed = cpu_linear.pack(w)
     assert packed.small is not None and packed.onednn is not None
-    small = torch.randn(cpu_linear.SMALL_ROWS, 128)
+    assert packed.small_rows == cpu_linear.SMALL_ROWS[native.attention_isa()]
+    small = torch.randn(packed.small_rows, 128)
     assert torch.equal(cpu_linear.linear(small, w, None, packed), native.small_gemm(small, packed.small, 300, None))
-    big = torch.randn(cpu_linear.SMALL_ROWS + 1, 128)
+    big = torch.randn(packed.small_rows + 1, 128)
     torch.testing.assert_close(cpu_linear.linear(big, w, None, packed), big @ w.T, rtol=1e-5, atol=1e-4)

@@ -1,13 +1,13 @@
 """How a linear layer runs on CPU: each weight is packed once at load for the kernels that fit each row count.
 
-- Up to SMALL_ROWS rows (a decode step's batch, drafts being verified), on AVX512 machines: the native small
-  GEMM (shared/engine/kernels/csrc/small_gemm.cpp). It streams the weight in panels, fetching the next while it
+- Up to `small_rows` rows (a decode step's batch, drafts being verified): the native small GEMM
+  (shared/engine/kernels/csrc/small_gemm.cpp). It streams the weight in panels, fetching the next while it
   computes, where oneDNN waits on DRAM for the weights (which do not fit in cache at these row counts) and costs
-  ~12 us of dispatch per call: 1.2-1.4x oneDNN at 16-64 rows, level at 256 (docs/benchmarks.md). A row's result
-  does not depend on the rows beside it, so a decode's logits are bit-identical alone, batched, or verified with
-  drafts beside it.
-- Without AVX512, up to SKINNY_ROWS fp32 rows: the skinny kernel (skinny_linear.cpp; same row independence; at
-  one row about 2x oneDNN on AVX2).
+  ~12 us of dispatch per call. With AVX512: 1.2-1.4x oneDNN at 16-64 rows, level at 256; with AVX2 (8 lanes):
+  1.1-1.5x at 4-32 rows, level at 64, behind from 128 (docs/benchmarks.md). A row's result does not depend on
+  the rows beside it, so a decode's logits are bit-identical alone, batched, or verified with drafts beside it.
+- Without the small GEMM (no compiler, or a CPU without AVX2), up to SKINNY_ROWS fp32 rows: the skinny kernel
+  (skinny_linear.cpp; same row independence).
 - Otherwise: oneDNN's matmul on the weight reordered once into its blocked layout. `F.linear` hands the plain
   weight to the GEMM, which reorders (oneDNN, bf16) or packs (MKL, fp32) it again on every call; for the 8..64-
   row GEMMs of decode steps that costs as much as the multiply itself.
@@ -27,7 +27,9 @@ from shared.engine import kernels
 
 logger = logging.getLogger(__name__)
 
-SMALL_ROWS = 256  # measured: the small GEMM ahead of oneDNN at every row count up to here (AVX512-BF16 EPYC)
+# The most rows the small GEMM takes, by the vector unit it was built for: measured against oneDNN on SmolLM2's
+# 30 layers (AMD EPYC Zen 5, 2 threads; AVX2 with the kernels built for x86-64-v3 and oneDNN held to AVX2).
+SMALL_ROWS = {"avx512-bf16": 256, "avx512": 256, "avx2": 64}
 SKINNY_ROWS = 8  # at one row the skinny kernel is ~2x oneDNN; by 8-16 rows oneDNN's blocking catches up
 SKINNY_ROWS_UNPACKED = 32  # against F.linear (no packed weight) the skinny kernel wins up to 32 rows
 DISABLE_ENV = "KVRELAY_DISABLE_PACKED_LINEAR"  # compare against plain F.linear (benchmarks, bisecting)
@@ -42,6 +44,7 @@ class PackedWeight:
     onednn: torch.Tensor | None
     small: torch.Tensor | None
     out_features: int
+    small_rows: int = 0  # up to this many rows `small` is used
 
 
 def _small_gemm_packs(weight: torch.Tensor):
@@ -69,11 +72,12 @@ def pack(weight: torch.Tensor, onednn: bool = True) -> PackedWeight | None:
         except (AttributeError, RuntimeError) as e:  # a torch build without these ops: the plain path
             logger.warning("oneDNN weight packing unavailable (%s); linear layers use F.linear", e)
     module = _small_gemm_packs(weight)
+    small_rows = 0
     if module is not None:
-        small = module.pack_small_gemm(weight)
+        small, small_rows = module.pack_small_gemm(weight), SMALL_ROWS[module.attention_isa()]
     if reordered is None and small is None:
         return None
-    return PackedWeight(reordered, small, weight.shape[0])
+    return PackedWeight(reordered, small, weight.shape[0], small_rows)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -81,7 +85,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x W^T + b; `packed` is `pack(weight)` (None: not packed)."""
     if x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype:
         rows = x.shape[0]
-        if packed is not None and packed.small is not None and rows <= SMALL_ROWS:
+        if packed is not None and rows <= packed.small_rows:
             return kernels.load().small_gemm(x.contiguous(), packed.small, packed.out_features, bias)
         onednn = packed.onednn if packed is not None else None
         limit = SKINNY_ROWS if onednn is not None else SKINNY_ROWS_UNPACKED
@@ -97,7 +101,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def greedy(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor | None:
     """argmax over the outputs of `linear(x, weight, None, packed)` per row, where the small GEMM takes x (no
     logits written); None elsewhere."""
-    if (packed is not None and packed.small is not None and x.dim() == 2 and x.device.type == "cpu"
-            and x.shape[0] <= SMALL_ROWS):
+    if packed is not None and x.dim() == 2 and x.device.type == "cpu" and x.shape[0] <= packed.small_rows:
         return kernels.load().small_gemm_argmax(x.contiguous(), packed.small, packed.out_features)
     return None

@@ -76,7 +76,7 @@ class Linear(nn.Module):
 
 
 class LMHead(Linear):
-    """The vocabulary projection. Up to cpu_linear.SMALL_ROWS rows it runs whole in the small GEMM, whose greedy
+    """The vocabulary projection. Up to its packed weight's `small_rows` rows it runs whole in the small GEMM, whose greedy
     variant keeps a running argmax per row (no logits written at all). More rows go one fixed tile of the
     vocabulary at a time: the logits of a batch over a 49k vocabulary are tens of MB, tile by tile they stay in
     cache. Full logits and the greedy argmax come from the same kernel at a given row count, so they agree
@@ -93,8 +93,7 @@ class LMHead(Linear):
         self.tiles = [(start, weight, cpu_linear.pack(weight)) for start, weight in slices]
 
     def _small(self, hidden: torch.Tensor) -> bool:
-        return (self.packed is not None and self.packed.small is not None and hidden.dim() == 2
-                and hidden.shape[0] <= cpu_linear.SMALL_ROWS)
+        return self.packed is not None and hidden.dim() == 2 and hidden.shape[0] <= self.packed.small_rows
 
     def _tile_logits(self, hidden: torch.Tensor):
         for start, weight, packed in self.tiles or [(0, self.weight, None)]:

@@ -3,10 +3,11 @@
 // the query heads sharing a kv head use every K/V row it loads, so the KV cache is read exactly once.
 // Scores, softmax and accumulation in fp32; queries and the cache may each be fp32 or bf16.
 //
-// Two implementations: `decode_heads` (8-lane AVX2 or scalar; any head size) and, on AVX512 machines for head
-// sizes that are multiples of 32, `decode_heads_512`: 16 keys' dot products reduced together by one
-// transposing tree, and with AVX512-BF16 and a bf16 cache and queries, dot products of bf16 pairs in hardware
-// (q . k exact products, fp32 sums; p . v with p rounded to bf16, as GPU flash attention does).
+// Two implementations: `decode_heads_w`, written once against the machine's vector (vec.h: 16 lanes with AVX512,
+// 8 with AVX2) for head size 64 (and 128 with AVX512): W keys' dot products reduced together by one transposing
+// tree, and with AVX512-BF16 and a bf16 cache and queries, dot products of bf16 pairs in hardware (q . k exact
+// products, fp32 sums; p . v with p rounded to bf16, as GPU flash attention does); and `decode_heads` (8-lane
+// AVX2 or scalar) for any other head size.
 #pragma GCC optimize("fp-contract=fast")  // FMAs in the dot products: speed over bit-exactness here
 
 #include <torch/extension.h>
@@ -135,46 +136,39 @@ void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int3
   }
 }
 
-#if defined(KVRELAY_AVX512)
-// Softmax of one row of n scores in place; the row's tail up to a multiple of 16 is set to 0.
-inline void softmax_row_512(float* s, int64_t n) {
-  const int64_t full = n / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1);
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < full; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
-  if (tail) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, s + full));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < full; j += 16) {
-    const __m512 e = Vf::exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
-    _mm512_storeu_ps(s + j, e);
-    sum = _mm512_add_ps(sum, e);
+#if defined(KVRELAY_AVX512) || defined(KVRELAY_AVX2)
+// Softmax in place of one row of scores padded to a multiple of W with -inf (which come out 0).
+inline void softmax_row_w(float* s, int64_t npad) {
+  using R = Vf::R;
+  R mx = Vf::set1(-INFINITY);
+  for (int64_t j = 0; j < npad; j += Vf::W) mx = Vf::max(mx, Vf::load(s + j));
+  const R m = Vf::set1(Vf::hmax(mx));
+  R sum = Vf::zero();
+  for (int64_t j = 0; j < npad; j += Vf::W) {
+    const R e = Vf::exp_neg(Vf::sub(Vf::load(s + j), m));
+    Vf::store(s + j, e);
+    sum = Vf::add(sum, e);
   }
-  if (tail) {
-    const __m512 e = _mm512_maskz_mov_ps(tail, Vf::exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + full), m)));
-    _mm512_storeu_ps(s + full, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-  for (int64_t j = 0; j < full + (tail ? 16 : 0); j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+  const R inv = Vf::set1(1.f / Vf::hsum(sum));
+  for (int64_t j = 0; j < npad; j += Vf::W) Vf::store(s + j, Vf::mul(Vf::load(s + j), inv));
 }
 
-// q . k for 16 keys: fp32 query row against fp32 or bf16 keys (widened), reduced together.
+// q . k for W keys: fp32 query row against fp32 or bf16 keys (widened), reduced together.
 template <int D, typename T>
-inline __m512 scores16(const float* q, const T* const* k) {
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+inline Vf::R scores_w(const float* q, const T* const* k) {
+  Vf::R acc[Vf::W];
+  for (int i = 0; i < Vf::W; ++i) acc[i] = Vf::zero();
 #pragma GCC unroll 8
-  for (int c = 0; c < D; c += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + c);
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qv, load16(k[i] + c), acc[i]);
+  for (int c = 0; c < D; c += Vf::W) {
+    const Vf::R qv = Vf::load(q + c);
+    for (int i = 0; i < Vf::W; ++i) acc[i] = Vf::fma(qv, load_w(k[i] + c), acc[i]);
   }
-  return hsum16x16(acc);
+  return hsum_wxw(acc);
 }
 
 #if defined(KVRELAY_AVX512BF16)
 template <int D>
-inline __m512 scores16(const at::BFloat16* q, const at::BFloat16* const* k) {
+inline __m512 scores_w(const at::BFloat16* q, const at::BFloat16* const* k) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
 #pragma GCC unroll 4
@@ -210,14 +204,14 @@ class WalkAhead {
   RowCursor<T> cur_;
 };
 
-// Decode for kv heads [h0, h0 + nh) of one request, 16 lanes. Pairs mode (bf16 cache and queries on a CPU
+// Decode for kv heads [h0, h0 + nh) of one request, W lanes at a time. Pairs mode (bf16 cache and queries on a CPU
 // with AVX512-BF16): the queries stay bf16 and the weights are rounded to bf16 for p . v.
 // Each kv head walks its keys, then its values, on its own; one WalkAhead prefetches KV_PF_DIST rows ahead
 // across all of the item's walks (32 x 600 tokens fp32: 5% faster than restarting at each walk). (Walking a chunk
 // of 16 tokens for all the item's heads at once, reading each block's rows front to back, measured 20-25%
 // slower on an AVX512-BF16 EPYC, whatever the prefetch distance or hint.)
 template <typename T, typename Q, int D>
-void decode_heads_512(const AttnView<T, Q>& a, const int32_t* table, int64_t token, int64_t seq_len,
+void decode_heads_w(const AttnView<T, Q>& a, const int32_t* table, int64_t token, int64_t seq_len,
                       int64_t first, int64_t h0, int64_t nh, Scratch& s) {
 #if defined(KVRELAY_AVX512BF16)
   constexpr bool pairs = std::is_same<T, at::BFloat16>::value && std::is_same<Q, at::BFloat16>::value;
@@ -225,35 +219,38 @@ void decode_heads_512(const AttnView<T, Q>& a, const int32_t* table, int64_t tok
   constexpr bool pairs = false;
 #endif
   using QRow = typename std::conditional<pairs, Q, float>::type;
-  const int64_t group = a.group(), rows = nh * group, n = seq_len - first, npad = (n + 15) / 16 * 16;
+  constexpr int W = Vf::W;
+  const int64_t group = a.group(), rows = nh * group, n = seq_len - first, npad = (n + W - 1) / W * W;
   const Q* q = a.q + token * a.q_stride + h0 * group * D;
   const QRow* qrows;
   if constexpr (pairs) qrows = q;
   else qrows = as_f32_n(q, s.floats(1, rows * D), rows * D);
   float* scores = s.floats(0, rows * npad);
-  // Pass 1: scores, 16 keys at a time (the last group padded with its last key, its extra lanes not stored).
-  const T* kp[16];
+  // Pass 1: scores, W keys at a time (the last group padded with its last key; those lanes are set to -inf).
+  const T* kp[W];
   WalkAhead<T, Q> ahead(a, table, first, seq_len, h0, nh);
   ahead.advance(KV_PF_DIST);
   for (int64_t hh = 0; hh < nh; ++hh) {
     RowCursor<T> keys = a.rows(a.k, table, first, h0 + hh);
-    for (int64_t t0 = first; t0 < seq_len; t0 += 16) {
-      const int64_t cnt = std::min<int64_t>(16, seq_len - t0);
+    for (int64_t t0 = first; t0 < seq_len; t0 += W) {
+      const int64_t cnt = std::min<int64_t>(W, seq_len - t0);
       for (int64_t i = 0; i < cnt; ++i) kp[i] = keys.next();
-      for (int64_t i = cnt; i < 16; ++i) kp[i] = kp[cnt - 1];
+      for (int64_t i = cnt; i < W; ++i) kp[i] = kp[cnt - 1];
       ahead.advance(cnt);
-      const __mmask16 m = static_cast<__mmask16>(cnt == 16 ? 0xffff : (1u << cnt) - 1);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t row = hh * group + g;
-        const __m512 sc = _mm512_mul_ps(scores16<D>(qrows + row * D, kp), _mm512_set1_ps(a.scale));
-        _mm512_mask_storeu_ps(scores + row * npad + (t0 - first), m, sc);
+        Vf::store(scores + row * npad + (t0 - first), Vf::mul(scores_w<D>(qrows + row * D, kp), Vf::set1(a.scale)));
       }
     }
   }
-  for (int64_t row = 0; row < rows; ++row) softmax_row_512(scores + row * npad, n);
-  // Pass 2: out = sum_t p_t v_t, up to GT query rows of a kv head per walk over its values.
-  constexpr int GT = D <= 64 ? 3 : 2;
-  constexpr int C = D / 16;
+  for (int64_t row = 0; row < rows; ++row) {
+    std::fill(scores + row * npad + n, scores + (row + 1) * npad, -INFINITY);
+    softmax_row_w(scores + row * npad, npad);
+  }
+  // Pass 2: out = sum_t p_t v_t, up to GT query rows of a kv head per walk over its values, their GT x C sums
+  // in registers (32 of them with AVX512; AVX2's 16 hold one row of 64).
+  constexpr int GT = W == 16 ? (D <= 64 ? 3 : 2) : 1;
+  constexpr int C = D / W;
   [[maybe_unused]] const uint32_t* pw = nullptr;
   if constexpr (pairs) {
     uint16_t* pb = reinterpret_cast<uint16_t*>(s.units(0, rows * npad / 2));
@@ -265,9 +262,9 @@ void decode_heads_512(const AttnView<T, Q>& a, const int32_t* table, int64_t tok
   for (int64_t hh = 0; hh < nh; ++hh) {
     for (int64_t g0 = 0; g0 < group; g0 += GT) {
       const int64_t gt = std::min<int64_t>(GT, group - g0), row0 = hh * group + g0;
-      __m512 acc[GT][C];
+      Vf::R acc[GT][C];
       for (int g = 0; g < GT; ++g)
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c) acc[g][c] = Vf::zero();
       RowCursor<T> vals = a.rows(a.v, table, first, h0 + hh);
       const bool lead = g0 == 0;  // a head's later groups re-read values the first group brought in
       if constexpr (pairs) {
@@ -293,17 +290,17 @@ void decode_heads_512(const AttnView<T, Q>& a, const int32_t* table, int64_t tok
         for (int64_t t = first; t < seq_len; ++t) {
           const T* vt = vals.next();
           if (lead) ahead.advance(1);
-          __m512 v[C];
-          for (int c = 0; c < C; ++c) v[c] = load16(vt + 16 * c);
+          Vf::R v[C];
+          for (int c = 0; c < C; ++c) v[c] = load_w(vt + W * c);
           for (int g = 0; g < GT; ++g) {
             if (g >= gt) break;
-            const __m512 w = _mm512_set1_ps(scores[(row0 + g) * npad + (t - first)]);
-            for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+            const Vf::R w = Vf::set1(scores[(row0 + g) * npad + (t - first)]);
+            for (int c = 0; c < C; ++c) acc[g][c] = Vf::fma(w, v[c], acc[g][c]);
           }
         }
       }
       for (int g = 0; g < gt; ++g)
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(outf + (row0 + g) * D + 16 * c, acc[g][c]);
+        for (int c = 0; c < C; ++c) Vf::store(outf + (row0 + g) * D + W * c, acc[g][c]);
     }
   }
   store_n(outf, a.out + (token * a.heads + h0 * group) * D, rows * D);
@@ -318,8 +315,10 @@ void decode_item(const AttnView<T, Q>& a, int64_t r, int64_t token, int64_t seq_
   const int32_t* table = a.tables + r * a.table_stride;
   const int64_t first = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
 #if defined(KVRELAY_AVX512)
-  if (a.d == 64) return decode_heads_512<T, Q, 64>(a, table, token, seq_len, first, h0, nh, s);
-  if (a.d == 128) return decode_heads_512<T, Q, 128>(a, table, token, seq_len, first, h0, nh, s);
+  if (a.d == 64) return decode_heads_w<T, Q, 64>(a, table, token, seq_len, first, h0, nh, s);
+  if (a.d == 128) return decode_heads_w<T, Q, 128>(a, table, token, seq_len, first, h0, nh, s);
+#elif defined(KVRELAY_AVX2)
+  if (a.d == 64) return decode_heads_w<T, Q, 64>(a, table, token, seq_len, first, h0, nh, s);
 #endif
   const int64_t group = a.group(), rows = nh * group, d = a.d;
   const float* qf = as_f32_n(a.q + token * a.q_stride + h0 * group * d, s.floats(1, rows * d), rows * d);

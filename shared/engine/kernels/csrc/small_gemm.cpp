@@ -1,13 +1,14 @@
-// y = x W^T (+ b) for the few rows of a decode step (up to ~100), on AVX512 machines, and the greedy argmax of
-// it for the LM head without writing the logits.
+// y = x W^T (+ b) for the few rows of a decode step (up to ~100), and the greedy argmax of it for the LM head
+// without writing the logits. Written once against the machine's fp32 vector (vec.h: 16 lanes with AVX512, 8
+// with AVX2 + FMA).
 //
 // Why not oneDNN here: at these row counts a model's weights (hundreds of MB) stream from DRAM every step and
 // oneDNN's GEMM waits for them instead of computing (cold weights, 64 rows: 21.8 ms per 30 SmolLM2 layers where
 // the math needs 13.4 and the stream 7), and each call costs ~12 us of dispatch. This kernel walks the weight
-// in panels of NR x 16 output columns, prefetching the next panel into L2 while the current one computes.
+// in panels of NR x L output columns, prefetching the next panel into L2 while the current one computes.
 //
-// Layout (pack_weight): the weight as column blocks of 16 outputs, each [units of K][16 lanes]: fp32 numbers,
-// or bf16 pairs (k, k + 1) for AVX512-BF16 dot products. A row's result depends on nothing but that row (the
+// Layout (pack_weight): the weight as column blocks of L outputs (one vector), each [units of K][L lanes]: fp32
+// numbers, or bf16 pairs (k, k + 1) for AVX512-BF16 dot products. A row's result depends on nothing but that row (the
 // sums run over K in one fixed order), so a decode's logits are the same alone, batched, or beside drafts.
 #pragma GCC optimize("fp-contract=fast")
 
@@ -28,19 +29,22 @@
 
 namespace kvrelay {
 
-#if defined(KVRELAY_AVX512)
+#if defined(KVRELAY_AVX512) || defined(KVRELAY_AVX2)
 namespace {
 
-constexpr int L = 16;   // output columns per block (one vector)
-constexpr int NR = 4;   // column blocks per register tile
-constexpr int MR = 6;   // rows per register tile
+using V = Vf::R;
+constexpr int L = Vf::W;  // output columns per block (one vector)
+// A register tile of MR rows x NR column blocks: its sums, NR weight vectors and one broadcast must fit in the
+// register file (32 vectors with AVX512, 16 with AVX2: 4 x 3 sums + 3 + 1).
+constexpr int NR = L == 16 ? 4 : 3;
+constexpr int MR = L == 16 ? 6 : 4;
 
 struct F32 {
   using U = float;
-  using B = __m512;
-  static B vload(const U* p) { return _mm512_loadu_ps(p); }
-  static B bcast(const U* p) { return _mm512_set1_ps(*p); }
-  static __m512 dot(__m512 acc, B a, B b) { return _mm512_fmadd_ps(a, b, acc); }
+  using B = V;
+  static B vload(const U* p) { return Vf::load(p); }
+  static B bcast(const U* p) { return Vf::set1(*p); }
+  static V dot(V acc, B a, B b) { return Vf::fma(a, b, acc); }
 };
 #if defined(KVRELAY_AVX512BF16)
 struct Pairs {
@@ -56,10 +60,10 @@ struct Pairs {
 // are prefetched alongside when `next` is set.
 template <class M, int mr, int nr>
 inline void tile(const typename M::U* x, int64_t xs, const typename M::U* w, int64_t units, const typename M::U* next,
-                 int64_t pf_phase, int64_t pf_every, __m512 (&out)[MR][NR]) {
-  __m512 acc[mr][nr];  // local, so the compiler keeps them in registers (the out array would be memory)
+                 int64_t pf_phase, int64_t pf_every, V (&out)[MR][NR]) {
+  V acc[mr][nr];  // local, so the compiler keeps them in registers (the out array would be memory)
   for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < nr; ++j) acc[i][j] = Vf::zero();
   const int64_t bstride = units * L;
   for (int64_t u = 0; u < units; ++u) {
     typename M::B b[nr];
@@ -75,28 +79,23 @@ inline void tile(const typename M::U* x, int64_t xs, const typename M::U* w, int
     for (int j = 0; j < nr; ++j) out[i][j] = acc[i][j];
 }
 
-template <class M, int nr>
-inline void tile_rows(int mr, const typename M::U* x, int64_t xs, const typename M::U* w, int64_t units,
-                      const typename M::U* next, int64_t phase, int64_t every, __m512 (&acc)[MR][NR]) {
-  switch (mr) {
-    case 6: return tile<M, 6, nr>(x, xs, w, units, next, phase, every, acc);
-    case 5: return tile<M, 5, nr>(x, xs, w, units, next, phase, every, acc);
-    case 4: return tile<M, 4, nr>(x, xs, w, units, next, phase, every, acc);
-    case 3: return tile<M, 3, nr>(x, xs, w, units, next, phase, every, acc);
-    case 2: return tile<M, 2, nr>(x, xs, w, units, next, phase, every, acc);
-    default: return tile<M, 1, nr>(x, xs, w, units, next, phase, every, acc);
+// tile<M, mr, nr> for run-time mr <= MR and nr <= NR: each count is matched from the largest down.
+template <class M, int nr, int mr = MR>
+inline void tile_rows(int rows, const typename M::U* x, int64_t xs, const typename M::U* w, int64_t units,
+                      const typename M::U* next, int64_t phase, int64_t every, V (&acc)[MR][NR]) {
+  if constexpr (mr > 1) {
+    if (rows < mr) return tile_rows<M, nr, mr - 1>(rows, x, xs, w, units, next, phase, every, acc);
   }
+  tile<M, mr, nr>(x, xs, w, units, next, phase, every, acc);
 }
 
-template <class M>
-inline void tile_any(int mr, int nr, const typename M::U* x, int64_t xs, const typename M::U* w, int64_t units,
-                     const typename M::U* next, int64_t phase, int64_t every, __m512 (&acc)[MR][NR]) {
-  switch (nr) {
-    case 4: return tile_rows<M, 4>(mr, x, xs, w, units, next, phase, every, acc);
-    case 3: return tile_rows<M, 3>(mr, x, xs, w, units, next, phase, every, acc);
-    case 2: return tile_rows<M, 2>(mr, x, xs, w, units, next, phase, every, acc);
-    default: return tile_rows<M, 1>(mr, x, xs, w, units, next, phase, every, acc);
+template <class M, int nr = NR>
+inline void tile_any(int mr, int blocks, const typename M::U* x, int64_t xs, const typename M::U* w, int64_t units,
+                     const typename M::U* next, int64_t phase, int64_t every, V (&acc)[MR][NR]) {
+  if constexpr (nr > 1) {
+    if (blocks < nr) return tile_any<M, nr - 1>(mr, blocks, x, xs, w, units, next, phase, every, acc);
   }
+  tile_rows<M, nr>(mr, x, xs, w, units, next, phase, every, acc);
 }
 
 // Panel width in column blocks: of NR, NR - 1 and NR - 2, the one whose panels give the busiest thread the
@@ -107,7 +106,7 @@ inline void tile_any(int mr, int nr, const typename M::U* x, int64_t xs, const t
 inline int panel_width(int64_t blocks, int64_t threads) {
   int best = NR;
   int64_t best_load = INT64_MAX;
-  for (int w = NR; w >= NR - 2; --w) {
+  for (int w = NR; w >= std::max(1, NR - 2); --w) {
     const int64_t panels = (blocks + w - 1) / w, load = (panels + threads - 1) / threads * w;
     if (load < best_load) best = w, best_load = load;
   }
@@ -132,7 +131,7 @@ void for_tiles(const typename M::U* x, int64_t rows, int64_t xs, const typename 
   const int64_t tiles = (rows + MR - 1) / MR;
 #pragma omp parallel num_threads(threads)
   {
-    __m512 acc[MR][NR];
+    V acc[MR][NR];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t b0 = p * pw;
@@ -149,6 +148,50 @@ void for_tiles(const typename M::U* x, int64_t rows, int64_t xs, const typename 
   }
 }
 
+inline void store_lanes(float* p, V v) { Vf::store(p, v); }
+template <typename T>
+inline V as_held(V v) { return v; }  // fp32: as computed
+#if defined(KVRELAY_AVX512)
+inline void store_lanes(at::BFloat16* p, V v) { store16(p, v); }
+template <>
+inline V as_held<at::BFloat16>(V v) { return round_to16<at::BFloat16>(v); }
+
+// Per lane, the largest value seen over a row's column blocks and its column; only a strictly larger value
+// replaces one seen before, so the earlier column wins a tie (and NaN never wins).
+struct LaneBest {
+  __m512 v = _mm512_set1_ps(-INFINITY);
+  __m512i col = _mm512_set1_epi32(-1);
+  void update(__m512 x, int64_t c0, int64_t valid) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __mmask16 in = static_cast<__mmask16>(valid == L ? 0xffff : (1u << valid) - 1);
+    const __mmask16 better = _mm512_mask_cmp_ps_mask(in, x, v, _CMP_GT_OQ);
+    v = _mm512_mask_mov_ps(v, better, x);
+    col = _mm512_mask_mov_epi32(col, better, _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(c0))));
+  }
+  void store(float* vals, int32_t* cols) const {
+    _mm512_store_ps(vals, v);
+    _mm512_store_si512(cols, col);
+  }
+};
+#else
+struct LaneBest {
+  __m256 v = _mm256_set1_ps(-INFINITY);
+  __m256i col = _mm256_set1_epi32(-1);
+  void update(__m256 x, int64_t c0, int64_t valid) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 better = _mm256_cmp_ps(x, v, _CMP_GT_OQ);
+    if (valid < L) better = _mm256_and_ps(better, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lanes)));
+    v = _mm256_blendv_ps(v, x, better);
+    const __m256i c = _mm256_add_epi32(lanes, _mm256_set1_epi32(static_cast<int>(c0)));
+    col = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(col), _mm256_castsi256_ps(c), better));
+  }
+  void store(float* vals, int32_t* cols) const {
+    _mm256_store_ps(vals, v);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(cols), col);
+  }
+};
+#endif
+
 template <class M, typename T>
 void gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const std::optional<torch::Tensor>& bias,
           torch::Tensor& out) {
@@ -159,23 +202,23 @@ void gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const 
   T* o = reinterpret_cast<T*>(out.data_ptr());
   const T* bp = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
   for_tiles<M>(xp, rows, xs, reinterpret_cast<const U*>(packed.data_ptr()), units, blocks,
-               [&](int64_t r0, int mr, int64_t b0, int nr, __m512 (&acc)[MR][NR]) {
+               [&](int64_t r0, int mr, int64_t b0, int nr, V (&acc)[MR][NR]) {
     for (int j = 0; j < nr; ++j) {
       const int64_t c0 = (b0 + j) * L;
       const int64_t valid = std::min<int64_t>(L, n - c0);
-      __m512 b = _mm512_setzero_ps();
+      V b = Vf::zero();
       if (bp) {
         alignas(64) float tmp[L] = {};
         for (int64_t e = 0; e < valid; ++e) tmp[e] = load(bp, c0 + e);
-        b = _mm512_load_ps(tmp);
+        b = Vf::load(tmp);
       }
       for (int i = 0; i < mr; ++i) {
-        const __m512 v = bp ? _mm512_add_ps(acc[i][j], b) : acc[i][j];  // one rounding, as oneDNN's
+        const V v = bp ? Vf::add(acc[i][j], b) : acc[i][j];  // one rounding, as oneDNN's
         if (valid == L) {
-          store16(o + (r0 + i) * n + c0, v);
+          store_lanes(o + (r0 + i) * n + c0, v);
         } else {
           alignas(64) T tmp[L];
-          store16(tmp, v);
+          store_lanes(tmp, v);
           std::memcpy(o + (r0 + i) * n + c0, tmp, valid * sizeof(T));
         }
       }
@@ -194,27 +237,19 @@ void gemm_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
   // Each thread's best per row; merged below, ties to the lowest column (threads' panels interleave).
   std::vector<float> best(threads * rows, -std::numeric_limits<float>::infinity());
   std::vector<int64_t> where(threads * rows, -1);
-  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for_tiles<M>(xp, rows, xs, reinterpret_cast<const U*>(packed.data_ptr()), units, blocks,
-               [&](int64_t r0, int mr, int64_t b0, int nr, __m512 (&acc)[MR][NR]) {
+               [&](int64_t r0, int mr, int64_t b0, int nr, V (&acc)[MR][NR]) {
     const int t = omp_get_thread_num();
     for (int i = 0; i < mr; ++i) {
-      // Logits as the dtype holds them (bf16 rounds), so the argmax is that of the logits this kernel returns.
-      __m512 bv = _mm512_set1_ps(-INFINITY);
-      __m512i bi = _mm512_set1_epi32(-1);
+      LaneBest lb;
       for (int j = 0; j < nr; ++j) {
         const int64_t c0 = (b0 + j) * L;
-        const int64_t valid = std::min<int64_t>(L, n - c0);
-        const __mmask16 in = static_cast<__mmask16>(valid == L ? 0xffff : (1u << valid) - 1);
-        const __m512 v = round_to16<T>(acc[i][j]);
-        const __mmask16 better = _mm512_mask_cmp_ps_mask(in, v, bv, _CMP_GT_OQ);  // strictly: earlier wins ties
-        bv = _mm512_mask_mov_ps(bv, better, v);
-        bi = _mm512_mask_mov_epi32(bi, better, _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(c0))));
+        // Logits as the dtype holds them (bf16 rounds), so the argmax is that of the logits this kernel returns.
+        lb.update(as_held<T>(acc[i][j]), c0, std::min<int64_t>(L, n - c0));
       }
       alignas(64) float vals[L];
       alignas(64) int32_t idx[L];
-      _mm512_store_ps(vals, bv);
-      _mm512_store_si512(idx, bi);
+      lb.store(vals, idx);
       float tv = -INFINITY;
       int64_t ti = -1;
       for (int e = 0; e < L; ++e)
@@ -250,7 +285,7 @@ bool pairs_for(const torch::Tensor& w) {
 
 }  // namespace
 
-// w [N, K] fp32 (or bf16 with AVX512-BF16, K even) -> [ceil(N/16), units of K, 16] float or int32 (bf16 pairs).
+// w [N, K] fp32 (or bf16 with AVX512-BF16, K even) -> [ceil(N/L), units of K, L] float or int32 (bf16 pairs).
 torch::Tensor pack_small_gemm(TensorArg weight) {
   const torch::Tensor w = weight.contiguous();
   TORCH_CHECK(w.dim() == 2, "w must be [N, K]");
@@ -308,13 +343,15 @@ torch::Tensor small_gemm_argmax(TensorArg x, TensorArg packed, int64_t n) {
 
 bool small_gemm_available() { return true; }
 
-#else  // 16-lane kernels only
+#else  // vector kernels only
 
-torch::Tensor pack_small_gemm(TensorArg) { TORCH_CHECK(false, "small_gemm needs AVX512"); }
+torch::Tensor pack_small_gemm(TensorArg) { TORCH_CHECK(false, "small_gemm needs AVX2 + FMA or AVX512"); }
 torch::Tensor small_gemm(TensorArg, TensorArg, int64_t, OptTensorArg) {
-  TORCH_CHECK(false, "small_gemm needs AVX512");
+  TORCH_CHECK(false, "small_gemm needs AVX2 + FMA or AVX512");
 }
-torch::Tensor small_gemm_argmax(TensorArg, TensorArg, int64_t) { TORCH_CHECK(false, "small_gemm needs AVX512"); }
+torch::Tensor small_gemm_argmax(TensorArg, TensorArg, int64_t) {
+  TORCH_CHECK(false, "small_gemm needs AVX2 + FMA or AVX512");
+}
 bool small_gemm_available() { return false; }
 
 #endif

@@ -142,6 +142,27 @@ inline __m512 hsum16x16(__m512 a[16]) {
 }
 #endif
 
+#if defined(KVRELAY_AVX2) && !defined(KVRELAY_AVX512)
+// v[i] = sum of the 8 lanes of a[i], for 8 vectors at once (the 8-lane counterpart of hsum16x16).
+inline __m256 hsum8x8(__m256 a[8]) {
+  // After two rounds of pairwise adds, each 128-bit half holds sums over that half of four vectors' lanes.
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+#endif
+
+// W lanes of fp32 from fp32 or bf16 memory, and W vectors' lane sums at once, at the machine's width.
+#if defined(KVRELAY_AVX512)
+template <typename T>
+inline Vf::R load_w(const T* p) { return load16(p); }
+inline Vf::R hsum_wxw(Vf::R a[Vf::W]) { return hsum16x16(a); }
+#elif defined(KVRELAY_AVX2)
+template <typename T>
+inline Vf::R load_w(const T* p) { return load8(p); }
+inline Vf::R hsum_wxw(Vf::R a[Vf::W]) { return hsum8x8(a); }
+#endif
+
 #if defined(KVRELAY_AVX512BF16)
 // Pairs of bf16 in one 32-bit lane: (lo, hi). dot_pairs(acc, a, b) adds a.lo * b.lo + a.hi * b.hi per lane, the
 // products exact and the sums in fp32.
