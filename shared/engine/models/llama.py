@@ -76,8 +76,8 @@ class Linear(nn.Module):
 
 
 class LMHead(Linear):
-    """The vocabulary projection. Up to its packed weight's `small_rows` rows it runs whole in the small GEMM, whose greedy
-    variant keeps a running argmax per row (no logits written at all). More rows go one fixed tile of the
+    """The vocabulary projection. Up to its packed weight's `small_rows` rows it runs whole in the small GEMM,
+    whose greedy variant keeps a running argmax per row (no logits written at all). More rows go one fixed tile of the
     vocabulary at a time: the logits of a batch over a 49k vocabulary are tens of MB, tile by tile they stay in
     cache. Full logits and the greedy argmax come from the same kernel at a given row count, so they agree
     exactly.
