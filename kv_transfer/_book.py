@@ -6,6 +6,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kv_transfer.types import ConnectorMetrics, TransferError, TransferResult
@@ -109,6 +111,16 @@ class TransferBook:
                 t.started = time.perf_counter()
             self._landing[transfer_id] = self._landing.get(transfer_id, 0) + 1
             return None
+
+    @contextmanager
+    def admitting(self, transfer_id: str, layer: int, dst_block_ids: list[int]) -> Iterator[str | None]:
+        """Receiver: check_layer's answer; a layer let in counts as landing until the block exits."""
+        refusal = self.check_layer(transfer_id, layer, dst_block_ids)
+        try:
+            yield refusal
+        finally:
+            if refusal is None:
+                self.landed(transfer_id)
 
     def landed(self, transfer_id: str) -> None:
         """Receiver: a layer that check_layer let in no longer writes into the cache."""

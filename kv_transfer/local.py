@@ -93,16 +93,13 @@ class LocalConnector(KVConnector):
     def _accept(
         self, transfer_id: str, layer: int, src_cache: torch.Tensor, src_ids: list[int], dst_ids: list[int]
     ) -> int:
-        refusal = self._received.check_layer(transfer_id, layer, dst_ids)
-        if refusal is not None:
-            self._received.fail(transfer_id, TransferError(refusal))
-            raise TransferError(f"receiver {self._address} refused: {refusal}")
-        try:
-            data = _blocks.gather(src_cache, src_ids, _blocks.BOTH).to(self._caches[layer].device)
-            _blocks.scatter(self._caches[layer], dst_ids, _blocks.BOTH, data)
-            _blocks.sync_device(data)
-            nbytes = data.numel() * data.element_size()
-            self._received.layer_done(transfer_id, layer, nbytes)
-        finally:
-            self._received.landed(transfer_id)
-        return nbytes
+        with self._received.admitting(transfer_id, layer, dst_ids) as refusal:
+            if refusal is None:
+                data = _blocks.gather(src_cache, src_ids, _blocks.BOTH).to(self._caches[layer].device)
+                _blocks.scatter(self._caches[layer], dst_ids, _blocks.BOTH, data)
+                _blocks.sync_device(data)
+                nbytes = data.numel() * data.element_size()
+                self._received.layer_done(transfer_id, layer, nbytes)
+                return nbytes
+        self._received.fail(transfer_id, TransferError(refusal))
+        raise TransferError(f"receiver {self._address} refused: {refusal}")

@@ -251,8 +251,7 @@ class NcclConnector(KVConnector):
         transfer_id, layer, dst = msg["transfer_id"], msg["layer"], msg["dst"]
         segments = [_blocks.Segment.from_list(s) for s in msg["segments"]]
         cache = self._caches[layer]
-        refusal = self._received.check_layer(transfer_id, layer, dst)
-        try:
+        with self._received.admitting(transfer_id, layer, dst) as refusal:
             buffers, complete = _blocks.layer_sinks(cache, dst, segments, self._staging, refusal is not None)
             works = [pg.recv([_blocks.as_bytes(buf)], 0, next(tags)) for buf in buffers]
             for work in works:
@@ -260,9 +259,6 @@ class NcclConnector(KVConnector):
             nbytes = complete()
             if refusal is None:
                 self._received.layer_done(transfer_id, layer, nbytes)
-        finally:
-            if refusal is None:
-                self._received.landed(transfer_id)
         if refusal is not None:
             self._received.fail(transfer_id, TransferError(refusal))
         return refusal

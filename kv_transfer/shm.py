@@ -219,19 +219,18 @@ class ShmConnector(KVConnector):
         if len(src) != len(dst) or any(not 0 <= b < theirs.num_blocks for b in src):
             refusal = f"transfer {transfer_id!r}: src blocks outside the sender's cache"
         else:
-            refusal = self._received.check_layer(transfer_id, layer, dst)
-        if refusal is not None:
-            self._received.fail(transfer_id, TransferError(refusal))
-            return refusal, 0
-        try:
-            # Every layer of a transfer moves the same blocks: plan once.
-            plan = _plan(tuple(src), tuple(dst), theirs.num_blocks, self.layout.num_blocks, theirs.block_nbytes)
-            start = sender.offsets[layer]
-            nbytes = self._copy(self._dst[layer], sender.mapping.bytes[start : start + sender.layer_bytes], plan)
-            self._received.layer_done(transfer_id, layer, nbytes)
-            return None, nbytes
-        finally:
-            self._received.landed(transfer_id)
+            with self._received.admitting(transfer_id, layer, dst) as refusal:
+                if refusal is None:
+                    # Every layer of a transfer moves the same blocks: plan once.
+                    plan = _plan(tuple(src), tuple(dst), theirs.num_blocks, self.layout.num_blocks,
+                                 theirs.block_nbytes)
+                    start = sender.offsets[layer]
+                    nbytes = self._copy(self._dst[layer], sender.mapping.bytes[start : start + sender.layer_bytes],
+                                        plan)
+                    self._received.layer_done(transfer_id, layer, nbytes)
+                    return None, nbytes
+        self._received.fail(transfer_id, TransferError(refusal))
+        return refusal, 0
 
     def _copy(self, dst: np.ndarray, src: np.ndarray, plan: tuple) -> int:
         parts = split_plan(plan, self.config.copy_threads) if plan[2].sum() >= _PARALLEL_COPY_BYTES else [plan]

@@ -186,8 +186,8 @@ class UcxConnector(KVConnector):
         transfer_id, layer, dst = msg["transfer_id"], msg["layer"], msg["dst"]
         segments = [_blocks.Segment.from_list(s) for s in msg["segments"]]
         cache = self._caches[layer]
-        refusal = self._received.check_layer(transfer_id, layer, dst)
-        try:
+        # On a timeout the caller drops the connection, so nothing lands after the block exits.
+        with self._received.admitting(transfer_id, layer, dst) as refusal:
             buffers, complete = _blocks.layer_sinks(cache, dst, segments, self._staging, refusal is not None)
             recvs = [
                 ucxx.recv(_blocks.wire_buffer(buf), tag=tag(conn_id, msg["seq"] + i))
@@ -197,9 +197,6 @@ class UcxConnector(KVConnector):
             nbytes = complete()
             if refusal is None:
                 self._received.layer_done(transfer_id, layer, nbytes)
-        finally:
-            if refusal is None:  # on a timeout the caller drops the connection, so nothing lands later
-                self._received.landed(transfer_id)
         if refusal is not None:
             self._received.fail(transfer_id, TransferError(refusal))
         return refusal

@@ -85,7 +85,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x W^T + b; `packed` is `pack(weight)` (None: not packed)."""
     if x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype:
         rows = x.shape[0]
-        if packed is not None and rows <= packed.small_rows:
+        if packed is not None and packed.small is not None and rows <= packed.small_rows:
             return kernels.load().small_gemm(x.contiguous(), packed.small, packed.out_features, bias)
         onednn = packed.onednn if packed is not None else None
         limit = SKINNY_ROWS if onednn is not None else SKINNY_ROWS_UNPACKED
@@ -101,6 +101,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def greedy(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor | None:
     """argmax over the outputs of `linear(x, weight, None, packed)` per row, where the small GEMM takes x (no
     logits written); None elsewhere."""
-    if packed is not None and x.dim() == 2 and x.device.type == "cpu" and x.shape[0] <= packed.small_rows:
+    if (packed is not None and packed.small is not None and x.dim() == 2 and x.device.type == "cpu"
+            and x.shape[0] <= packed.small_rows):
         return kernels.load().small_gemm_argmax(x.contiguous(), packed.small, packed.out_features)
     return None

@@ -93,7 +93,8 @@ class LMHead(Linear):
         self.tiles = [(start, weight, cpu_linear.pack(weight)) for start, weight in slices]
 
     def _small(self, hidden: torch.Tensor) -> bool:
-        return self.packed is not None and hidden.dim() == 2 and hidden.shape[0] <= self.packed.small_rows
+        return (self.packed is not None and self.packed.small is not None and hidden.dim() == 2
+                and hidden.shape[0] <= self.packed.small_rows)
 
     def _tile_logits(self, hidden: torch.Tensor):
         for start, weight, packed in self.tiles or [(0, self.weight, None)]:
