@@ -285,10 +285,15 @@ void tile(const AttnView<T, Q>& a, int64_t r, int64_t tok0, int64_t n, int64_t p
 // Two row-register tiles per item measured slower (less parallel slack, no more reuse).
 int64_t prefill_tile_tokens(int64_t group) { return std::max<int64_t>(1, (W * NR) / group); }
 
+// The same item on AMX tiles (paged_prefill_amx.cpp); false where the build or the CPU has none.
+bool prefill_item_amx(const AttnView<at::BFloat16, at::BFloat16>& a, int64_t r, int64_t tok0, int64_t n,
+                      int64_t pos0, int64_t h, Scratch& s);
+
 template <typename T, typename Q>
 void prefill_item(const AttnView<T, Q>& a, int64_t r, int64_t tok0, int64_t n, int64_t pos0, int64_t h, Scratch& s) {
 #if defined(KVRELAY_AVX512BF16)
   if constexpr (std::is_same<T, at::BFloat16>::value && std::is_same<Q, at::BFloat16>::value) {
+    if (prefill_item_amx(a, r, tok0, n, pos0, h, s)) return;
     if (a.d % 32 == 0) return tile<PairUnits>(a, r, tok0, n, pos0, h, s);
   }
 #endif
