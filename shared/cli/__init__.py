@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from shared.log import configure_logging
+from shared.system import huge_pages_for_tensors
 
 DESCRIPTION = """kvrelay: disaggregated LLM serving (OpenAI gateway, prefill and decode pools, paged KV cache).
 
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    # torch settles huge pages at its first allocation of 2 MiB or more, which a benchmark's GEMM ceiling makes
+    # before any engine exists (the engine's own call would then be too late); the children inherit it.
+    huge_pages_for_tensors()
     try:
         return args.func(args) or 0
     except ValueError as e:
