@@ -6,7 +6,7 @@
   ~12 us of dispatch per call. With AVX512: 1.2-1.4x oneDNN at 16-64 rows, level at 256; with AVX2 (8 lanes):
   1.1-1.5x at 4-32 rows, level at 64, behind from 128 (docs/benchmarks.md). A row's result does not depend on
   the rows beside it, so a decode's logits are bit-identical alone, batched, or verified with drafts beside it.
-  With AMX, bf16 GEMMs leave it at 8 rows for oneDNN's tile units (SMALL_ROWS_AMX_BF16).
+  With AMX, bf16 runs on the tile units (SMALL_ROWS_AMX_BF16).
 - Without the small GEMM (no compiler, or a CPU without AVX2), up to SKINNY_ROWS fp32 rows: the skinny kernel
   (skinny_linear.cpp; same row independence).
 - Otherwise: oneDNN's matmul on the weight reordered once into its blocked layout. `F.linear` hands the plain
@@ -33,9 +33,10 @@ logger = logging.getLogger(__name__)
 # The most rows the small GEMM takes, by the vector unit it was built for: measured against oneDNN on SmolLM2's
 # 30 layers (AMD EPYC Zen 5, 2 threads; AVX2 with the kernels built for x86-64-v3 and oneDNN held to AVX2).
 SMALL_ROWS = {"avx512-bf16": 256, "avx512": 256, "avx2": 64}
-# With AMX, oneDNN runs bf16 GEMMs on its tile units (2.8 TFLOP/s against 0.4 fp32 on an AMX Xeon's 2 vCPUs) and
-# overtakes the small GEMM from 8 rows (13.5 vs 8.0 ms at 1 row, 14.7 vs 15.4 at 8; 30 layers).
-SMALL_ROWS_AMX_BF16 = 6
+# With AMX the small GEMM runs bf16 on the tile units too (the packed blocks are its B tiles), and stays ahead
+# of oneDNN's AMX GEMM to 128 rows: 10.4 vs 16.6 ms at 32 rows, 22.4 vs 23.5 at 128, behind at 256 (30 layers;
+# AMX Xeon, 2 vCPUs).
+SMALL_ROWS_AMX_BF16 = 128
 SKINNY_ROWS = 8  # at one row the skinny kernel is ~2x oneDNN; by 8-16 rows oneDNN's blocking catches up
 SKINNY_ROWS_UNPACKED = 32  # against F.linear (no packed weight) the skinny kernel wins up to 32 rows
 DISABLE_ENV = "KVRELAY_DISABLE_PACKED_LINEAR"  # compare against plain F.linear (benchmarks, bisecting)

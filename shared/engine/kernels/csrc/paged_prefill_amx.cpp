@@ -12,19 +12,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 
 #include "attention.h"
 #include "common.h"
+#include "amx.h"
 #include "vec.h"
-
-#if defined(KVRELAY_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define KVRELAY_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace kvrelay {
 
@@ -33,34 +26,6 @@ namespace {
 
 constexpr int64_t KC = 32;  // keys per chunk: one A tile's width of P in bf16
 constexpr int TR = 16;      // rows per tile
-
-// Linux hands out the tile registers' state only to processes that ask (oneDNN asks too; asking twice is fine).
-// KVRELAY_DISABLE_AMX keeps the AVX512-BF16 tiles (A/B in benchmarks).
-bool amx_permitted() {
-  static const bool ok = [] {
-    const char* off = std::getenv("KVRELAY_DISABLE_AMX");
-    if (off != nullptr && *off != 0) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-// Every tile 16 rows x 64 bytes: tiles 0-1 S, 2 A (Q, then P), 3 B (K^T, then V), 4-7 O.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig c;
-  for (int i = 0; i < 8; ++i) {
-    c.colsb[i] = 64;
-    c.rows[i] = TR;
-  }
-  _tile_loadconfig(&c);
-}
 
 using Bf = at::BFloat16;
 

@@ -22,7 +22,9 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <vector>
 
+#include "amx.h"
 #include "api.h"
 #include "common.h"
 #include "vec.h"
@@ -148,6 +150,91 @@ void for_tiles(const typename M::U* x, int64_t rows, int64_t xs, const typename 
   }
 }
 
+#if defined(KVRELAY_AMX)
+// for_tiles on AMX tiles, for bf16 pairs with K a multiple of 32 (the packed layout's [16 units][16 lanes] slices
+// are the B tiles as they are). Panels of two column blocks go out one at a time as above; per panel, 32 rows at a
+// time make four 16 x 16 sum tiles over the whole of K (prefetching the next panel into L2 on the first pass),
+// handed to `visit` in register tiles of MR rows. The rows are read from a zero-padded copy when they do not
+// fill whole tiles. A row's sums do not depend on the rows beside it.
+template <class Visit>
+void for_tiles_amx(const uint32_t* x, int64_t rows, int64_t xs, const uint32_t* w, int64_t units, int64_t blocks,
+                   Visit&& visit) {
+  const int64_t mp = (rows + 15) / 16 * 16;
+  std::vector<uint32_t> padded;
+  if (mp != rows) {
+    padded.assign(mp * units, 0u);
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(padded.data() + r * units, x + r * xs, units * sizeof(uint32_t));
+    x = padded.data();
+    xs = units;
+  }
+  const int64_t panels = (blocks + 1) / 2, chunks = units / 16, bs = units * L;  // bs: one block's units
+  const int team = std::max(1, at::get_num_threads());
+  const int threads = std::max(1, std::min<int>(team, static_cast<int>(panels)));
+#pragma omp parallel num_threads(threads)
+  {
+    configure_tiles();
+    alignas(64) float sums[32 * 32];
+    V acc[MR][NR];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t b0 = 2 * p;
+      const bool two = b0 + 1 < blocks;
+      const uint32_t* wp = w + b0 * bs;
+      const uint32_t* next = p + threads < panels ? wp + threads * 2 * bs : nullptr;
+      for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+        const bool pair = m0 + 16 < rows;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < chunks; ++c) {
+          if (next != nullptr && m0 == 0)
+            for (int64_t line = 0; line < 32; ++line)
+              _mm_prefetch(reinterpret_cast<const char*>(next + (line / 16) * bs + c * 256 + (line % 16) * 16),
+                           _MM_HINT_T1);
+          _tile_loadd(4, x + m0 * xs + c * 16, xs * 4);
+          _tile_loadd(6, wp + c * 256, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two) {
+            _tile_loadd(7, wp + bs + c * 256, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (pair) {
+            _tile_loadd(5, x + (m0 + 16) * xs + c * 16, xs * 4);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, sums, 128);
+        _tile_stored(1, sums + 16, 128);
+        _tile_stored(2, sums + 16 * 32, 128);
+        _tile_stored(3, sums + 16 * 32 + 16, 128);
+        const int64_t end = std::min<int64_t>(rows, m0 + 32);
+        for (int64_t r0 = m0; r0 < end; r0 += MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MR, end - r0));
+          for (int i = 0; i < mr; ++i)
+            for (int j = 0; j < 2; ++j) acc[i][j] = Vf::load(sums + (r0 - m0 + i) * 32 + j * 16);
+          visit(r0, mr, b0, two ? 2 : 1, acc);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+#endif
+
+// for_tiles, on AMX tiles where they take the job.
+template <class M, class Visit>
+void for_tiles_any(const typename M::U* x, int64_t rows, int64_t xs, const typename M::U* w, int64_t units,
+                   int64_t blocks, Visit&& visit) {
+#if defined(KVRELAY_AMX)
+  if constexpr (std::is_same<M, Pairs>::value) {
+    if (units % 16 == 0 && amx_permitted()) return for_tiles_amx(x, rows, xs, w, units, blocks, visit);
+  }
+#endif
+  for_tiles<M>(x, rows, xs, w, units, blocks, visit);
+}
+
 inline void store_lanes(float* p, V v) { Vf::store(p, v); }
 template <typename T>
 inline V as_held(V v) { return v; }  // fp32: as computed
@@ -201,7 +288,7 @@ void gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const 
   const int64_t xs = x.stride(0) * int64_t(x.element_size()) / int64_t(sizeof(U));
   T* o = reinterpret_cast<T*>(out.data_ptr());
   const T* bp = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
-  for_tiles<M>(xp, rows, xs, reinterpret_cast<const U*>(packed.data_ptr()), units, blocks,
+  for_tiles_any<M>(xp, rows, xs, reinterpret_cast<const U*>(packed.data_ptr()), units, blocks,
                [&](int64_t r0, int mr, int64_t b0, int nr, V (&acc)[MR][NR]) {
     for (int j = 0; j < nr; ++j) {
       const int64_t c0 = (b0 + j) * L;
@@ -237,7 +324,7 @@ void gemm_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
   // Each thread's best per row; merged below, ties to the lowest column (threads' panels interleave).
   std::vector<float> best(threads * rows, -std::numeric_limits<float>::infinity());
   std::vector<int64_t> where(threads * rows, -1);
-  for_tiles<M>(xp, rows, xs, reinterpret_cast<const U*>(packed.data_ptr()), units, blocks,
+  for_tiles_any<M>(xp, rows, xs, reinterpret_cast<const U*>(packed.data_ptr()), units, blocks,
                [&](int64_t r0, int mr, int64_t b0, int nr, V (&acc)[MR][NR]) {
     const int t = omp_get_thread_num();
     for (int i = 0; i < mr; ++i) {
