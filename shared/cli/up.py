@@ -330,7 +330,8 @@ def register(sub) -> None:
     )
     p.add_argument("--model", default="default", help="HF folder, .gguf file, or 'default'")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the model id)")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 where the hardware has it, else float32)")
+    p.add_argument("--dtype", default="auto", help="auto (the faster of bfloat16 and float32 on this machine), "
+                   "bfloat16, float32")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per node (CPU)")

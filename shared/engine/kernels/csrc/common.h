@@ -213,9 +213,9 @@ inline void softmax_inplace(float* s, int64_t n) {
 }
 
 // Ask for bytes ahead of use: KV blocks are scattered, so the hardware prefetcher loses the stream at every
-// block boundary and a single walker would wait on DRAM latency there. The hint is T0, not NTA: on an AMX Xeon
-// (2 vCPUs, KVM) prefetchnta made the bf16 decode kernel wait on each prefetch, 3.1 ms -> 1.55 ms per layer at
-// 64 decodes x 600 tokens with T0 (docs/benchmarks.md); on AMD both hints fill L1.
+// block boundary and a single walker would wait on DRAM latency there. The hint is T0 (a load's), not NTA: on an
+// AMX Xeon (2 vCPUs, KVM) the decode kernel stalled on its prefetchnta, 3.1 -> 1.55 ms per layer at 64 decodes x
+// 600 tokens in bf16 with T0, 5.8 -> 1.7 in fp32 (docs/benchmarks.md).
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
