@@ -41,6 +41,7 @@ SKINNY_ROWS = 8  # at one row the skinny kernel is ~2x oneDNN; by 8-16 rows oneD
 SKINNY_ROWS_UNPACKED = 32  # against F.linear (no packed weight) the skinny kernel wins up to 32 rows
 DISABLE_ENV = "KVRELAY_DISABLE_PACKED_LINEAR"  # compare against plain F.linear (benchmarks, bisecting)
 DISABLE_SMALL_ENV = "KVRELAY_DISABLE_SMALL_GEMM"  # oneDNN at every row count (A/B)
+DISABLE_AMX_ENV = "KVRELAY_DISABLE_AMX"  # our kernels without the AMX tiles (A/B)
 _PACKABLE = (torch.float32, torch.bfloat16)
 
 
@@ -56,7 +57,8 @@ class PackedWeight:
 
 @functools.cache
 def _amx_bf16() -> bool:
-    return "amx_bf16" in cpu_flags()
+    # The kernels' own switch (csrc/amx.h): with it set, bf16 keeps the AVX512-BF16 kernel and its row limit.
+    return "amx_bf16" in cpu_flags() and not os.environ.get(DISABLE_AMX_ENV)
 
 
 def _small_gemm_packs(weight: torch.Tensor):
