@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine import kernels
-from shared.engine.auto_dtype import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +39,6 @@ SKINNY_ROWS = 8  # at one row the skinny kernel is ~2x oneDNN; by 8-16 rows oneD
 SKINNY_ROWS_UNPACKED = 32  # against F.linear (no packed weight) the skinny kernel wins up to 32 rows
 DISABLE_ENV = "KVRELAY_DISABLE_PACKED_LINEAR"  # compare against plain F.linear (benchmarks, bisecting)
 DISABLE_SMALL_ENV = "KVRELAY_DISABLE_SMALL_GEMM"  # oneDNN at every row count (A/B)
-DISABLE_AMX_ENV = "KVRELAY_DISABLE_AMX"  # our kernels without the AMX tiles (A/B)
 _PACKABLE = (torch.float32, torch.bfloat16)
 
 
@@ -53,12 +50,6 @@ class PackedWeight:
     small: torch.Tensor | None
     out_features: int
     small_rows: int = 0  # up to this many rows `small` is used
-
-
-@functools.cache
-def _amx_bf16() -> bool:
-    # The kernels' own switch (csrc/amx.h): with it set, bf16 keeps the AVX512-BF16 kernel and its row limit.
-    return "amx_bf16" in cpu_flags() and not os.environ.get(DISABLE_AMX_ENV)
 
 
 def _small_gemm_packs(weight: torch.Tensor):
@@ -89,7 +80,7 @@ def pack(weight: torch.Tensor, onednn: bool = True) -> PackedWeight | None:
     small_rows = 0
     if module is not None:
         small, small_rows = module.pack_small_gemm(weight), SMALL_ROWS[module.attention_isa()]
-        if weight.dtype == torch.bfloat16 and _amx_bf16():
+        if weight.dtype == torch.bfloat16 and module.amx_tiles():
             small_rows = SMALL_ROWS_AMX_BF16
     if reordered is None and small is None:
         return None

@@ -430,6 +430,14 @@ torch::Tensor small_gemm_argmax(TensorArg x, TensorArg packed, int64_t n) {
 
 bool small_gemm_available() { return true; }
 
+bool amx_tiles() {
+#if defined(KVRELAY_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 #else  // vector kernels only
 
 torch::Tensor pack_small_gemm(TensorArg) { TORCH_CHECK(false, "small_gemm needs AVX2 + FMA or AVX512"); }
@@ -440,6 +448,7 @@ torch::Tensor small_gemm_argmax(TensorArg, TensorArg, int64_t) {
   TORCH_CHECK(false, "small_gemm needs AVX2 + FMA or AVX512");
 }
 bool small_gemm_available() { return false; }
+bool amx_tiles() { return false; }
 
 #endif
 
