@@ -172,3 +172,55 @@ def test_the_call_writes_the_new_keys_and_values_first(tokens, dtype):
     assert torch.equal(written, want_cache)
     want = native.paged_attention(q, None, None, want_cache, None, tables, starts, lens, decodes, d**-0.5, 0)
     assert torch.equal(got, want)
+
+
+def _slots_outside(step, window=0):
+    """Each request's cache slots its rows must never read: past its context in its last block, and before its
+    oldest visible key (window) in its first visible blocks."""
+    bs, slots = step.bs, []
+    for (context, new), blocks in zip(step.batch, step.tables):
+        total = context + new
+        outside = list(range(total, len(blocks) * bs))
+        if window > 0:  # a decode sees keys (total - window, total - 1]
+            first = max(0, total - window)
+            outside += range(first // bs * bs, first)
+        slots += [blocks[p // bs] * bs + p % bs for p in outside]
+    return slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 21])
+def test_stale_slots_beside_the_context_never_reach_a_decode(dtype, window):
+    """The AMX decode loads whole 16-key tiles from a block: slots past the context (and before a window) hold
+    whatever an earlier request left there, NaN included, and must change nothing, bit for bit."""
+    batch = [(0, 1), (4, 1), (40, 1), (77, 1), (130, 1), (300, 1)]
+    step = Step(batch, 9, 3, 64, 16, dtype, seed=11)
+    clean = step.call(window=window)
+    for kv in (0, 1):
+        step.cache[kv].view(-1, 3, 64)[_slots_outside(step, window)] = float("nan")
+    assert torch.equal(step.call(window=window), clean)
+    assert torch.isfinite(clean).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (8, 2, 128), (16, 1, 64), (6, 6, 64)])
+def test_decodes_over_contexts_around_the_tiles(dtype, heads, kv_heads, d):
+    """Context lengths around the decode tiles (16 keys per score tile, 32 per P V step) and long ones, for
+    groups of 3, 4, 16 and 1 query heads per kv head."""
+    batch = [(c - 1, 1) for c in (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 700, 1500)]
+    step = Step(batch, heads, kv_heads, d, 16, dtype, seed=d + heads)
+    assert (step.call().double() - step.reference()).abs().max().item() < _tolerance(dtype, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_running_maximum_that_keeps_rising(dtype):
+    """Scores that grow along the keys (each chunk's maximum far above the last): the AMX prefill rescales its
+    sums held in the tiles whenever a row's maximum moves by more than its threshold."""
+    step = Step([(100, 60), (0, 200)], 9, 3, 64, 16, dtype, seed=5)
+    for i, (context, new) in enumerate(step.batch):
+        ramp = torch.linspace(0.0, 3.0, context + new)[:, None, None]
+        step.keys[i] = (step.keys[i].float().abs() * ramp).to(dtype)  # q . k grows with the key's position
+        for p in range(context + new):
+            step.cache[0, step.tables[i][p // 16], p % 16] = step.keys[i][p]
+    step.q = step.q.float().abs().to(dtype)
+    assert (step.call().double() - step.reference()).abs().max().item() < _tolerance(dtype, 64)

@@ -79,5 +79,7 @@ void prefill_item(const AttnView<T, Q>& a, int64_t r, int64_t tok0, int64_t n, i
 
 // Query tokens per prefill tile for a group of `group` query heads per kv head.
 int64_t prefill_tile_tokens(int64_t group);
+// The same for the AMX tiles (bf16 cache and queries; 0 where they do not take the item).
+int64_t prefill_tile_tokens_amx(int64_t d, int64_t group);
 
 }  // namespace kvrelay

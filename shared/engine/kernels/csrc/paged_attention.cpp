@@ -25,14 +25,13 @@ struct Item {
 };
 
 std::vector<Item> plan(const int32_t* qsl, const int32_t* lens, int64_t reqs, int64_t decodes, int64_t kvh,
-                       int64_t group, int64_t threads) {
+                       int64_t group, int64_t tile, int64_t threads) {
   std::vector<Item> items;
   // A whole request per decode item reads its blocks once, contiguously; with fewer decodes than threads,
   // split them by kv head so every thread has work.
   const int64_t per_item = decodes >= threads ? kvh : 1;
   for (int64_t r = 0; r < decodes; ++r)
     for (int64_t h = 0; h < kvh; h += per_item) items.push_back({lens[r] * per_item * group, r, qsl[r], 0, 0, h, per_item});
-  const int64_t tile = prefill_tile_tokens(group);
   for (int64_t r = decodes; r < reqs; ++r) {
     const int64_t n = qsl[r + 1] - qsl[r], pos0 = lens[r] - n;
     for (int64_t j = 0; j < n; j += tile)
@@ -76,8 +75,12 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
   a.scale = static_cast<float>(scale);
   a.window = window;
   const int threads = std::max(1, at::get_num_threads());
-  const std::vector<Item> items =
-      plan(qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), lens.size(0), decodes, a.kvh, a.group(), threads);
+  int64_t tile = prefill_tile_tokens(a.group());
+  if constexpr (std::is_same<T, at::BFloat16>::value && std::is_same<Q, at::BFloat16>::value) {
+    if (const int64_t amx = prefill_tile_tokens_amx(a.d, a.group())) tile = amx;
+  }
+  const std::vector<Item> items = plan(qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), lens.size(0), decodes,
+                                       a.kvh, a.group(), tile, threads);
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int64_t tokens = q.size(0), width = a.kvh * a.d;
   T* kc = reinterpret_cast<T*>(kv[0].data_ptr());

@@ -7,7 +7,8 @@
 // 8 with AVX2) for head size 64 (and 128 with AVX512): W keys' dot products reduced together by one transposing
 // tree, and with AVX512-BF16 and a bf16 cache and queries, dot products of bf16 pairs in hardware (q . k exact
 // products, fp32 sums; p . v with p rounded to bf16, as GPU flash attention does); and `decode_heads` (8-lane
-// AVX2 or scalar) for any other head size.
+// AVX2 or scalar) for any other head size. With AMX, a bf16 cache and queries (head size 64 or 128, block size a
+// multiple of 16) run on the tile units instead (paged_decode_amx.cpp).
 #pragma GCC optimize("fp-contract=fast")  // FMAs in the dot products: speed over bit-exactness here
 
 #include <torch/extension.h>
@@ -309,11 +310,20 @@ void decode_heads_w(const AttnView<T, Q>& a, const int32_t* table, int64_t token
 
 }  // namespace
 
+// The same item on AMX tiles (paged_decode_amx.cpp); false where the build, the CPU or the shapes do not fit.
+bool decode_item_amx(const AttnView<at::BFloat16, at::BFloat16>& a, const int32_t* table, int64_t token,
+                     int64_t seq_len, int64_t first, int64_t h0, int64_t nh, Scratch& s);
+
 template <typename T, typename Q>
 void decode_item(const AttnView<T, Q>& a, int64_t r, int64_t token, int64_t seq_len, int64_t h0, int64_t nh,
                  Scratch& s) {
   const int32_t* table = a.tables + r * a.table_stride;
   const int64_t first = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
+#if defined(KVRELAY_AVX512BF16)
+  if constexpr (std::is_same<T, at::BFloat16>::value && std::is_same<Q, at::BFloat16>::value) {
+    if (decode_item_amx(a, table, token, seq_len, first, h0, nh, s)) return;
+  }
+#endif
 #if defined(KVRELAY_AVX512)
   if (a.d == 64) return decode_heads_w<T, Q, 64>(a, table, token, seq_len, first, h0, nh, s);
   if (a.d == 128) return decode_heads_w<T, Q, 128>(a, table, token, seq_len, first, h0, nh, s);
