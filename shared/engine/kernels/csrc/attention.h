@@ -52,6 +52,10 @@ struct AttnView {
   RowCursor<T> rows(const T* cache, const int32_t* table, int64_t pos, int64_t h) const {
     return RowCursor<T>(cache, table, pos, bs, token_stride(), h * d);
   }
+  // The row of position pos, kv head h (one lookup; rows() walks many).
+  const T* row(const T* cache, const int32_t* table, int64_t pos, int64_t h) const {
+    return cache + (int64_t(table[pos / bs]) * bs + pos % bs) * token_stride() + h * d;
+  }
 };
 
 // Per-thread buffers, grown on first use and kept for the step.

@@ -65,11 +65,10 @@ void scores(const AttnView<Bf, Bf>& a, const int32_t* table, int64_t k_base, int
     _tile_loadd(4, qt + 32 * group, qstride);
     _tile_loadd(5, qt + 48 * group, qstride);
   }
-  auto at = [&](int64_t pos) { return a.k + (int64_t(table[pos / a.bs]) * a.bs + pos % a.bs) * ts + h * D; };
   for (int64_t k0 = k_base; k0 < end; k0 += KT) {
-    const Bf* kp = at(k0);
+    const Bf* kp = a.row(a.k, table, k0, h);
     if (k0 + kPfKeys < end) {
-      const Bf* nx = at(k0 + kPfKeys);
+      const Bf* nx = a.row(a.k, table, k0 + kPfKeys, h);
       for (int64_t r = 0; r < KT; ++r) prefetch(nx + r * ts, D * 2);
     }
     _tile_zero(0);
@@ -130,11 +129,8 @@ void softmax_key_major(float* sT, int64_t npad, int64_t group, float scale, uint
 // in the lane order interleave_pairs gives; rows outside [lo, hi) are zero.
 void stage_values(const AttnView<Bf, Bf>& a, const int32_t* table, int64_t k0, int64_t lo, int64_t hi, int64_t h,
                   int64_t e0, uint32_t* Vv) {
-  const int64_t ts = a.token_stride();
-  auto row = [&](int64_t pos) -> const Bf* {
-    if (pos < lo || pos >= hi) return nullptr;
-    return a.v + (int64_t(table[pos / a.bs]) * a.bs + pos % a.bs) * ts + h * a.d + e0;
-  };
+  RowCursor<Bf> vals = a.rows(a.v, table, std::max(k0, lo), h);  // the rows inside are consecutive
+  auto row = [&](int64_t pos) -> const Bf* { return pos < lo || pos >= hi ? nullptr : vals.next() + e0; };
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t j = 0; j < KC / 2; ++j) {
     const Bf* x = row(k0 + 2 * j);
@@ -182,7 +178,7 @@ void item(const AttnView<Bf, Bf>& a, const int32_t* table, int64_t token, int64_
       _tile_zero(7);
       for (int64_t k0 = k_base; k0 < seq_len; k0 += KC) {
         for (int64_t pos = k0 + kPfKeys; pos < std::min(seq_len, k0 + kPfKeys + KC); ++pos)
-          prefetch(a.v + (int64_t(table[pos / a.bs]) * a.bs + pos % a.bs) * a.token_stride() + (h0 + hh) * D + e0, 128);
+          prefetch(a.row(a.v, table, pos, h0 + hh) + e0, 128);
         stage_values(a, table, k0, first, seq_len, h0 + hh, e0, Vv);
         _tile_loadd(0, ph + (k0 - k_base), npad * 2);
         _tile_loadd(1, Vv, 256);

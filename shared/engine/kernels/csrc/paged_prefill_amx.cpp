@@ -124,7 +124,7 @@ bool softmax_rows(const float* S, uint16_t* P, const float* pos, int64_t k0, int
       m[r] = mx;
     }
     const float ms = m[r] == -INFINITY ? 0.f : m[r];  // nothing visible yet: keep exp finite
-    const __m512 p0 = Vf::exp_neg(Vf::sub(s0, Vf::set1(ms))), p1 = Vf::exp_neg(Vf::sub(s1, Vf::set1(ms)));
+    const __m512 p0 = exp16(Vf::sub(s0, Vf::set1(ms))), p1 = exp16(Vf::sub(s1, Vf::set1(ms)));  // up to e^kLazy
     _mm512_storeu_si512(P + r * KC, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));  // p0 in 0..15
     Vf::store(lsum + r * 16, Vf::add(Vf::load(lsum + r * 16), Vf::add(p0, p1)));
   }
@@ -145,10 +145,11 @@ void rescale_o(const float* alpha, float* Ob) {
   _tile_loadd(7, Ob + 48, 256);
 }
 
-// Rows [16 t, 16 t + 16) over the staged chunks, for output dims [e0, e0 + 64): O in tiles 4..7, written to Ob.
+// Rows [16 t, 16 t + 16) over the staged chunks, for output dims [e0, e0 + 64): O in tiles 4..7, written to O's
+// columns [e0, e0 + 64) (rows d apart); Ob is the rescale's scratch.
 void row_tile(const uint16_t* Q, const uint32_t* Kt, const uint32_t* Vv, int64_t d, int64_t c_lo, int64_t c_hi,
               int64_t begin, int64_t last, int64_t window, float scale, int64_t e0, const float* pos, float* m,
-              float* lsum, Scratch& s, float* Ob) {
+              float* lsum, Scratch& s, float* Ob, float* O) {
   float* S = s.floats(0, TR * KC);
   uint16_t* P = reinterpret_cast<uint16_t*>(s.units(3, TR * KC / 2));
   float* alpha = s.floats(4, TR);
@@ -184,10 +185,10 @@ void row_tile(const uint16_t* Q, const uint32_t* Kt, const uint32_t* Vv, int64_t
     _tile_loadd(3, v + 48, d * 4);
     _tile_dpbf16ps(7, 2, 3);
   }
-  _tile_stored(4, Ob, 256);
-  _tile_stored(5, Ob + 16, 256);
-  _tile_stored(6, Ob + 32, 256);
-  _tile_stored(7, Ob + 48, 256);
+  _tile_stored(4, O + e0, d * 4);
+  _tile_stored(5, O + e0 + 16, d * 4);
+  _tile_stored(6, O + e0 + 32, d * 4);
+  _tile_stored(7, O + e0 + 48, d * 4);
 }
 
 void tile(const AttnView<Bf, Bf>& a, int64_t r, int64_t tok0, int64_t n, int64_t pos0, int64_t h, Scratch& s) {
@@ -228,9 +229,7 @@ void tile(const AttnView<Bf, Bf>& a, int64_t r, int64_t tok0, int64_t n, int64_t
     const int64_t c_hi = (static_cast<int64_t>(tp[TR - 1]) - begin) / KC;
     const int64_t c_lo = a.window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(tp[0]) - a.window + 1 - begin) / KC : 0;
     for (int64_t e0 = 0; e0 < d; e0 += 64) {
-      row_tile(Q + t * TR * d, Kt, Vv, d, c_lo, c_hi, begin, last, a.window, a.scale, e0, tp, m, lsum, s, Ob);
-      for (int i = 0; i < TR; ++i)
-        for (int e = 0; e < 64; e += 16) Vf::store(O + i * d + e0 + e, Vf::load(Ob + i * 64 + e));
+      row_tile(Q + t * TR * d, Kt, Vv, d, c_lo, c_hi, begin, last, a.window, a.scale, e0, tp, m, lsum, s, Ob, O);
     }
     // 4. out = O / sum, back to [token, head, d].
     for (int i = 0; i < TR && t * TR + i < rows; ++i) {
