@@ -19,7 +19,7 @@ def _dtypes():
 
 
 @pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (560, 64), (17, 32), (1000, 64), (33, 1536)])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 131])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 131, 300])  # 131, 300: AMX items of 128 rows and a remainder
 def test_products_and_bias(n, k, rows):
     for dtype in _dtypes():
         gen = torch.Generator().manual_seed(rows * n)
@@ -39,10 +39,11 @@ def test_rows_do_not_depend_on_the_batch():
     for dtype in _dtypes():
         torch.manual_seed(3)
         w = torch.randn(700, 576).to(dtype)
-        x = torch.randn(40, 576).to(dtype)
+        x = torch.randn(300, 576).to(dtype)
         packed = native.pack_small_gemm(w)
-        alone = torch.cat([native.small_gemm(x[i : i + 1], packed, 700, None) for i in range(40)])
-        for rows in (1, 6, 7, 12, 25, 32, 40):  # 25 and 32: tiles split evenly (5x5; 6+6+5+5+5+5)
+        alone = torch.cat([native.small_gemm(x[i : i + 1], packed, 700, None) for i in range(300)])
+        # 25 and 32: tiles split evenly (5x5; 6+6+5+5+5+5); 129 and 300: more than one AMX item of 128 rows
+        for rows in (1, 6, 7, 12, 25, 32, 40, 129, 300):
             assert torch.equal(native.small_gemm(x[:rows], packed, 700, None), alone[:rows])
 
 

@@ -32,8 +32,10 @@ logger = logging.getLogger(__name__)
 # 30 layers (AMD EPYC Zen 5, 2 threads; AVX2 with the kernels built for x86-64-v3 and oneDNN held to AVX2).
 SMALL_ROWS = {"avx512-bf16": 256, "avx512": 256, "avx2": 64}
 # With AMX the small GEMM runs bf16 on the tile units too (the packed blocks are its B tiles), and stays ahead
-# of oneDNN's AMX GEMM to 128 rows: 10.4 vs 16.6 ms at 32 rows, 22.4 vs 23.5 at 128, behind at 256 (30 layers;
-# AMX Xeon, 2 vCPUs).
+# of oneDNN's AMX GEMM to 128 rows: 10.4 vs 16.6 ms at 32 rows, 22.4 vs 23.5 at 128 (30 layers; AMX Xeon, 2 vCPUs).
+# Past 128 neither wins throughout: oneDNN leads at 192-320 rows (by 2-11%) and from 1152, the small GEMM at
+# 384-1024 (by 2-12%, where oneDNN runs some of these shapes on one thread: the down projection at 256-1280 rows
+# takes as long on 2 threads as on 1).
 SMALL_ROWS_AMX_BF16 = 128
 SKINNY_ROWS = 8  # at one row the skinny kernel is ~2x oneDNN; by 8-16 rows oneDNN's blocking catches up
 SKINNY_ROWS_UNPACKED = 32  # against F.linear (no packed weight) the skinny kernel wins up to 32 rows
