@@ -25,8 +25,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "paged_attention.cpp", "paged_decode.cpp", "paged_decode_amx.cpp", "paged_prefill.cpp", "paged_prefill_amx.cpp",
-            "fused_ops.cpp", "skinny_linear.cpp", "small_gemm.cpp")
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "paged_decode.cpp", "paged_decode_amx.cpp", "paged_prefill.cpp",
+            "paged_prefill_amx.cpp", "fused_ops.cpp", "skinny_linear.cpp", "small_gemm.cpp")
 _lock = threading.Lock()
 _module = None
 _tried = False

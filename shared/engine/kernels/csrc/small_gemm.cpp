@@ -301,18 +301,21 @@ struct LaneBest {
 };
 #endif
 
-// Rows of the output [rows, n]: 16 columns at a time, plus the bias, rounded once to T (as oneDNN rounds).
+// Rows of the output [rows, n], 16 columns at a time: sums plus the bias, rounded once to T (as oneDNN rounds).
+// The bias lanes are loaded once per column block (bias(c0)) and handed to every row's store.
 template <typename T>
 class OutRows {
  public:
   OutRows(T* out, int64_t n, const T* bias) : o_(out), n_(n), bias_(bias) {}
-  void store(int64_t r, int64_t c0, V v) const {
+  V bias(int64_t c0) const {
+    if (bias_ == nullptr) return Vf::zero();
+    alignas(64) float b[L] = {};
+    for (int64_t e = 0; e < std::min<int64_t>(L, n_ - c0); ++e) b[e] = load(bias_, c0 + e);
+    return Vf::load(b);
+  }
+  void store(int64_t r, int64_t c0, V v, V b) const {
+    if (bias_ != nullptr) v = Vf::add(v, b);
     const int64_t valid = std::min<int64_t>(L, n_ - c0);
-    if (bias_ != nullptr) {
-      alignas(64) float b[L] = {};
-      for (int64_t e = 0; e < valid; ++e) b[e] = load(bias_, c0 + e);
-      v = Vf::add(v, Vf::load(b));
-    }
     if (valid == L) {
       store_lanes(o_ + r * n_ + c0, v);
     } else {
@@ -324,15 +327,15 @@ class OutRows {
 #if defined(KVRELAY_AMX)
   // 32 columns from c0 in one 64-byte store where they are all in range and there is no bias, with the
   // hardware's round-to-nearest-even (as oneDNN's bf16 outputs); otherwise as store.
-  void store32(int64_t r, int64_t c0, V lo, V hi) const {
+  void store32(int64_t r, int64_t c0, V lo, V hi, V b_lo, V b_hi) const {
     if constexpr (std::is_same<T, at::BFloat16>::value) {
       if (bias_ == nullptr && c0 + 2 * L <= n_) {
         _mm512_storeu_si512(o_ + r * n_ + c0, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
         return;
       }
     }
-    store(r, c0, lo);
-    if (c0 + L < n_) store(r, c0 + L, hi);
+    store(r, c0, lo, b_lo);
+    if (c0 + L < n_) store(r, c0 + L, hi, b_hi);
   }
 #endif
 
@@ -350,24 +353,30 @@ void gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const 
   const U* xp = reinterpret_cast<const U*>(x.data_ptr());
   const U* wp = reinterpret_cast<const U*>(packed.data_ptr());
   const int64_t xs = x.stride(0) * int64_t(x.element_size()) / int64_t(sizeof(U));
-  const OutRows<T> o(reinterpret_cast<T*>(out.data_ptr()), n, bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr);
+  const T* bp = bias ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
+  const OutRows<T> o(reinterpret_cast<T*>(out.data_ptr()), n, bp);
 #if defined(KVRELAY_AMX)
   if constexpr (std::is_same<M, Pairs>::value) {
     if (amx_takes(units)) {  // each row's 32 columns from the block of sums, in one pass over the rows
-      for_blocks_amx(xp, rows, xs, wp, units, blocks, [&](int64_t m0, int64_t end, int64_t b0, int nb, const float* sums) {
+      auto block = [&](int64_t m0, int64_t end, int64_t b0, int nb, const float* sums) {
+        const int64_t c0 = b0 * L;
+        const V b_lo = o.bias(c0), b_hi = nb == 2 ? o.bias(c0 + L) : Vf::zero();
         for (int64_t r = m0; r < end; ++r) {
           const float* row = sums + (r - m0) * 32;
-          if (nb == 2) o.store32(r, b0 * L, Vf::load(row), Vf::load(row + L));
-          else o.store(r, b0 * L, Vf::load(row));
+          if (nb == 2) o.store32(r, c0, Vf::load(row), Vf::load(row + L), b_lo, b_hi);
+          else o.store(r, c0, Vf::load(row), b_lo);
         }
-      });
+      };
+      for_blocks_amx(xp, rows, xs, wp, units, blocks, block);
       return;
     }
   }
 #endif
   for_tiles<M>(xp, rows, xs, wp, units, blocks, [&](int64_t r0, int mr, int64_t b0, int nr, V (&acc)[MR][NR]) {
-    for (int j = 0; j < nr; ++j)
-      for (int i = 0; i < mr; ++i) o.store(r0 + i, (b0 + j) * L, acc[i][j]);
+    for (int j = 0; j < nr; ++j) {
+      const V b = o.bias((b0 + j) * L);
+      for (int i = 0; i < mr; ++i) o.store(r0 + i, (b0 + j) * L, acc[i][j], b);
+    }
   });
 }
 
