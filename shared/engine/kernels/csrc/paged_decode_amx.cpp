@@ -143,11 +143,25 @@ void stage_values(const AttnView<Bf, Bf>& a, const int32_t* table, int64_t k0, i
   }
 }
 
+// stage_values for a chunk wholly inside the range: its two runs of 16 keys each lie in one block (k0 and the
+// block size multiples of 16), so each run is one table lookup and a fixed stride, with no per-key bookkeeping.
+void stage_values_full(const Bf* const run[2], int64_t ts, uint32_t* Vv) {
+  for (int64_t j = 0; j < KC / 2; ++j) {
+    const Bf* x = run[j / 8] + (2 * j % 16) * ts;
+    const Bf* y = x + ts;
+    for (int64_t half = 0; half < 2; ++half) {
+      const __m512i xv = _mm512_loadu_si512(x + 32 * half), yv = _mm512_loadu_si512(y + 32 * half);
+      _mm512_storeu_si512(Vv + j * 64 + 32 * half, interleave_pairs(xv, yv, 0));
+      _mm512_storeu_si512(Vv + j * 64 + 32 * half + 16, interleave_pairs(xv, yv, 1));
+    }
+  }
+}
+
 template <int D>
 void item(const AttnView<Bf, Bf>& a, const int32_t* table, int64_t token, int64_t seq_len, int64_t first,
           int64_t h0, int64_t nh, Scratch& s) {
   const int64_t group = a.group(), k_base = first / KC * KC, npad = (seq_len - k_base + KC - 1) / KC * KC;
-  const int64_t rows = nh * group;
+  const int64_t rows = nh * group, ts = a.token_stride();
   float* sT = s.floats(0, npad * group);
   uint16_t* P = reinterpret_cast<uint16_t*>(s.units(0, nh * group * npad / 2));
   uint32_t* qt = s.units(1, D / 2 * group);
@@ -177,9 +191,16 @@ void item(const AttnView<Bf, Bf>& a, const int32_t* table, int64_t token, int64_
       _tile_zero(6);
       _tile_zero(7);
       for (int64_t k0 = k_base; k0 < seq_len; k0 += KC) {
-        for (int64_t pos = k0 + kPfKeys; pos < std::min(seq_len, k0 + kPfKeys + KC); ++pos)
-          prefetch(a.row(a.v, table, pos, h0 + hh) + e0, 128);
-        stage_values(a, table, k0, first, seq_len, h0 + hh, e0, Vv);
+        for (int64_t pos = k0 + kPfKeys; pos < std::min(seq_len, k0 + kPfKeys + KC); pos += KT) {
+          const Bf* r = a.row(a.v, table, pos, h0 + hh) + e0;
+          for (int64_t t = 0; t < std::min(KT, seq_len - pos); ++t) prefetch(r + t * ts, 128);
+        }
+        if (k0 >= first && k0 + KC <= seq_len) {
+          const Bf* run[2] = {a.row(a.v, table, k0, h0 + hh) + e0, a.row(a.v, table, k0 + KT, h0 + hh) + e0};
+          stage_values_full(run, ts, Vv);
+        } else {
+          stage_values(a, table, k0, first, seq_len, h0 + hh, e0, Vv);
+        }
         _tile_loadd(0, ph + (k0 - k_base), npad * 2);
         _tile_loadd(1, Vv, 256);
         _tile_dpbf16ps(4, 0, 1);
