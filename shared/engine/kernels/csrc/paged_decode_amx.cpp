@@ -125,26 +125,17 @@ void softmax_key_major(float* sT, int64_t npad, int64_t group, float scale, uint
   }
 }
 
-// Row j of the staged values: 64 dims of keys x and y (nullptr: zero) interleaved in pairs, as interleave_pairs
-// orders the lanes.
-inline void stage_pair(const Bf* x, const Bf* y, uint32_t* row) {
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t half = 0; half < 2; ++half) {
-    const __m512i xv = x ? _mm512_loadu_si512(x + 32 * half) : zero, yv = y ? _mm512_loadu_si512(y + 32 * half) : zero;
-    _mm512_storeu_si512(row + 32 * half, interleave_pairs(xv, yv, 0));
-    _mm512_storeu_si512(row + 32 * half + 16, interleave_pairs(xv, yv, 1));
-  }
-}
-
 // Values [k0, k0 + 32) of kv head h, dims [e0, e0 + 64), as B tiles: Vv[j * 64 + e] = the pair (V[2j][e], V[2j+1][e]);
 // rows outside [lo, hi) are zero.
 void stage_values(const AttnView<Bf, Bf>& a, const int32_t* table, int64_t k0, int64_t lo, int64_t hi, int64_t h,
                   int64_t e0, uint32_t* Vv) {
   RowCursor<Bf> vals = a.rows(a.v, table, std::max(k0, lo), h);  // the rows inside are consecutive
-  auto row = [&](int64_t pos) -> const Bf* { return pos < lo || pos >= hi ? nullptr : vals.next() + e0; };
+  auto row = [&](int64_t pos) -> const void* {
+    return pos < lo || pos >= hi ? static_cast<const void*>(kZeroRow) : vals.next() + e0;
+  };
   for (int64_t j = 0; j < KC / 2; ++j) {
-    const Bf* x = row(k0 + 2 * j);
-    stage_pair(x, row(k0 + 2 * j + 1), Vv + j * 64);
+    const void* x = row(k0 + 2 * j);
+    store_pair_row(x, row(k0 + 2 * j + 1), 64, Vv + j * 64);
   }
 }
 
@@ -153,7 +144,7 @@ void stage_values(const AttnView<Bf, Bf>& a, const int32_t* table, int64_t k0, i
 void stage_values_full(const Bf* const run[2], int64_t ts, uint32_t* Vv) {
   for (int64_t j = 0; j < KC / 2; ++j) {
     const Bf* x = run[j / 8] + (2 * j % 16) * ts;
-    stage_pair(x, x + ts, Vv + j * 64);
+    store_pair_row(x, x + ts, 64, Vv + j * 64);
   }
 }
 

@@ -175,16 +175,11 @@ void stage_kv(const AttnView<T, Q>& a, const int32_t* table, int64_t k0, int64_t
     }
   } else {
 #if defined(KVRELAY_AVX512BF16)
-    const __m512i zv = _mm512_setzero_si512();
     for (int64_t j = 0; j < padded / 2; ++j) {
       const int64_t t = 2 * j;
-      const T* x = t < count ? vals.next() : nullptr;
-      const T* y = t + 1 < count ? vals.next() : nullptr;
-      for (int64_t e = 0; e < d; e += 32) {
-        const __m512i xv = x ? _mm512_loadu_si512(x + e) : zv, yv = y ? _mm512_loadu_si512(y + e) : zv;
-        _mm512_storeu_si512(V + j * d + e, interleave_pairs(xv, yv, 0));
-        _mm512_storeu_si512(V + j * d + e + 16, interleave_pairs(xv, yv, 1));
-      }
+      const void* x = t < count ? static_cast<const void*>(vals.next()) : kZeroRow;
+      const void* y = t + 1 < count ? static_cast<const void*>(vals.next()) : kZeroRow;
+      store_pair_row(x, y, d, V + j * d);
       vrows[j] = V + j * d;
     }
 #endif

@@ -77,15 +77,10 @@ void stage_chunk(const AttnView<Bf, Bf>& a, const int32_t* table, int64_t k0, in
       for (int t = 0; t < 16; ++t) rows[t] = key[16 * half + t] ? key[16 * half + t] + c * 16 : zeros;
       transpose16(rows, Kt + (c * 2 + half) * 256);
     }
-  const __m512i zv = _mm512_setzero_si512();
   for (int64_t j = 0; j < KC / 2; ++j) {
-    const Bf* x = 2 * j < count ? vals.next() : nullptr;
-    const Bf* y = 2 * j + 1 < count ? vals.next() : nullptr;
-    for (int64_t e = 0; e < d; e += 32) {
-      const __m512i xv = x ? _mm512_loadu_si512(x + e) : zv, yv = y ? _mm512_loadu_si512(y + e) : zv;
-      _mm512_storeu_si512(Vv + j * d + e, interleave_pairs(xv, yv, 0));
-      _mm512_storeu_si512(Vv + j * d + e + 16, interleave_pairs(xv, yv, 1));
-    }
+    const void* x = 2 * j < count ? static_cast<const void*>(vals.next()) : kZeroRow;
+    const void* y = 2 * j + 1 < count ? static_cast<const void*>(vals.next()) : kZeroRow;
+    store_pair_row(x, y, d, Vv + j * d);
   }
 }
 

@@ -183,6 +183,20 @@ inline __m512i interleave_pairs(__m512i a, __m512i b, int half) {
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   return _mm512_permutex2var_epi16(a, half ? hi : lo, b);
 }
+// Zeros to read in place of a value row past the end of a chunk (head sizes up to 256).
+alignas(64) inline constexpr uint16_t kZeroRow[256] = {};
+// One row of a P V product's B tiles: dims [0, n) of value rows x and y (16-bit elements, n a multiple of 32) as
+// pairs, dst[e] = (x[e], y[e]). Row j of the tiles takes keys 2j and 2j + 1; every kernel staging values for
+// AVX512-BF16 dot products or AMX tiles writes them through here.
+inline void store_pair_row(const void* x, const void* y, int64_t n, uint32_t* dst) {
+  const uint16_t* xs = static_cast<const uint16_t*>(x);
+  const uint16_t* ys = static_cast<const uint16_t*>(y);
+  for (int64_t e = 0; e < n; e += 32) {
+    const __m512i xv = _mm512_loadu_si512(xs + e), yv = _mm512_loadu_si512(ys + e);
+    _mm512_storeu_si512(dst + e, interleave_pairs(xv, yv, 0));
+    _mm512_storeu_si512(dst + e + 16, interleave_pairs(xv, yv, 1));
+  }
+}
 #endif
 
 }  // namespace kvrelay
