@@ -138,13 +138,14 @@ def _time_matmul(fn: Callable[[], torch.Tensor], min_seconds: float) -> float:
 
 
 def _matmul_paths(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
-    """The ways this machine can run a @ b: torch.matmul, and on CPU oneDNN on a packed weight (what the
-    engine's linears use); the ceiling is the faster, so no engine is measured against a slow GEMM."""
+    """The ways this machine can run a @ b: torch.matmul, and on CPU the engine's own linear on a packed weight
+    (oneDNN, or the small GEMM where it is faster); the ceiling is the faster, so no engine is measured against a
+    slow GEMM."""
     paths: dict[str, Callable[[], torch.Tensor]] = {"torch.matmul": lambda: torch.matmul(a, b)}
     weight = b.t().contiguous()
     packed = cpu_linear.pack(weight)
     if packed is not None:
-        paths["onednn_packed"] = lambda: cpu_linear.linear(a, weight, None, packed)
+        paths["engine_linear"] = lambda: cpu_linear.linear(a, weight, None, packed)
     return paths
 
 

@@ -9,6 +9,8 @@
   With AMX, bf16 runs on the tile units (SMALL_ROWS_AMX_BF16).
 - Without the small GEMM (no compiler, or a CPU without AVX2), up to SKINNY_ROWS fp32 rows: the skinny kernel
   (skinny_linear.cpp; same row independence).
+- With AMX, bf16 past SMALL_ROWS_AMX_BF16: whichever of the two was measured faster at that weight shape and row
+  count on this machine (gemm_plan).
 - Otherwise: oneDNN's matmul on the weight reordered once into its blocked layout. `F.linear` hands the plain
   weight to the GEMM, which reorders (oneDNN, bf16) or packs (MKL, fp32) it again on every call; for the 8..64-
   row GEMMs of decode steps that costs as much as the multiply itself.
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine import kernels
+from shared.engine.models import gemm_plan
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +36,7 @@ logger = logging.getLogger(__name__)
 SMALL_ROWS = {"avx512-bf16": 256, "avx512": 256, "avx2": 64}
 # With AMX the small GEMM runs bf16 on the tile units too (the packed blocks are its B tiles), and stays ahead
 # of oneDNN's AMX GEMM to 128 rows: 10.4 vs 16.6 ms at 32 rows, 22.4 vs 23.5 at 128 (30 layers; AMX Xeon, 2 vCPUs).
-# Past 128 neither wins throughout: oneDNN leads at 192-320 rows (by 2-11%) and from 1152, the small GEMM at
-# 384-1024 (by 2-12%, where oneDNN runs some of these shapes on one thread: the down projection at 256-1280 rows
-# takes as long on 2 threads as on 1).
+# Past 128 neither wins throughout, by weight shape and row count: gemm_plan measures which does, once per machine.
 SMALL_ROWS_AMX_BF16 = 128
 SKINNY_ROWS = 8  # at one row the skinny kernel is ~2x oneDNN; by 8-16 rows oneDNN's blocking catches up
 SKINNY_ROWS_UNPACKED = 32  # against F.linear (no packed weight) the skinny kernel wins up to 32 rows
@@ -52,6 +53,12 @@ class PackedWeight:
     small: torch.Tensor | None
     out_features: int
     small_rows: int = 0  # up to this many rows `small` is used
+    plan: gemm_plan.RowPlan | None = None  # past small_rows, where `small` is measured faster than oneDNN
+
+    def takes_small(self, rows: int) -> bool:
+        if self.small is None:
+            return False
+        return rows <= self.small_rows or (self.plan is not None and self.plan.takes_small(rows))
 
 
 def _small_gemm_packs(weight: torch.Tensor):
@@ -79,14 +86,16 @@ def pack(weight: torch.Tensor, onednn: bool = True) -> PackedWeight | None:
         except (AttributeError, RuntimeError) as e:  # a torch build without these ops: the plain path
             logger.warning("oneDNN weight packing unavailable (%s); linear layers use F.linear", e)
     module = _small_gemm_packs(weight)
-    small_rows = 0
+    small_rows, plan = 0, None
     if module is not None:
         small, small_rows = module.pack_small_gemm(weight), SMALL_ROWS[module.attention_isa()]
         if weight.dtype == torch.bfloat16 and module.amx_tiles():
             small_rows = SMALL_ROWS_AMX_BF16
+            if reordered is not None:
+                plan = gemm_plan.plan(weight.shape[0], weight.shape[1], small_rows, module)
     if reordered is None and small is None:
         return None
-    return PackedWeight(reordered, small, weight.shape[0], small_rows)
+    return PackedWeight(reordered, small, weight.shape[0], small_rows, plan)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -94,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x W^T + b; `packed` is `pack(weight)` (None: not packed)."""
     if x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype:
         rows = x.shape[0]
-        if packed is not None and packed.small is not None and rows <= packed.small_rows:
+        if packed is not None and packed.takes_small(rows):
             return kernels.load().small_gemm(x.contiguous(), packed.small, packed.out_features, bias)
         onednn = packed.onednn if packed is not None else None
         limit = SKINNY_ROWS if onednn is not None else SKINNY_ROWS_UNPACKED
