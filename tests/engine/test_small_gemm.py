@@ -95,3 +95,20 @@ def test_linear_layers_pick_the_small_gemm_up_to_its_row_limit():
     assert torch.equal(cpu_linear.linear(small, w, None, packed), native.small_gemm(small, packed.small, 300, None))
     big = torch.randn(packed.small_rows + 1, 128)
     torch.testing.assert_close(cpu_linear.linear(big, w, None, packed), big @ w.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not native.amx_tiles(), reason="the fused gate|up + SiLU kernel runs on AMX tiles")
+@pytest.mark.parametrize("rows", [1, 17, 128, 131, 300])
+def test_fused_silu_mul_is_the_unfused_pair_bit_for_bit(rows):
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 96, 64
+    w = (torch.randn(2 * n, k, generator=gen) * 0.2).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    packed = cpu_linear.pack_silu_mul(w)
+    got = cpu_linear.silu_mul_linear(x, packed)
+    want = native.silu_mul(native.small_gemm(x, native.pack_small_gemm(w), 2 * n, None))
+    assert got.shape == (rows, n) and torch.equal(got, want)
+    # and within bf16 rounding of the formula in float64
+    gu = x.double() @ w.double().T
+    ref = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
+    torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=2e-2)

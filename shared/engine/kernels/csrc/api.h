@@ -28,6 +28,7 @@ void rope_write_kv(TensorArg qk, TensorArg v, TensorArg cos, TensorArg sin, Tens
 at::Tensor pack_small_gemm(TensorArg w);
 at::Tensor small_gemm(TensorArg x, TensorArg packed, int64_t n, OptTensorArg bias);
 at::Tensor small_gemm_argmax(TensorArg x, TensorArg packed, int64_t n);
+at::Tensor small_gemm_silu_mul(TensorArg x, TensorArg packed, int64_t n);
 bool small_gemm_available();
 // Whether bf16 kernels run on AMX tiles here (built for them, the OS lets this process use them, not switched off).
 bool amx_tiles();

@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &kvrelay::silu_mul, nogil, "silu(gate) * up over a fused gate|up row");
   m.def("pack_small_gemm", &kvrelay::pack_small_gemm, nogil, "a weight [N, K] in small_gemm's panels");
   m.def("small_gemm", &kvrelay::small_gemm, nogil, "y = x w^T + b for a decode step's few rows, on a packed weight");
+  m.def("small_gemm_silu_mul", &kvrelay::small_gemm_silu_mul, nogil,
+        "silu(gate) * up of x times a gate|up weight packed with gate and up blocks alternating (AMX)");
   m.def("small_gemm_argmax", &kvrelay::small_gemm_argmax, nogil, "argmax over columns of small_gemm(x, w) per row");
   m.def("small_gemm_available", &kvrelay::small_gemm_available, "whether small_gemm was built (AVX2 + FMA or AVX512)");
   m.def("amx_tiles", &kvrelay::amx_tiles, "whether bf16 kernels run on AMX tiles here");

@@ -32,6 +32,15 @@ inline float round_to(float v) {
 // region there costs more than the work, and its barrier stalls whenever the OS lends a core to a serving process.
 inline int64_t serial_rows(int64_t n) { return std::max<int64_t>(1, 65536 / n); }
 
+#if defined(KVRELAY_AVX512)
+// silu(gate) * up for 16 lanes (F.silu in the model dtype, then .mul_(up)); the caller rounds the product.
+template <typename T>
+inline __m512 silu_mul16(__m512 x, __m512 up) {
+  const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+  return _mm512_mul_ps(round_to16<T>(s), up);
+}
+#endif
+
 template <typename T>
 void add_rms_norm_impl(T* x, T* residual, const T* w, T* out, int64_t rows, int64_t n, int64_t x_stride,
                        double eps) {
@@ -87,11 +96,7 @@ void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stri
       T* o = out + r * n;
       int64_t i = 0;
 #if defined(KVRELAY_AVX512)
-      for (; i + 16 <= n; i += 16) {
-        const __m512 x = load16(g + i);
-        const __m512 s = round_to16<T>(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
-        store16(o + i, _mm512_mul_ps(s, load16(u + i)));
-      }
+      for (; i + 16 <= n; i += 16) store16(o + i, silu_mul16<T>(load16(g + i), load16(u + i)));
 #endif
 #ifdef KVRELAY_AVX2
       // Vectorised exp (within 1 ulp of expf; std::exp per element was most of this kernel's time).
@@ -238,5 +243,12 @@ void rope_write_kv(TensorArg qk, TensorArg v, TensorArg cos, TensorArg sin, Tens
             kv_cache->data_ptr<at::BFloat16>());
   }
 }
+
+#if defined(KVRELAY_AVX512)
+void silu_mul_sums16(const float* gate, const float* up, at::BFloat16* out) {
+  store16(out, silu_mul16<at::BFloat16>(round_to16<at::BFloat16>(_mm512_loadu_ps(gate)),
+                                        round_to16<at::BFloat16>(_mm512_loadu_ps(up))));
+}
+#endif
 
 }  // namespace kvrelay

@@ -157,8 +157,8 @@ constexpr int64_t kAmxRowBlock = 128;
 
 // A 32 x 32 block of sums whose rows are still to be handed on: the tiles compute the next block meanwhile, and
 // a few of these rows go out between each of its K steps, so the vector units convert and store while the tile
-// unit multiplies (they ran one after the other before: 2048 x 576 -> 3072 at ~2,460 GFLOP/s, ~3,400 without
-// the stores at all; 1024 x 1536 -> 576 at ~3,050).
+// unit multiplies. One after the other, in a C model of this loop (AMX Xeon, 2 vCPUs): 2048 x 576 -> 3072 ran at
+// ~2,460 GFLOP/s and ~3,400 with no stores at all; overlapped 2,690. 1024 x 1536 -> 576: 3,050 -> 3,620.
 struct PendingBlock {
   alignas(64) float sums[32 * 32];
   int64_t m0 = 0, end = 0, next = 0, b0 = 0;
@@ -407,6 +407,25 @@ void gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const 
   });
 }
 
+#if defined(KVRELAY_AMX)
+// silu(x G^T) * (x U^T) for a weight packed with gate and up column blocks alternating (pack_gate_up): a panel of
+// two blocks is 16 gate and the same 16 up columns, so each block of sums becomes 16 output columns, and the
+// gate|up activations (twice the output) are never written.
+void gemm_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, torch::Tensor& out) {
+  const int64_t rows = x.size(0), units = packed.size(1), blocks = packed.size(0);
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  const int64_t xs = x.stride(0) / 2;
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  auto block = [&](int64_t m0, int64_t row, int64_t row_end, int64_t b0, int, const float* sums) {
+    for (int64_t r = row; r < row_end; ++r) {
+      const float* s = sums + (r - m0) * 32;
+      silu_mul_sums16(s, s + L, op + r * n + b0 / 2 * L);
+    }
+  };
+  for_blocks_amx(xp, rows, xs, reinterpret_cast<const uint32_t*>(packed.data_ptr()), units, blocks, block);
+}
+#endif
+
 // Per row, the first column of the largest value (NaN never wins; all-NaN rows give 0).
 template <class M, typename T>
 void gemm_argmax(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, torch::Tensor& out) {
@@ -522,6 +541,24 @@ torch::Tensor small_gemm_argmax(TensorArg x, TensorArg packed, int64_t n) {
   return out;
 }
 
+// x [M, K] bf16 -> silu(gate) * up [M, n], where packed = pack_small_gemm of the gate|up weight [2n, K] with
+// its 16-row blocks of gate and of up alternating (n a multiple of 16, K of 32); AMX only.
+torch::Tensor small_gemm_silu_mul(TensorArg x, TensorArg packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kBFloat16,
+              "x must be [M, K] bf16 with contiguous rows");
+  TORCH_CHECK(packed.scalar_type() == torch::kInt32 && x.size(1) == packed.size(1) * 2,
+              "x's K does not match the packed weight");
+  TORCH_CHECK(n % L == 0 && packed.size(0) == 2 * n / L, "packed must hold 2n outputs, n a multiple of 16");
+  auto out = torch::empty({x.size(0), n}, x.options());
+#if defined(KVRELAY_AMX)
+  TORCH_CHECK(amx_takes(packed.size(1)), "small_gemm_silu_mul runs on AMX tiles, with K a multiple of 32");
+  gemm_silu_mul(x, packed, n, out);
+#else
+  TORCH_CHECK(false, "small_gemm_silu_mul needs AMX");
+#endif
+  return out;
+}
+
 bool small_gemm_available() { return true; }
 
 bool amx_tiles() {
@@ -538,6 +575,7 @@ torch::Tensor pack_small_gemm(TensorArg) { TORCH_CHECK(false, "small_gemm needs 
 torch::Tensor small_gemm(TensorArg, TensorArg, int64_t, OptTensorArg) {
   TORCH_CHECK(false, "small_gemm needs AVX2 + FMA or AVX512");
 }
+torch::Tensor small_gemm_silu_mul(TensorArg, TensorArg, int64_t) { TORCH_CHECK(false, "small_gemm_silu_mul needs AMX"); }
 torch::Tensor small_gemm_argmax(TensorArg, TensorArg, int64_t) {
   TORCH_CHECK(false, "small_gemm needs AVX2 + FMA or AVX512");
 }

@@ -197,6 +197,9 @@ inline void store_pair_row(const void* x, const void* y, int64_t n, uint32_t* ds
     _mm512_storeu_si512(dst + e + 16, interleave_pairs(xv, yv, 1));
   }
 }
+// silu(gate) * up for 16 columns of fp32 sums, each first rounded to bf16 as a projection's output is, with
+// silu_mul's arithmetic to the bit (fused_ops.cpp, which compiles it without FMA contraction).
+void silu_mul_sums16(const float* gate, const float* up, at::BFloat16* out);
 #endif
 
 }  // namespace kvrelay
