@@ -16,6 +16,8 @@ an AVX512 machine can test the code paths an AVX2-only machine runs.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -50,6 +52,24 @@ def _build_dir() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _exclusive(build_dir: Path):
+    """The build folder to this process alone, with torch's own lock file cleared if one was left behind.
+
+    Every load takes torch's lock (a file it creates, and deletes when done) to check the build, and waits for as
+    long as the file exists: a process killed meanwhile (a node stopped with SIGKILL while it started) left it
+    there, and every later start hung. An flock, which the OS drops when its holder dies, now admits one loader
+    at a time; whoever holds it knows a torch lock file in the folder is stale.
+    """
+    with open(build_dir / "load.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a kernel build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def _march() -> str:
     return os.environ.get("KVRELAY_KERNEL_MARCH") or "native"
 
@@ -69,14 +89,16 @@ def load():
             from torch.utils.cpp_extension import load as build
 
             logger.info("loading the native CPU kernels (compiled once per machine)")
-            _module = build(
-                name="kvrelay_cpu_kernels",
-                sources=[str(_CSRC / name) for name in _SOURCES],
-                extra_cflags=["-O3", f"-march={_march()}", "-fno-math-errno", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(_build_dir()),
-                verbose=False,
-            )
+            build_dir = _build_dir()
+            with _exclusive(build_dir):
+                _module = build(
+                    name="kvrelay_cpu_kernels",
+                    sources=[str(_CSRC / name) for name in _SOURCES],
+                    extra_cflags=["-O3", f"-march={_march()}", "-fno-math-errno", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    verbose=False,
+                )
         except Exception as e:  # a missing compiler must not stop serving
             logger.warning("native CPU kernels unavailable (%s); using the torch path", e)
             _module = None
