@@ -11,13 +11,13 @@
   (skinny_linear.cpp; same row independence).
 - With AMX, bf16 past SMALL_ROWS_AMX_BF16: whichever of the two was measured faster at that weight shape and row
   count on this machine (gemm_plan).
+- With AMX, an MLP's gate|up projection and SiLU * up run as one kernel at every row count (pack_silu_mul):
+  2048 rows of SmolLM2 2.98 ms against 3.62 for oneDNN then silu_mul, 128 rows 0.24 against 0.34 (AMX Xeon,
+  2 vCPUs).
 - Otherwise: oneDNN's matmul on the weight reordered once into its blocked layout. `F.linear` hands the plain
   weight to the GEMM, which reorders (oneDNN, bf16) or packs (MKL, fp32) it again on every call; for the 8..64-
   row GEMMs of decode steps that costs as much as the multiply itself.
 - Anything none takes (other devices or dtypes, torch without oneDNN, no compiler): `F.linear`.
-- With AMX, an MLP's gate|up projection and SiLU * up run as one kernel at every row count (pack_silu_mul):
-  2048 rows of SmolLM2 2.98 ms against 3.62 for oneDNN then silu_mul, 128 rows 0.24 against 0.34 (AMX Xeon,
-  2 vCPUs).
 """
 
 from __future__ import annotations
@@ -122,22 +122,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def pack_silu_mul(weight: torch.Tensor) -> torch.Tensor | None:
     """A gate|up weight [2n, K] (gate rows first) for `silu_mul_linear`, its 16-row blocks of gate and up
     alternating, or None where that kernel does not run (it needs AMX and bf16)."""
-    module = kernels.load()
     rows, k = weight.shape
-    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or rows % 32 or k % 32 or module is None
-            or not module.small_gemm_available() or not module.amx_tiles()
-            or os.environ.get(DISABLE_ENV) or os.environ.get(DISABLE_SMALL_ENV)):
+    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or rows % 32 or k % 32
+            or os.environ.get(DISABLE_ENV)):
+        return None
+    module = _small_gemm_packs(weight)
+    if module is None or not module.amx_tiles():
         return None
     blocks = weight.view(2, rows // 32, 16, k).transpose(0, 1).reshape(rows, k)
     return module.pack_small_gemm(blocks)
 
 
-def silu_mul_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
-    """SiLU(x G^T) * (x U^T) for `packed` = pack_silu_mul(weight), bit for bit the product of `linear` (on the
-    small GEMM) and `LayerOps.silu_mul`, without writing the gate|up activations; None if x is not bf16 rows."""
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        return None
-    return kernels.load().small_gemm_silu_mul(x.contiguous(), packed, packed.shape[0] * 8)
+def silu_mul_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """SiLU(x G^T) * (x U^T) for bf16 rows x and `packed` = pack_silu_mul(weight), bit for bit the product of
+    `linear` (on the small GEMM) and `LayerOps.silu_mul`, without writing the gate|up activations."""
+    outputs = packed.shape[0] * 16 // 2  # half of the packed blocks' 16 columns each are gate, half up
+    return kernels.load().small_gemm_silu_mul(x.contiguous(), packed, outputs)
 
 
 def greedy(x: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor | None:

@@ -148,8 +148,8 @@ class GateUpLinear(FusedLinear):
             super().after_load()
 
     def act(self, h: torch.Tensor) -> torch.Tensor:
-        if self.silu_packed is not None and (out := cpu_linear.silu_mul_linear(h, self.silu_packed)) is not None:
-            return out
+        if self.silu_packed is not None:  # a bf16 CPU weight: the activations are bf16 rows on the CPU too
+            return cpu_linear.silu_mul_linear(h, self.silu_packed)
         return self.ops.silu_mul(self(h))
 
 

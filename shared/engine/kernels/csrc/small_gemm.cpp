@@ -408,7 +408,7 @@ void gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, const 
 }
 
 #if defined(KVRELAY_AMX)
-// silu(x G^T) * (x U^T) for a weight packed with gate and up column blocks alternating (pack_gate_up): a panel of
+// silu(x G^T) * (x U^T) for a weight packed with gate and up column blocks alternating (cpu_linear.pack_silu_mul): a panel of
 // two blocks is 16 gate and the same 16 up columns, so each block of sums becomes 16 output columns, and the
 // gate|up activations (twice the output) are never written.
 void gemm_silu_mul(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, torch::Tensor& out) {
