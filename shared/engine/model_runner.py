@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from shared.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from shared.engine import host_memory
 from shared.engine.attention import get_attention_backend
 from shared.engine.attention.base import AttentionMetadata
 from shared.engine.model_info import ModelInfo
@@ -146,7 +147,7 @@ class ModelRunner:
         if self.kv_allocator is not None:
             self.kv_caches = self.kv_allocator.allocate_kv_caches(m.num_layers, shape, self.dtype, self.device)
         else:
-            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)]
+            self.kv_caches = [host_memory.zeros(shape, self.dtype, self.device) for _ in range(m.num_layers)]
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
 

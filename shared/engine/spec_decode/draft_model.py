@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from shared.config import EngineConfig, ModelConfig, dtype_name
+from shared.engine import host_memory
 from shared.engine.attention import get_attention_backend
 from shared.engine.attention.base import AttentionMetadata
 from shared.engine.model_info import load_model_info
@@ -79,7 +80,7 @@ class DraftModelProposer(Proposer):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         shape = kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads, m.head_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)]
+        self.kv_caches = [host_memory.zeros(shape, self.dtype, self.device) for _ in range(m.num_layers)]
 
     # -- following the scheduler -------------------------------------------------------------------------
 
