@@ -23,7 +23,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if device.type != "cpu" or advice is None:
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(advice)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping for as long as a view of it lives
