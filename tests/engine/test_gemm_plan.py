@@ -21,6 +21,12 @@ def test_row_buckets_start_above_the_fixed_limit():
     assert plan.takes_small(321) is False  # past the measured range: oneDNN
 
 
+def test_onednn_takes_a_bucket_only_when_clearly_faster():
+    assert gemm_plan.small_wins(1.0, 1.0) and gemm_plan.small_wins(1.0, 1.2)
+    assert gemm_plan.small_wins(1.0, gemm_plan.ODNN_MARGIN)  # within the margin: still the small GEMM
+    assert not gemm_plan.small_wins(1.0, 0.9 * gemm_plan.ODNN_MARGIN)
+
+
 amx = pytest.mark.skipif(native is None or not native.amx_tiles(), reason="the plan is measured on AMX CPUs only")
 
 

@@ -8,12 +8,16 @@ no rule we found predicts. SmolLM2's projections on an AMX Xeon (2 vCPUs), oneDN
     qkv   [960 x 576]   1,300-1,400 from 768 to 1,024 rows, 2,200-2,500 on either side
     o     [576 x 576]   1,100-1,300 from 384 to 832 rows, 2,300-2,600 from 896
 
-The small GEMM (small_gemm.cpp) runs 2,100-2,600 at every row count; oneDNN leads by 10-20% on the wide
-gate_up projection, where it always uses both threads. So both kernels are timed on the weight's shape for
-every bucket of BUCKET rows up to MAX_ROWS (best of a few calls each, alternated), and the faster takes the
-bucket. The verdict is cached per CPU model, torch version, thread count and shape under a file lock (as
-auto_dtype caches its verdict), so every process on a machine (a fleet's nodes, the colocated engine they are
-checked against) runs the same kernel at the same row count and computes the same numbers.
+The small GEMM (small_gemm.cpp) runs 2,100-2,600 at every row count, a multiple of 16 or not. So both kernels
+are timed on the weight's shape for every bucket of BUCKET rows up to MAX_ROWS, at the bucket's top and at an
+odd row count inside it (a step's token count rarely is a multiple of anything; best of a few calls each), and
+oneDNN takes the bucket only where it is ODNN_MARGIN faster. The margin is what the timing leaves out: oneDNN
+builds a primitive on its first call at each new row count, which in serving is nearly every mixed step (in a
+256-request bf16 run on the AMX Xeon its first calls took 3.5-4.2 ms against 1.5-1.8 for the next 29 layers',
+~6% of a step's calls to that weight). The verdict is cached per CPU model, torch version, thread count and
+shape under a file lock (as auto_dtype caches its verdict), so every process on a machine (a fleet's nodes, the
+colocated engine they are checked against) runs the same kernel at the same row count and computes the same
+numbers.
 """
 
 from __future__ import annotations
@@ -35,7 +39,10 @@ logger = logging.getLogger(__name__)
 
 BUCKET = 64
 MAX_ROWS = 2048  # a step's default token budget; past it oneDNN runs every call
+ODD_BELOW_TOP = 21  # the second row count timed in a bucket: top - 21, odd and not a multiple of 16
+ODNN_MARGIN = 0.95  # oneDNN's time must be below this fraction of the small GEMM's to take a bucket
 CACHE_FILE = "gemm_plan.json"
+VERSION = 2  # in the cache key: 2 times an odd row count too and adds the margin (small_gemm pads its tail only)
 
 
 @dataclass(frozen=True)
@@ -68,17 +75,25 @@ def _measure(out_features: int, in_features: int, first: int, module) -> list[bo
     small = module.pack_small_gemm(weight)
     verdict = []
     for top in range(first + BUCKET, MAX_ROWS + 1, BUCKET):
-        x = torch.randn(top, in_features, generator=gen).to(torch.bfloat16)
-        t_small = _best_seconds(lambda x=x: module.small_gemm(x, small, out_features, None))
-        t_onednn = _best_seconds(lambda x=x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""))
-        verdict.append(t_small <= t_onednn)  # a tie to the small GEMM: its rows do not depend on their batch
+        t_small = t_onednn = 0.0
+        for rows in (top, top - ODD_BELOW_TOP):
+            x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+            t_small += _best_seconds(lambda x=x: module.small_gemm(x, small, out_features, None))
+            t_onednn += _best_seconds(lambda x=x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""))
+        verdict.append(small_wins(t_small, t_onednn))
     return verdict
+
+
+def small_wins(t_small: float, t_onednn: float) -> bool:
+    """Whether the small GEMM takes a bucket: unless oneDNN is clearly faster (ODNN_MARGIN), as near-ties go to
+    the kernel with no primitive to build and whose rows do not depend on their batch."""
+    return t_onednn >= ODNN_MARGIN * t_small
 
 
 @functools.cache
 def plan(out_features: int, in_features: int, first: int, module) -> RowPlan:
     """The measured plan for a bf16 weight [out_features, in_features] above `first` rows (cached on disk)."""
-    key = (f"{cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads|"
+    key = (f"v{VERSION}|{cpu_model()}|torch {torch.__version__}|{torch.get_num_threads()} threads|"
            f"bf16 {out_features}x{in_features} above {first} by {BUCKET} to {MAX_ROWS}")
     path = cache_dir() / CACHE_FILE
     try:
