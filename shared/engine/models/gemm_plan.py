@@ -12,12 +12,11 @@ The small GEMM (small_gemm.cpp) runs 2,100-2,600 at every row count, a multiple 
 are timed on the weight's shape for every bucket of BUCKET rows up to MAX_ROWS, at the bucket's top and at an
 odd row count inside it (a step's token count rarely is a multiple of anything; best of a few calls each), and
 oneDNN takes the bucket only where it is ODNN_MARGIN faster. The margin is what the timing leaves out: oneDNN
-builds a primitive on its first call at each new row count, which in serving is nearly every mixed step (in a
-256-request bf16 run on the AMX Xeon its first calls took 3.5-4.2 ms against 1.5-1.8 for the next 29 layers',
-~6% of a step's calls to that weight). The verdict is cached per CPU model, torch version, thread count and
-shape under a file lock (as auto_dtype caches its verdict), so every process on a machine (a fleet's nodes, the
-colocated engine they are checked against) runs the same kernel at the same row count and computes the same
-numbers.
+builds a primitive on its first call at each new row count, which in serving is nearly every mixed step (timed
+alone on the AMX Xeon, such a first call ran the qkv projection at 81-99 GFLOP/s against ~2,000 after it).
+The verdict is cached per CPU model, torch version, thread count and shape under a file lock (as auto_dtype
+caches its verdict), so every process on a machine (a fleet's nodes, the colocated engine they are checked
+against) runs the same kernel at the same row count and computes the same numbers.
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ struct PendingBlock {
 // 2 vCPUs): 16 rows 8.4-9.2 -> 7.6-8.3 ms, 64 rows 11.6-12.3 -> 10.5-10.6, 128 rows 18.4 -> 15.3-15.8. The next
 // panel is prefetched into L2 on the first row block. Rows past the last whole tile of 16 are read from a
 // zero-padded copy of just those rows: copying every row there (single-threaded, before the walk) held 1,025 to
-// 1,167 rows at 1,250-1,650 GFLOP/s against 2,100-2,500 at multiples of 16 (AMX Xeon, 2 vCPUs). A row's sums do
+// 1,167 rows at 1,170-1,650 GFLOP/s against 2,100-2,410 at multiples of 16 (AMX Xeon, 2 vCPUs). A row's sums do
 // not depend on the rows beside it.
 template <class Block>
 void for_blocks_amx(const uint32_t* x, int64_t rows, int64_t xs, const uint32_t* w, int64_t units, int64_t blocks,
