@@ -8,7 +8,7 @@ no rule we found predicts. SmolLM2's projections on an AMX Xeon (2 vCPUs), oneDN
     qkv   [960 x 576]   1,300-1,400 from 768 to 1,024 rows, 2,200-2,500 on either side
     o     [576 x 576]   1,100-1,300 from 384 to 832 rows, 2,300-2,600 from 896
 
-The small GEMM (small_gemm.cpp) runs 2,100-2,600 at every row count, a multiple of 16 or not. So both kernels
+The small GEMM (small_gemm.cpp) runs 2,080-2,600 at every row count, a multiple of 16 or not. So both kernels
 are timed on the weight's shape for every bucket of BUCKET rows up to MAX_ROWS, at the bucket's top and at an
 odd row count inside it (a step's token count rarely is a multiple of anything; best of a few calls each), and
 oneDNN takes the bucket only where it is ODNN_MARGIN faster. The margin is what the timing leaves out: oneDNN
