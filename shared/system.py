@@ -89,6 +89,15 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_CHUNKS_BELOW)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_TOP))
 
 
+def thp_mode() -> str | None:
+    """The kernel's transparent huge page mode (`always`, `madvise` or `never`); None where it has none."""
+    try:
+        with open(THP_MODE_FILE) as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
 def huge_pages_for_tensors() -> bool:
     """Have torch's CPU allocator ask for transparent huge pages (2 MiB) for every block of 2 MiB or more.
 
@@ -97,12 +106,7 @@ def huge_pages_for_tensors() -> bool:
     this before a model is loaded; an explicit THP_MEM_ALLOC_ENABLE=0 is left alone. Returns whether the
     kernel gives huge pages to memory that asks for them (THP mode `always` or `madvise`, not `never`).
     """
-    try:
-        with open(THP_MODE_FILE) as f:
-            mode = f.read()
-    except OSError:
-        return False
-    if "[never]" in mode:
+    if thp_mode() not in ("always", "madvise"):
         return False
     os.environ.setdefault(TORCH_THP_ENV, "1")
     return os.environ[TORCH_THP_ENV] == "1"

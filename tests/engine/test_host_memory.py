@@ -9,16 +9,7 @@ import pytest
 import torch
 
 from shared.engine import host_memory
-
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def _thp_mode() -> str | None:
-    try:
-        text = THP.read_text()
-    except OSError:
-        return None
-    return text[text.index("[") + 1 : text.index("]")]
+from shared.system import thp_mode
 
 
 def _anon_huge_kib(address: int) -> int:
@@ -53,7 +44,7 @@ def test_view_keeps_the_mapping_alive():
     assert view.sum().item() == 7.0 * 1024
 
 
-@pytest.mark.skipif(_thp_mode() not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"),
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"),
                     reason="transparent huge pages are off here")
 def test_backed_by_huge_pages():
     t = host_memory.zeros((4 * host_memory.HUGE_PAGE // 4,), torch.float32, torch.device("cpu"))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shared.system import THP_MODE_FILE, TORCH_THP_ENV, _ephemeral_range, free_port
+from shared.system import TORCH_THP_ENV, _ephemeral_range, free_port, thp_mode
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_are_never_repeated():
@@ -81,15 +81,7 @@ print(eligible)
 """
 
 
-def _thp_mode() -> str | None:
-    try:
-        with open(THP_MODE_FILE) as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return None
-
-
-@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
 def test_large_tensors_ask_for_huge_pages_unless_told_not_to():
     def probe(env: dict[str, str]) -> list[str]:
         out = subprocess.run([sys.executable, "-c", _THP_PROBE], capture_output=True, text=True, check=True,
@@ -99,5 +91,5 @@ def test_large_tensors_ask_for_huge_pages_unless_told_not_to():
     assert probe({}) == ["True", "1"]  # the tensor's mapping may take huge pages
     took, eligible = probe({TORCH_THP_ENV: "0"})
     assert took == "False"
-    if _thp_mode() == "madvise":  # (with `always` every mapping may, asked or not)
+    if thp_mode() == "madvise":  # (with `always` every mapping may, asked or not)
         assert eligible == "0"

@@ -41,7 +41,7 @@ MAX_ROWS = 2048  # a step's default token budget; past it oneDNN runs every call
 ODD_BELOW_TOP = 21  # the second row count timed in a bucket: top - 21, odd and not a multiple of 16
 ODNN_MARGIN = 0.95  # oneDNN's time must be below this fraction of the small GEMM's to take a bucket
 CACHE_FILE = "gemm_plan.json"
-VERSION = 2  # in the cache key: 2 times an odd row count too and adds the margin (small_gemm pads its tail only)
+VERSION = 2  # in the cache key; version 2 also times an odd row count and adds the margin
 
 
 @dataclass(frozen=True)
