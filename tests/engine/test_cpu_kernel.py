@@ -130,27 +130,28 @@ def test_fused_silu_mul_at_the_ends_of_exp(dtype):
     assert torch.isnan(nan).all()
 
 
+@pytest.mark.parametrize("d", [64, 72])  # 72: half a head is 36, so the vector loops leave a scalar tail
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_rope_equals_hf_formula(dtype):
+def test_fused_rope_equals_hf_formula(dtype, d):
     """q * cos + rotate_half(q) * sin, as transformers computes it: identical to the last bit (each product
     rounds on its own), and within a rounding of the portable path (which fuses a multiply-add)."""
     torch_ops, native = _ops()
     torch.manual_seed(4)
-    freqs = torch.arange(4096).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64))[None, :]
+    freqs = torch.arange(4096).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None, :]
     cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-    qkv = torch.randn(23, (9 + 3 + 3) * 64).to(dtype)
+    qkv = torch.randn(23, (9 + 3 + 3) * d).to(dtype)
     positions = torch.randint(0, 4096, (23,))
     a, b = qkv.clone(), qkv.clone()
-    qk_a, qk_b = a[:, : 12 * 64].view(23, 12, 64), b[:, : 12 * 64].view(23, 12, 64)
+    qk_a, qk_b = a[:, : 12 * d].view(23, 12, d), b[:, : 12 * d].view(23, 12, d)
     torch_ops.rope_(qk_a, torch_ops.rope_prepare(cos, sin, positions))
     native.rope_(qk_b, native.rope_prepare(cos, sin, positions))
-    x = qkv[:, : 12 * 64].view(23, 12, 64)
+    x = qkv[:, : 12 * d].view(23, 12, d)
     c = torch.cat([cos[positions], cos[positions]], -1)[:, None]
     s = torch.cat([sin[positions], sin[positions]], -1)[:, None]
     x1, x2 = x.chunk(2, -1)
     hf = x * c + torch.cat([-x2, x1], -1) * s
     assert torch.equal(qk_b, hf)
-    assert torch.equal(b[:, 12 * 64 :], qkv[:, 12 * 64 :])  # v untouched
+    assert torch.equal(b[:, 12 * d :], qkv[:, 12 * d :])  # v untouched
     assert (qk_a.float() - hf.float()).abs().max().item() <= (1e-6 if dtype == torch.float32 else 2e-2)
 
 

@@ -118,9 +118,33 @@ void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stri
 }
 
 // x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin (each product rounded to the dtype, as the eager ops do).
+// Vectorised with the same per-lane operations, so every lane rounds exactly as the scalar loop does.
 template <typename T>
 inline void rotate(T* x, const T* cos, const T* sin, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+#if defined(KVRELAY_AVX512)
+  for (; i + 16 <= half; i += 16) {
+    const __m512 x1 = load16(x + i), x2 = load16(x + half + i), c = load16(cos + i), s = load16(sin + i);
+    const __m512 a = round_to16<T>(_mm512_mul_ps(x1, c)), b = round_to16<T>(_mm512_mul_ps(x2, s));
+    const __m512 e = round_to16<T>(_mm512_mul_ps(x2, c)), f = round_to16<T>(_mm512_mul_ps(x1, s));
+    store16(x + i, _mm512_sub_ps(a, b));
+    store16(x + half + i, _mm512_add_ps(e, f));
+  }
+#endif
+#ifdef KVRELAY_AVX2
+  const auto round8 = [](__m256 v) {
+    if constexpr (std::is_same<T, float>::value) return v;
+    else return round_bf16(v);
+  };
+  for (; i + 8 <= half; i += 8) {
+    const __m256 x1 = load8(x + i), x2 = load8(x + half + i), c = load8(cos + i), s = load8(sin + i);
+    const __m256 a = round8(_mm256_mul_ps(x1, c)), b = round8(_mm256_mul_ps(x2, s));
+    const __m256 e = round8(_mm256_mul_ps(x2, c)), f = round8(_mm256_mul_ps(x1, s));
+    store8(x + i, _mm256_sub_ps(a, b));
+    store8(x + half + i, _mm256_add_ps(e, f));
+  }
+#endif
+  for (; i < half; ++i) {
     const float x1 = load(x, i), x2 = load(x, half + i), c = load(cos, i), s = load(sin, i);
     const float a = round_to<T>(x1 * c), b = round_to<T>(x2 * s);
     const float e = round_to<T>(x2 * c), f = round_to<T>(x1 * s);
