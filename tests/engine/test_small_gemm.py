@@ -85,6 +85,24 @@ def test_argmax_is_that_of_the_logits_ties_to_the_lowest_column():
         assert got[5].item() == 123 and got[6].item() == 0
 
 
+def test_argmax_never_picks_nan_and_an_all_nan_row_gives_column_0():
+    for dtype in _dtypes():
+        torch.manual_seed(6)
+        n = 1000
+        w = torch.randn(n, 64).to(dtype)
+        w[10] = float("nan")  # column 10 is NaN in every row
+        x = torch.randn(40, 64).to(dtype)
+        x[3] = w[20] * 4  # without the NaN rule row 3 peaks at 20 anyway
+        x[7] = float("nan")  # every logit NaN
+        packed = native.pack_small_gemm(w)
+        logits = native.small_gemm(x, packed, n, None)
+        got = native.small_gemm_argmax(x, packed, n)
+        want = logits.float().nan_to_num(nan=float("-inf")).argmax(dim=-1)
+        want[7] = 0
+        assert torch.equal(got, want)
+        assert 10 not in got.tolist() and got[3].item() == 20
+
+
 def test_linear_layers_pick_the_small_gemm_up_to_its_row_limit():
     torch.manual_seed(5)
     w = torch.randn(300, 128)
