@@ -98,6 +98,12 @@ def thp_mode() -> str | None:
         return None
 
 
+def huge_pages_on_request() -> bool:
+    """Whether the kernel gives transparent huge pages to memory that asks for them (THP mode `always` or
+    `madvise`, not `never`)."""
+    return thp_mode() in ("always", "madvise")
+
+
 def huge_pages_for_tensors() -> bool:
     """Have torch's CPU allocator ask for transparent huge pages (2 MiB) for every block of 2 MiB or more.
 
@@ -106,7 +112,7 @@ def huge_pages_for_tensors() -> bool:
     this before a model is loaded; an explicit THP_MEM_ALLOC_ENABLE=0 is left alone. Returns whether the
     kernel gives huge pages to memory that asks for them (THP mode `always` or `madvise`, not `never`).
     """
-    if thp_mode() not in ("always", "madvise"):
+    if not huge_pages_on_request():
         return False
     os.environ.setdefault(TORCH_THP_ENV, "1")
     return os.environ[TORCH_THP_ENV] == "1"

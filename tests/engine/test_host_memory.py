@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shared.engine import host_memory
-from shared.system import thp_mode
+from shared.system import huge_pages_on_request
 
 
 def _anon_huge_kib(address: int) -> int:
@@ -44,7 +44,7 @@ def test_view_keeps_the_mapping_alive():
     assert view.sum().item() == 7.0 * 1024
 
 
-@pytest.mark.skipif(thp_mode() not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"),
+@pytest.mark.skipif(not huge_pages_on_request() or not hasattr(mmap, "MADV_HUGEPAGE"),
                     reason="transparent huge pages are off here")
 def test_backed_by_huge_pages():
     t = host_memory.zeros((4 * host_memory.HUGE_PAGE // 4,), torch.float32, torch.device("cpu"))

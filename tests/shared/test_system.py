@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shared.system import TORCH_THP_ENV, _ephemeral_range, free_port, thp_mode
+from shared.system import TORCH_THP_ENV, _ephemeral_range, free_port, huge_pages_on_request, thp_mode
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_are_never_repeated():
@@ -81,7 +81,7 @@ print(eligible)
 """
 
 
-@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
+@pytest.mark.skipif(not huge_pages_on_request(), reason="transparent huge pages are off here")
 def test_large_tensors_ask_for_huge_pages_unless_told_not_to():
     def probe(env: dict[str, str]) -> list[str]:
         out = subprocess.run([sys.executable, "-c", _THP_PROBE], capture_output=True, text=True, check=True,

@@ -179,6 +179,12 @@ inline __m256i bf16_bits_rne(__m256 x) {
 inline __m256 round_bf16(__m256 x) {
   return _mm256_castsi256_ps(_mm256_and_si256(bf16_bits_rne(x), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
+// A value as the dtype T holds it (bf16 rounds), kept in fp32: round_to16's 8 lanes.
+template <typename T>
+inline __m256 round_to8(__m256 v) {
+  if constexpr (std::is_same<T, float>::value) return v;
+  else return round_bf16(v);
+}
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(at::BFloat16* p, __m256 v) {
   const __m256i hi = _mm256_srli_epi32(bf16_bits_rne(v), 16);

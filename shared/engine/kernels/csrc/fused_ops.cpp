@@ -103,8 +103,8 @@ void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stri
       const __m256 one = _mm256_set1_ps(1.f);
       for (; i + 8 <= n; i += 8) {
         const __m256 x = load8(g + i);
-        __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-        if constexpr (!std::is_same<T, float>::value) s = round_bf16(s);
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        const __m256 s = round_to8<T>(_mm256_div_ps(x, _mm256_add_ps(one, e)));
         store8(o + i, _mm256_mul_ps(s, load8(u + i)));
       }
 #endif
@@ -132,14 +132,10 @@ inline void rotate(T* x, const T* cos, const T* sin, int64_t half) {
   }
 #endif
 #ifdef KVRELAY_AVX2
-  const auto round8 = [](__m256 v) {
-    if constexpr (std::is_same<T, float>::value) return v;
-    else return round_bf16(v);
-  };
   for (; i + 8 <= half; i += 8) {
     const __m256 x1 = load8(x + i), x2 = load8(x + half + i), c = load8(cos + i), s = load8(sin + i);
-    const __m256 a = round8(_mm256_mul_ps(x1, c)), b = round8(_mm256_mul_ps(x2, s));
-    const __m256 e = round8(_mm256_mul_ps(x2, c)), f = round8(_mm256_mul_ps(x1, s));
+    const __m256 a = round_to8<T>(_mm256_mul_ps(x1, c)), b = round_to8<T>(_mm256_mul_ps(x2, s));
+    const __m256 e = round_to8<T>(_mm256_mul_ps(x2, c)), f = round_to8<T>(_mm256_mul_ps(x1, s));
     store8(x + i, _mm256_sub_ps(a, b));
     store8(x + half + i, _mm256_add_ps(e, f));
   }
