@@ -75,13 +75,23 @@ def _tolerance(dtype, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (16, 2, 64), (6, 2, 80)])
+@pytest.mark.parametrize("heads, kv_heads, d",
+                         [(9, 3, 64), (8, 2, 128), (4, 4, 32), (16, 2, 64), (6, 2, 80), (4, 2, 192), (2, 1, 256)])
 def test_mixed_step_matches_dense_attention(dtype, heads, kv_heads, d):
     batch = [(0, 1), (40, 1), (130, 1), (0, 37), (19, 45), (100, 16), (0, 2), (300, 70)]
     step = Step(batch, heads, kv_heads, d, 16, dtype)
     out = step.call()
     assert out.dtype == dtype and out.shape == step.q.shape
     assert (out.double() - step.reference()).abs().max().item() < _tolerance(dtype, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [300, 700])
+def test_windows_over_long_contexts(dtype, window):
+    """Windows whose first key lies some segments into the context (the AMX prefill walks 512 keys at a time):
+    rows that see nothing in a segment, and rows whose window starts inside one."""
+    step = Step([(1200, 1), (1100, 90), (0, 1300)], 6, 2, 64, 16, dtype, seed=11)
+    assert (step.call(window=window).double() - step.reference(window)).abs().max().item() < _tolerance(dtype, 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -214,9 +224,9 @@ def test_decodes_over_contexts_around_the_tiles(dtype, heads, kv_heads, d):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_running_maximum_that_keeps_rising(dtype):
-    """Scores that grow along the keys (each chunk's maximum far above the last): the AMX prefill rescales its
-    sums held in the tiles whenever a row's maximum moves by more than its threshold."""
-    step = Step([(100, 60), (0, 200)], 9, 3, 64, 16, dtype, seed=5)
+    """Scores that grow along the keys (each chunk's maximum far above the last): the sums kept so far are
+    rescaled whenever a row's maximum rises (the AMX prefill: from one segment of 512 keys to the next)."""
+    step = Step([(100, 60), (0, 200), (1000, 40), (0, 1100)], 9, 3, 64, 16, dtype, seed=5)
     for i, (context, new) in enumerate(step.batch):
         ramp = torch.linspace(0.0, 3.0, context + new)[:, None, None]
         step.keys[i] = (step.keys[i].float().abs() * ramp).to(dtype)  # q . k grows with the key's position

@@ -5,10 +5,11 @@
 //   2. stage every chunk of KC = 32 keys the item sees, once for all its row tiles: K^T as bf16 pairs (the B
 //      tiles of Q K^T, by 16 x 16 transposes) and V with keys 2j and 2j + 1 interleaved in row j (the B tiles
 //      of P V);
-//   3. per 16 query rows, over the chunks they can see: S = Q K^T on the tiles, scale, mask (causal, window,
-//      past the end) with -inf, P = exp(S - m) rounded to bf16 (as the AVX512-BF16 path and GPU flash attention
-//      round it), O += P V in four sum tiles that stay on the tile unit for the whole walk. A row's reference
-//      maximum m moves only when a chunk's exceeds it by more than kLazy, and only then is O rescaled;
+//   3. per 16 query rows, over the chunks they can see, a segment of kSegChunks chunks at a time: S = Q K^T for the
+//      whole segment on the tiles (the queries stay loaded); the softmax over the segment's scores (masked:
+//      causal, window, past the end), whose maximum m moves the row's only upward, rescaling what it summed
+//      before; P = exp(S - m) rounded to bf16 (as the AVX512-BF16 path and GPU flash attention round it); O += P V.
+//      Each pass keeps the tile unit busy on its own: loads go to tiles the previous product does not read;
 //   4. write O / sum in the output's dtype.
 // A row's result does not depend on the other rows of its item (same chunks, same order, its own m).
 #include <torch/extension.h>
@@ -32,7 +33,8 @@ constexpr int TR = 16;      // rows per tile
 // Query rows per item (token x query head): the item stages its keys and values once for all its row tiles. 2048
 // new tokens, one layer: 8.3 ms at 96 rows, 7.6 at 192, 7.0 at 384; 768 leaves 512-token prompts unbalanced.
 constexpr int64_t kItemRows = 384;
-constexpr float kLazy = 8.f;  // how far a row's running maximum may rise before O is rescaled (e^8 ~ 3e3)
+// Key chunks per segment: a row tile's scores (16 x 512 fp32) and P (bf16) stay in L1 and L2 between the passes.
+constexpr int64_t kSegChunks = 16;
 
 using Bf = at::BFloat16;
 
@@ -84,106 +86,211 @@ void stage_chunk(const AttnView<Bf, Bf>& a, const int32_t* table, int64_t k0, in
   }
 }
 
-// One chunk's online-softmax update of 16 rows: S (fp32, KC per row) -> P (bf16, KC per row). A row's reference
-// maximum m moves only when the chunk's exceeds it by more than kLazy, so that O, which stays in its sum tiles,
-// seldom needs rescaling (P <= e^kLazy, well inside bf16 and fp32). The row sums are kept per lane (lsum, 16 per
-// row) and reduced once at the end. Returns whether some row's O must be rescaled by alpha.
-bool softmax_rows(const float* S, uint16_t* P, const float* pos, int64_t k0, int64_t count, int64_t window,
+// One chunk's scores for the 16 rows whose queries sit in tiles 0..NQ-1 (32 dims each): tiles SA and SB (keys
+// 0-15 and 16-31) = Q K^T, started from `acc` (the earlier dims' sums) or zero, stored to s (rows sb bytes apart).
+// K^T goes through tiles 6 and 7, so the next chunk's loads need not wait for this chunk's products.
+// (Macros: the tile intrinsics take their tile numbers as literals.)
+#define KVRELAY_QK_DIMS(QI, SA, SB, k)            \
+  _tile_loadd(6, (k) + (QI * 2) * 256, 64);      \
+  _tile_dpbf16ps(SA, QI, 6);                     \
+  _tile_loadd(7, (k) + (QI * 2 + 1) * 256, 64);  \
+  _tile_dpbf16ps(SB, QI, 7)
+#define KVRELAY_QK_CHUNK(NQ, SA, SB, k, acc, s, sb) \
+  do {                                              \
+    if ((acc) != nullptr) {                         \
+      _tile_loadd(SA, (acc), (sb));                 \
+      _tile_loadd(SB, (acc) + 16, (sb));            \
+    } else {                                        \
+      _tile_zero(SA);                               \
+      _tile_zero(SB);                               \
+    }                                               \
+    KVRELAY_QK_DIMS(0, SA, SB, k);                  \
+    KVRELAY_QK_DIMS(1, SA, SB, k);                  \
+    if (NQ == 4) {                                  \
+      KVRELAY_QK_DIMS(2, SA, SB, k);                \
+      KVRELAY_QK_DIMS(3, SA, SB, k);                \
+    }                                               \
+    _tile_stored(SA, (s), (sb));                    \
+    _tile_stored(SB, (s) + 16, (sb));               \
+  } while (0)
+
+// S[r][j] = q_r . k_j for 16 query rows (Q, rows d apart) and the keys of chunks [c0, c1) (S rows ss apart). The
+// queries stay in the tiles for the whole walk: a head size of 64 in tiles 0-1, which leaves two pairs of sum tiles
+// to alternate between chunks; larger ones 128 dims (tiles 0-3) at a time, summing over the dims in S.
+void scores(const uint16_t* Q, int64_t d, const uint32_t* Kt, int64_t c0, int64_t c1, float* S, int64_t ss) {
+  const int64_t kt = d / 32 * 2 * 256, sb = ss * 4;
+  if (d == 64) {
+    _tile_loadd(0, Q, d * 2);
+    _tile_loadd(1, Q + 32, d * 2);
+    for (int64_t c = c0; c < c1; c += 2) {
+      KVRELAY_QK_CHUNK(2, 2, 3, Kt + c * kt, static_cast<const float*>(nullptr), S + (c - c0) * KC, sb);
+      if (c + 1 < c1) KVRELAY_QK_CHUNK(2, 4, 5, Kt + (c + 1) * kt, static_cast<const float*>(nullptr), S + (c + 1 - c0) * KC, sb);
+    }
+    return;
+  }
+  for (int64_t q0 = 0; q0 < d / 32; q0 += 4) {
+    const bool four = d / 32 - q0 >= 4;  // else the last 64 dims of a head size 64 past a multiple of 128
+    for (int i = 0; i < (four ? 4 : 2); ++i) {
+      if (i == 0) _tile_loadd(0, Q + q0 * 32, d * 2);
+      if (i == 1) _tile_loadd(1, Q + (q0 + 1) * 32, d * 2);
+      if (i == 2) _tile_loadd(2, Q + (q0 + 2) * 32, d * 2);
+      if (i == 3) _tile_loadd(3, Q + (q0 + 3) * 32, d * 2);
+    }
+    for (int64_t c = c0; c < c1; ++c) {
+      float* s = S + (c - c0) * KC;
+      const uint32_t* k = Kt + c * kt + q0 * 2 * 256;
+      const float* acc = q0 > 0 ? s : nullptr;
+      if (four) KVRELAY_QK_CHUNK(4, 4, 5, k, acc, s, sb);
+      else KVRELAY_QK_CHUNK(2, 4, 5, k, acc, s, sb);
+    }
+  }
+}
+
+// 2^t for t <= 0 (t a little above 0 is fine too), to ~2^-22 relative: 2^round(t) times a degree-5 fit of 2^f on
+// [-1/2, 1/2]. Below -125 it gives ~2^-125 (a normal number) rather than 0: beside a row's maximum, whose weight is 1,
+// such weights vanish in every sum, and no denormal ever reaches the arithmetic (which would be slow).
+inline __m512 exp2_le0(__m512 t) {
+  t = _mm512_max_ps(t, Vf::set1(-125.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = Vf::set1(1.3275318779e-3f);
+  p = Vf::fma(p, f, Vf::set1(9.6751442179e-3f));
+  p = Vf::fma(p, f, Vf::set1(5.5507134646e-2f));
+  p = Vf::fma(p, f, Vf::set1(2.4022127688e-1f));
+  p = Vf::fma(p, f, Vf::set1(6.9314694405e-1f));
+  p = Vf::fma(p, f, Vf::set1(1.0000001192f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The segment's softmax for 16 rows: keys [k0, k0 + n) (n a multiple of KC), S and P rows ss apart. A row sees keys
+// [lo, pos] (lo: the window's first key, or the segment's); others get P = 0. Scores are kept in base 2 (times
+// scale log2 e) so that one FMA turns a score into the exponent. A row's maximum m rises to the segment's when that
+// is higher, and alpha[r] is then the factor for what it summed before. P = 2^(S scale log2 e - m) <= 1, rounded to
+// bf16 (as the AVX512-BF16 path and GPU flash attention round it); the sums are of the fp32 values, per lane.
+// Returns whether some row's earlier sums must be rescaled.
+bool softmax_rows(const float* S, int64_t ss, uint16_t* P, const float* pos, int64_t k0, int64_t n, int64_t window,
                   float scale, float* m, float* lsum, float* alpha) {
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 kp0 = _mm512_add_ps(lane, Vf::set1(static_cast<float>(k0)));
-  const __m512 kp1 = _mm512_add_ps(kp0, Vf::set1(16.f));
-  const __m512 end = Vf::set1(static_cast<float>(k0 + count));
+  const float c2 = scale * 1.44269504088896341f;  // score -> base-2 exponent
   bool rescale = false;
   for (int r = 0; r < TR; ++r) {
-    const __m512 pr = Vf::set1(pos[r]);
-    __m512 s0 = Vf::mul(Vf::load(S + r * KC), Vf::set1(scale));
-    __m512 s1 = Vf::mul(Vf::load(S + r * KC + 16), Vf::set1(scale));
-    s0 = Vf::keep_le(s0, kp0, pr);  // causal
-    s1 = Vf::keep_le(s1, kp1, pr);
-    s0 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(kp0, end, _CMP_LT_OQ), Vf::set1(-INFINITY), s0);
-    s1 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(kp1, end, _CMP_LT_OQ), Vf::set1(-INFINITY), s1);
-    if (window > 0) {
-      const __m512 lo = Vf::set1(pos[r] - static_cast<float>(window));
-      s0 = Vf::keep_gt(s0, kp0, lo);
-      s1 = Vf::keep_gt(s1, kp1, lo);
-    }
-    const float mx = Vf::hmax(Vf::max(s0, s1));
+    const float* s = S + r * ss;
+    const int64_t hi = static_cast<int64_t>(pos[r]) - k0;  // last visible key, relative
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(pos[r]) - window + 1 - k0) : 0;
+    const int64_t j0 = lo / 16 * 16, vend = std::min<int64_t>(n, hi + 1);
+    // Lanes of the vector at j that the row sees; all of them away from the edges.
+    auto visible = [&](int64_t j) -> __mmask16 {
+      if (j >= lo && j + 15 <= hi) return 0xffff;
+      const __m512 key = _mm512_add_ps(lane, Vf::set1(static_cast<float>(j)));
+      return _mm512_cmp_ps_mask(key, Vf::set1(static_cast<float>(hi)), _CMP_LE_OQ) &
+             _mm512_cmp_ps_mask(key, Vf::set1(static_cast<float>(lo)), _CMP_GE_OQ);
+    };
+    // The largest scaled score is the largest raw one (scale > 0: prefill_item_amx takes no other).
+    __m512 mx = Vf::set1(-INFINITY);
+    for (int64_t j = j0; j < vend; j += 16) mx = _mm512_mask_max_ps(mx, visible(j), mx, Vf::load(s + j));
+    const float top = vend > j0 ? Vf::hmax(mx) * c2 : -INFINITY;
     alpha[r] = 1.f;
-    if (mx > m[r] + kLazy || (m[r] == -INFINITY && mx > -INFINITY)) {
+    if (top > m[r]) {
       if (m[r] != -INFINITY) {  // rows with nothing seen yet have O = 0 and sum 0
-        alpha[r] = std::exp(m[r] - mx);
+        alpha[r] = std::exp2(m[r] - top);
         Vf::store(lsum + r * 16, Vf::mul(Vf::load(lsum + r * 16), Vf::set1(alpha[r])));
         rescale = true;
       }
-      m[r] = mx;
+      m[r] = top;
     }
-    const float ms = m[r] == -INFINITY ? 0.f : m[r];  // nothing visible yet: keep exp finite
-    const __m512 p0 = exp16(Vf::sub(s0, Vf::set1(ms))), p1 = exp16(Vf::sub(s1, Vf::set1(ms)));  // up to e^kLazy
-    _mm512_storeu_si512(P + r * KC, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));  // p0 in 0..15
-    Vf::store(lsum + r * 16, Vf::add(Vf::load(lsum + r * 16), Vf::add(p0, p1)));
+    const __m512 mr = Vf::set1(m[r] == -INFINITY ? 0.f : -m[r]), c = Vf::set1(c2);
+    __m512 sum = Vf::load(lsum + r * 16);
+    uint16_t* p = P + r * ss;
+    for (int64_t j = 0; j < n; j += 32) {
+      __m512 e[2];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t jj = j + 16 * h;
+        const __mmask16 keep = jj < j0 || jj >= vend ? 0 : visible(jj);
+        e[h] = keep == 0 ? Vf::zero() : _mm512_maskz_mov_ps(keep, exp2_le0(Vf::fma(Vf::load(s + jj), c, mr)));
+        sum = Vf::add(sum, e[h]);
+      }
+      _mm512_storeu_si512(p + j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e[1], e[0])));
+    }
+    Vf::store(lsum + r * 16, sum);
   }
   return rescale;
 }
 
-// The four O sum tiles (16 rows x 64 dims) times each row's alpha.
-void rescale_o(const float* alpha, float* Ob) {
-  _tile_stored(4, Ob, 256);
-  _tile_stored(5, Ob + 16, 256);
-  _tile_stored(6, Ob + 32, 256);
-  _tile_stored(7, Ob + 48, 256);
-  for (int r = 0; r < TR; ++r)
-    for (int e = 0; e < 64; e += 16) Vf::store(Ob + r * 64 + e, Vf::mul(Vf::load(Ob + r * 64 + e), Vf::set1(alpha[r])));
-  _tile_loadd(4, Ob, 256);
-  _tile_loadd(5, Ob + 16, 256);
-  _tile_loadd(6, Ob + 32, 256);
-  _tile_loadd(7, Ob + 48, 256);
+// O [16][d] (fp32, in memory between segments) += P V over chunks [c0, c1), 64 dims a time in sum tiles 4-7;
+// P through tiles 0-1 and V through tiles 2-3 by turns, so that a load need not wait for the product before it.
+void values(const uint16_t* P, int64_t ss, const uint32_t* Vv, int64_t d, int64_t c0, int64_t c1, bool first, float* O) {
+  const int64_t vv = KC / 2 * d, ob = d * 4, vb = d * 4;
+  for (int64_t e0 = 0; e0 < d; e0 += 64) {
+    if (first) {
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+    } else {
+      _tile_loadd(4, O + e0, ob);
+      _tile_loadd(5, O + e0 + 16, ob);
+      _tile_loadd(6, O + e0 + 32, ob);
+      _tile_loadd(7, O + e0 + 48, ob);
+    }
+    for (int64_t c = c0; c < c1; ++c) {
+      const uint32_t* v = Vv + c * vv + e0;
+      const uint16_t* p = P + (c - c0) * KC;
+      if ((c - c0) % 2 == 0) {
+        _tile_loadd(0, p, ss * 2);
+        _tile_loadd(2, v, vb);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_loadd(3, v + 16, vb);
+        _tile_dpbf16ps(5, 0, 3);
+        _tile_loadd(2, v + 32, vb);
+        _tile_dpbf16ps(6, 0, 2);
+        _tile_loadd(3, v + 48, vb);
+        _tile_dpbf16ps(7, 0, 3);
+      } else {
+        _tile_loadd(1, p, ss * 2);
+        _tile_loadd(3, v, vb);
+        _tile_dpbf16ps(4, 1, 3);
+        _tile_loadd(2, v + 16, vb);
+        _tile_dpbf16ps(5, 1, 2);
+        _tile_loadd(3, v + 32, vb);
+        _tile_dpbf16ps(6, 1, 3);
+        _tile_loadd(2, v + 48, vb);
+        _tile_dpbf16ps(7, 1, 2);
+      }
+    }
+    _tile_stored(4, O + e0, ob);
+    _tile_stored(5, O + e0 + 16, ob);
+    _tile_stored(6, O + e0 + 32, ob);
+    _tile_stored(7, O + e0 + 48, ob);
+  }
 }
 
-// Rows [16 t, 16 t + 16) over the staged chunks, for output dims [e0, e0 + 64): O in tiles 4..7, written to O's
-// columns [e0, e0 + 64) (rows d apart); Ob is the rescale's scratch.
-void row_tile(const uint16_t* Q, const uint32_t* Kt, const uint32_t* Vv, int64_t d, int64_t c_lo, int64_t c_hi,
-              int64_t begin, int64_t last, int64_t window, float scale, int64_t e0, const float* pos, float* m,
-              float* lsum, Scratch& s, float* Ob, float* O) {
-  float* S = s.floats(0, TR * KC);
-  uint16_t* P = reinterpret_cast<uint16_t*>(s.units(3, TR * KC / 2));
+// Rows [16 t, 16 t + 16) over chunks [c_lo, c_hi], a segment at a time: scores, softmax, O += P V; then
+// O / sum in the output's dtype.
+void row_tile(const AttnView<Bf, Bf>& a, const uint16_t* Q, const uint32_t* Kt, const uint32_t* Vv, int64_t c_lo,
+              int64_t c_hi, int64_t begin, const float* pos, Scratch& s, float* out_rows, int64_t valid,
+              Bf* const* dst) {
+  const int64_t d = a.d, ss = kSegChunks * KC;
+  float* S = s.floats(0, TR * ss);
+  uint16_t* P = reinterpret_cast<uint16_t*>(s.units(3, TR * ss / 2));
+  float* m = s.floats(2, TR);
+  float* lsum = s.floats(3, TR * 16);
   float* alpha = s.floats(4, TR);
-  const int64_t kt = d / 32 * 2 * 256, vv = KC / 2 * d;  // one chunk's staged K^T and V
+  float* O = out_rows;
   for (int r = 0; r < TR; ++r) m[r] = -INFINITY;
   std::fill(lsum, lsum + TR * 16, 0.f);
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
-  for (int64_t c = c_lo; c <= c_hi; ++c) {
-    const int64_t k0 = begin + c * KC;
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t q = 0; q < d / 32; ++q) {
-      _tile_loadd(2, Q + q * 32, d * 2);
-      _tile_loadd(3, Kt + c * kt + (q * 2) * 256, 64);
-      _tile_dpbf16ps(0, 2, 3);
-      _tile_loadd(3, Kt + c * kt + (q * 2 + 1) * 256, 64);
-      _tile_dpbf16ps(1, 2, 3);
+  for (int64_t c0 = c_lo; c0 <= c_hi; c0 += kSegChunks) {
+    const int64_t c1 = std::min(c0 + kSegChunks, c_hi + 1);
+    scores(Q, d, Kt, c0, c1, S, ss);
+    if (softmax_rows(S, ss, P, pos, begin + c0 * KC, (c1 - c0) * KC, a.window, a.scale, m, lsum, alpha) && c0 > c_lo) {
+      for (int r = 0; r < TR; ++r)
+        for (int64_t e = 0; e < d; e += 16) Vf::store(O + r * d + e, Vf::mul(Vf::load(O + r * d + e), Vf::set1(alpha[r])));
     }
-    _tile_stored(0, S, KC * 4);
-    _tile_stored(1, S + 16, KC * 4);
-    if (softmax_rows(S, P, pos, k0, std::min(KC, last + 1 - k0), window, scale, m, lsum, alpha)) rescale_o(alpha, Ob);
-    _tile_loadd(2, P, KC * 2);
-    const uint32_t* v = Vv + c * vv + e0;
-    _tile_loadd(3, v, d * 4);
-    _tile_dpbf16ps(4, 2, 3);
-    _tile_loadd(3, v + 16, d * 4);
-    _tile_dpbf16ps(5, 2, 3);
-    _tile_loadd(3, v + 32, d * 4);
-    _tile_dpbf16ps(6, 2, 3);
-    _tile_loadd(3, v + 48, d * 4);
-    _tile_dpbf16ps(7, 2, 3);
+    values(P, ss, Vv, d, c0, c1, c0 == c_lo, O);
   }
-  _tile_stored(4, O + e0, d * 4);
-  _tile_stored(5, O + e0 + 16, d * 4);
-  _tile_stored(6, O + e0 + 32, d * 4);
-  _tile_stored(7, O + e0 + 48, d * 4);
+  for (int64_t i = 0; i < valid; ++i) {
+    const __m512 inv = Vf::set1(1.f / Vf::hsum(Vf::load(lsum + i * 16)));
+    for (int64_t e = 0; e < d; e += 16) store16(dst[i] + e, Vf::mul(Vf::load(O + i * d + e), inv));
+  }
 }
 
 void tile(const AttnView<Bf, Bf>& a, int64_t r, int64_t tok0, int64_t n, int64_t pos0, int64_t h, Scratch& s) {
@@ -196,9 +303,6 @@ void tile(const AttnView<Bf, Bf>& a, int64_t r, int64_t tok0, int64_t n, int64_t
   uint32_t* Kt = s.units(1, chunks * kt);
   uint32_t* Vv = s.units(2, chunks * vv);
   float* pos = s.floats(1, mp);
-  float* m = s.floats(2, TR);
-  float* lsum = s.floats(3, TR * 16);
-  float* Ob = s.floats(5, TR * 64);
   float* O = s.floats(6, TR * d);
   // 1. Queries; rows past the item are zero and sit at its last position (never all masked).
   for (int64_t i = 0; i < mp; ++i) {
@@ -217,22 +321,18 @@ void tile(const AttnView<Bf, Bf>& a, int64_t r, int64_t tok0, int64_t n, int64_t
     stage_chunk(a, table, k0, std::min(KC, last + 1 - k0), h, Kt + c * kt, Vv + c * vv);
   }
   configure_tiles();
-  float* row = s.floats(7, d);
   for (int64_t t = 0; t < rt; ++t) {
-    // 3. Per row tile, the chunks its rows can see; 64 output dims at a time (a head size of 128 goes twice).
+    // 3. Per row tile, the chunks its rows can see.
     const float* tp = pos + t * TR;
     const int64_t c_hi = (static_cast<int64_t>(tp[TR - 1]) - begin) / KC;
     const int64_t c_lo = a.window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(tp[0]) - a.window + 1 - begin) / KC : 0;
-    for (int64_t e0 = 0; e0 < d; e0 += 64) {
-      row_tile(Q + t * TR * d, Kt, Vv, d, c_lo, c_hi, begin, last, a.window, a.scale, e0, tp, m, lsum, s, Ob, O);
-    }
-    // 4. out = O / sum, back to [token, head, d].
-    for (int i = 0; i < TR && t * TR + i < rows; ++i) {
+    Bf* dst[TR];
+    const int64_t valid = std::min<int64_t>(TR, rows - t * TR);
+    for (int64_t i = 0; i < valid; ++i) {
       const int64_t ri = t * TR + i;
-      const float inv = 1.f / Vf::hsum(Vf::load(lsum + i * 16));
-      for (int64_t e = 0; e < d; ++e) row[e] = O[i * d + e] * inv;
-      store_n(row, a.out + ((tok0 + ri / group) * a.heads + h * group + ri % group) * d, d);
+      dst[i] = a.out + ((tok0 + ri / group) * a.heads + h * group + ri % group) * d;
     }
+    row_tile(a, Q + t * TR * d, Kt, Vv, c_lo, c_hi, begin, tp, s, O, valid, dst);
   }
   _tile_release();
 }
@@ -246,7 +346,7 @@ int64_t prefill_tile_tokens_amx(int64_t d, int64_t group) {
 
 bool prefill_item_amx(const AttnView<at::BFloat16, at::BFloat16>& a, int64_t r, int64_t tok0, int64_t n,
                       int64_t pos0, int64_t h, Scratch& s) {
-  if (prefill_tile_tokens_amx(a.d, a.group()) == 0) return false;
+  if (prefill_tile_tokens_amx(a.d, a.group()) == 0 || !(a.scale > 0)) return false;  // softmax_rows' maximum
   tile(a, r, tok0, n, pos0, h, s);
   return true;
 }
