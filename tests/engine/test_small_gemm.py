@@ -130,3 +130,24 @@ def test_fused_silu_mul_is_the_unfused_pair_bit_for_bit(rows):
     gu = x.double() @ w.double().T
     ref = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
     torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_packs_in_an_arena_sit_side_by_side_in_order_and_give_the_same_products():
+    """PackArena: each adopted weight is a view of one buffer, 64-byte aligned, right after the one before; a
+    weight larger than a buffer stays where it is; a full buffer is followed by a new one."""
+    gen = torch.Generator().manual_seed(9)
+    weights = [torch.randn(n, 64, generator=gen) for n in (96, 40, 200)]
+    plain = [cpu_linear.pack(w, onednn=False) for w in weights]
+    sizes = [p.small.numel() * p.small.element_size() for p in plain]
+    arena = cpu_linear.PackArena(chunk_bytes=sizes[0] + sizes[1] + 64)  # the third does not fit beside them
+    packed = [cpu_linear.pack(w, onednn=False, arena=arena) for w in weights]
+    first, second, third = (p.small for p in packed)
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    assert first.data_ptr() % 64 == 0 and second.data_ptr() - first.data_ptr() == -(-sizes[0] // 64) * 64
+    assert third.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()  # a new buffer
+    x = torch.randn(5, 64, generator=gen)
+    for w, p, q in zip(weights, plain, packed, strict=True):
+        assert torch.equal(q.small, p.small)
+        assert torch.equal(cpu_linear.linear(x, w, None, q), cpu_linear.linear(x, w, None, p))
+    big = cpu_linear.PackArena(chunk_bytes=64).adopt(plain[0].small)
+    assert big is plain[0].small  # larger than a buffer: left alone

@@ -18,6 +18,12 @@
   weight to the GEMM, which reorders (oneDNN, bf16) or packs (MKL, fp32) it again on every call; for the 8..64-
   row GEMMs of decode steps that costs as much as the multiply itself.
 - Anything none takes (other devices or dtypes, torch without oneDNN, no compiler): `F.linear`.
+
+The small GEMM's packed weights of a model sit side by side in a few large buffers (PackArena), in the order
+the layers use them: each is 0.7-1.8 MB for SmolLM2, too small for a 2 MiB huge page of its own, and a decode
+step streams all of them from DRAM. One buffer puts them on huge pages and makes the walk sequential: 30 layers'
+linear layers, weights flushed from cache first, 16 rows 11.6-12.8 -> 10.7-11.1 ms, 128 rows 25.0-26.6 ->
+23.0-23.4 (AMX Xeon, 2 vCPUs).
 """
 
 from __future__ import annotations
@@ -64,6 +70,35 @@ class PackedWeight:
         return rows <= self.small_rows or (self.plan is not None and self.plan.takes_small(rows))
 
 
+class PackArena:
+    """Packed weights copied side by side into buffers of `chunk_bytes`, in the order they are adopted.
+
+    A buffer is allocated when the last one is full; the part of it never written is never touched, so it costs
+    address space only. With torch's huge-page allocation on (shared.system.huge_pages_for_tensors) each buffer
+    is backed by 2 MiB pages.
+    """
+
+    ALIGN = 64  # every weight starts on a cache line
+
+    def __init__(self, chunk_bytes: int = 64 << 20) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._buffer: torch.Tensor | None = None
+        self._used = 0
+
+    def adopt(self, packed: torch.Tensor) -> torch.Tensor:
+        """`packed`'s values in the arena (a view of the same shape and dtype), or `packed` itself if it is larger
+        than a buffer."""
+        nbytes = packed.numel() * packed.element_size()
+        if nbytes > self.chunk_bytes or not packed.is_contiguous():
+            return packed
+        if self._buffer is None or self._used + nbytes > self.chunk_bytes:
+            self._buffer = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=packed.device)
+            self._used = 0
+        home = self._buffer[self._used : self._used + nbytes].view(packed.dtype).view(packed.shape).copy_(packed)
+        self._used += -(-nbytes // self.ALIGN) * self.ALIGN
+        return home
+
+
 def _small_gemm_packs(weight: torch.Tensor):
     module = kernels.load()
     if module is None or not module.small_gemm_available() or os.environ.get(DISABLE_SMALL_ENV):
@@ -76,9 +111,9 @@ def _small_gemm_packs(weight: torch.Tensor):
     return None
 
 
-def pack(weight: torch.Tensor, onednn: bool = True) -> PackedWeight | None:
+def pack(weight: torch.Tensor, onednn: bool = True, arena: PackArena | None = None) -> PackedWeight | None:
     """`weight` [out, in] in the layouts `linear` uses (oneDNN's only if asked), or None where only the plain
-    path is available."""
+    path is available. The small GEMM's layout goes into `arena` if one is given."""
     if (weight.device.type != "cpu" or weight.dtype not in _PACKABLE or weight.dim() != 2
             or os.environ.get(DISABLE_ENV)):
         return None
@@ -92,6 +127,8 @@ def pack(weight: torch.Tensor, onednn: bool = True) -> PackedWeight | None:
     small_rows, plan = 0, None
     if module is not None:
         small, small_rows = module.pack_small_gemm(weight), SMALL_ROWS[module.attention_isa()]
+        if arena is not None:
+            small = arena.adopt(small)
         if weight.dtype == torch.bfloat16 and module.amx_tiles():
             small_rows = SMALL_ROWS_AMX_BF16
             if reordered is not None:
@@ -119,9 +156,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
-def pack_silu_mul(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_silu_mul(weight: torch.Tensor, arena: PackArena | None = None) -> torch.Tensor | None:
     """A gate|up weight [2n, K] (gate rows first) for `silu_mul_linear`, its 16-row blocks of gate and up
-    alternating, or None where that kernel does not run (it needs AMX and bf16)."""
+    alternating (in `arena` if one is given), or None where that kernel does not run (it needs AMX and bf16)."""
     rows, k = weight.shape
     if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or rows % 32 or k % 32
             or os.environ.get(DISABLE_ENV)):
@@ -130,7 +167,8 @@ def pack_silu_mul(weight: torch.Tensor) -> torch.Tensor | None:
     if module is None or not module.amx_tiles():
         return None
     blocks = weight.view(2, rows // 32, 16, k).transpose(0, 1).reshape(rows, k)
-    return module.pack_small_gemm(blocks)
+    packed = module.pack_small_gemm(blocks)
+    return arena.adopt(packed) if arena is not None else packed
 
 
 def silu_mul_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

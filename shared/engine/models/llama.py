@@ -68,8 +68,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: cpu_linear.PackedWeight | None = None  # the weight in the CPU kernels' layouts (after_load)
 
-    def after_load(self) -> None:
-        self.packed = cpu_linear.pack(self.weight)
+    def after_load(self, arena: cpu_linear.PackArena | None = None) -> None:
+        self.packed = cpu_linear.pack(self.weight, arena=arena)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear.linear(x, self.weight, self.bias, self.packed)
@@ -87,7 +87,8 @@ class LMHead(Linear):
         super().__init__(hidden_size, vocab_size, False, dtype)
         self.tiles: list[tuple[int, torch.Tensor, cpu_linear.PackedWeight | None]] = []  # (first token, weight, packed)
 
-    def after_load(self, tile: int = 2048) -> None:
+    def after_load(self, arena: cpu_linear.PackArena | None = None, tile: int = 2048) -> None:
+        # Large enough for huge pages of its own: no arena.
         self.packed = cpu_linear.pack(self.weight, onednn=False)  # whole, for the small GEMM only
         slices = [(start, self.weight[start : start + tile]) for start in range(0, self.weight.shape[0], tile)]
         self.tiles = [(start, weight, cpu_linear.pack(weight)) for start, weight in slices]
@@ -142,10 +143,10 @@ class GateUpLinear(FusedLinear):
         self.ops = ops
         self.silu_packed: torch.Tensor | None = None
 
-    def after_load(self) -> None:
-        self.silu_packed = cpu_linear.pack_silu_mul(self.weight) if self.bias is None else None
+    def after_load(self, arena: cpu_linear.PackArena | None = None) -> None:
+        self.silu_packed = cpu_linear.pack_silu_mul(self.weight, arena) if self.bias is None else None
         if self.silu_packed is None:  # the plain layouts only where act() uses them
-            super().after_load()
+            super().after_load(arena)
 
     def act(self, h: torch.Tensor) -> torch.Tensor:
         if self.silu_packed is not None:  # a bf16 CPU weight: the activations are bf16 rows on the CPU too
@@ -306,10 +307,12 @@ class LlamaForCausalLM(nn.Module):
         self.rope.build(device, self.dtype)
 
     def after_load(self) -> None:
-        """Call once the weights are loaded: layers derive what their kernels want from them (packed weights)."""
+        """Call once the weights are loaded: layers derive what their kernels want from them (packed weights, side
+        by side in one arena in the order a step uses them)."""
+        arena = cpu_linear.PackArena()
         for module in self.modules():
             if isinstance(module, Linear):
-                module.after_load()
+                module.after_load(arena)
 
     def forward(
         self,
