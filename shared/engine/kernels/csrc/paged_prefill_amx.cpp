@@ -6,10 +6,11 @@
 //      tiles of Q K^T, by 16 x 16 transposes) and V with keys 2j and 2j + 1 interleaved in row j (the B tiles
 //      of P V);
 //   3. per 16 query rows, over the chunks they can see, a segment of kSegChunks chunks at a time: S = Q K^T for the
-//      whole segment on the tiles (the queries stay loaded); the softmax over the segment's scores (masked:
-//      causal, window, past the end), whose maximum m moves the row's only upward, rescaling what it summed
-//      before; P = exp(S - m) rounded to bf16 (as the AVX512-BF16 path and GPU flash attention round it); O += P V.
-//      Each pass keeps the tile unit busy on its own: loads go to tiles the previous product does not read;
+//      whole segment on the tiles (the queries stay loaded); one softmax pass over the segment's scores (masked:
+//      causal, window, past the end): a row's maximum m only rises from one segment to the next, and what it
+//      summed before is rescaled then; P = exp(S - m) rounded to bf16 (as the AVX512-BF16 path and GPU flash
+//      attention round it); O += P V. Loads go to tiles the product before them does not read, so they need not
+//      wait for it;
 //   4. write O / sum in the output's dtype.
 // A row's result does not depend on the other rows of its item (same chunks, same order, its own m).
 #include <torch/extension.h>
@@ -122,19 +123,20 @@ void scores(const uint16_t* Q, int64_t d, const uint32_t* Kt, int64_t c0, int64_
   if (d == 64) {
     _tile_loadd(0, Q, d * 2);
     _tile_loadd(1, Q + 32, d * 2);
+    const float* none = nullptr;
     for (int64_t c = c0; c < c1; c += 2) {
-      KVRELAY_QK_CHUNK(2, 2, 3, Kt + c * kt, static_cast<const float*>(nullptr), S + (c - c0) * KC, sb);
-      if (c + 1 < c1) KVRELAY_QK_CHUNK(2, 4, 5, Kt + (c + 1) * kt, static_cast<const float*>(nullptr), S + (c + 1 - c0) * KC, sb);
+      KVRELAY_QK_CHUNK(2, 2, 3, Kt + c * kt, none, S + (c - c0) * KC, sb);
+      if (c + 1 < c1) KVRELAY_QK_CHUNK(2, 4, 5, Kt + (c + 1) * kt, none, S + (c + 1 - c0) * KC, sb);
     }
     return;
   }
   for (int64_t q0 = 0; q0 < d / 32; q0 += 4) {
     const bool four = d / 32 - q0 >= 4;  // else the last 64 dims of a head size 64 past a multiple of 128
-    for (int i = 0; i < (four ? 4 : 2); ++i) {
-      if (i == 0) _tile_loadd(0, Q + q0 * 32, d * 2);
-      if (i == 1) _tile_loadd(1, Q + (q0 + 1) * 32, d * 2);
-      if (i == 2) _tile_loadd(2, Q + (q0 + 2) * 32, d * 2);
-      if (i == 3) _tile_loadd(3, Q + (q0 + 3) * 32, d * 2);
+    _tile_loadd(0, Q + q0 * 32, d * 2);
+    _tile_loadd(1, Q + (q0 + 1) * 32, d * 2);
+    if (four) {
+      _tile_loadd(2, Q + (q0 + 2) * 32, d * 2);
+      _tile_loadd(3, Q + (q0 + 3) * 32, d * 2);
     }
     for (int64_t c = c0; c < c1; ++c) {
       float* s = S + (c - c0) * KC;
@@ -216,9 +218,24 @@ bool softmax_rows(const float* S, int64_t ss, uint16_t* P, const float* pos, int
   return rescale;
 }
 
+// One chunk's P V into the sum tiles 4-7 (64 output dims): P in tile PT, V's four 16-dim slices by turns in VA, VB.
+#define KVRELAY_PV_CHUNK(PT, VA, VB, p, v, pb, vb) \
+  do {                                            \
+    _tile_loadd(PT, (p), (pb));                   \
+    _tile_loadd(VA, (v), (vb));                   \
+    _tile_dpbf16ps(4, PT, VA);                    \
+    _tile_loadd(VB, (v) + 16, (vb));              \
+    _tile_dpbf16ps(5, PT, VB);                    \
+    _tile_loadd(VA, (v) + 32, (vb));              \
+    _tile_dpbf16ps(6, PT, VA);                    \
+    _tile_loadd(VB, (v) + 48, (vb));              \
+    _tile_dpbf16ps(7, PT, VB);                    \
+  } while (0)
+
 // O [16][d] (fp32, in memory between segments) += P V over chunks [c0, c1), 64 dims a time in sum tiles 4-7;
 // P through tiles 0-1 and V through tiles 2-3 by turns, so that a load need not wait for the product before it.
-void values(const uint16_t* P, int64_t ss, const uint32_t* Vv, int64_t d, int64_t c0, int64_t c1, bool first, float* O) {
+void values(const uint16_t* P, int64_t ss, const uint32_t* Vv, int64_t d, int64_t c0, int64_t c1, bool first,
+            float* O) {
   const int64_t vv = KC / 2 * d, ob = d * 4, vb = d * 4;
   for (int64_t e0 = 0; e0 < d; e0 += 64) {
     if (first) {
@@ -235,27 +252,8 @@ void values(const uint16_t* P, int64_t ss, const uint32_t* Vv, int64_t d, int64_
     for (int64_t c = c0; c < c1; ++c) {
       const uint32_t* v = Vv + c * vv + e0;
       const uint16_t* p = P + (c - c0) * KC;
-      if ((c - c0) % 2 == 0) {
-        _tile_loadd(0, p, ss * 2);
-        _tile_loadd(2, v, vb);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_loadd(3, v + 16, vb);
-        _tile_dpbf16ps(5, 0, 3);
-        _tile_loadd(2, v + 32, vb);
-        _tile_dpbf16ps(6, 0, 2);
-        _tile_loadd(3, v + 48, vb);
-        _tile_dpbf16ps(7, 0, 3);
-      } else {
-        _tile_loadd(1, p, ss * 2);
-        _tile_loadd(3, v, vb);
-        _tile_dpbf16ps(4, 1, 3);
-        _tile_loadd(2, v + 16, vb);
-        _tile_dpbf16ps(5, 1, 2);
-        _tile_loadd(3, v + 32, vb);
-        _tile_dpbf16ps(6, 1, 3);
-        _tile_loadd(2, v + 48, vb);
-        _tile_dpbf16ps(7, 1, 2);
-      }
+      if ((c - c0) % 2 == 0) KVRELAY_PV_CHUNK(0, 2, 3, p, v, ss * 2, vb);
+      else KVRELAY_PV_CHUNK(1, 3, 2, p, v, ss * 2, vb);
     }
     _tile_stored(4, O + e0, ob);
     _tile_stored(5, O + e0 + 16, ob);
@@ -264,26 +262,26 @@ void values(const uint16_t* P, int64_t ss, const uint32_t* Vv, int64_t d, int64_
   }
 }
 
-// Rows [16 t, 16 t + 16) over chunks [c_lo, c_hi], a segment at a time: scores, softmax, O += P V; then
-// O / sum in the output's dtype.
+// Rows [16 t, 16 t + 16) over chunks [c_lo, c_hi], a segment at a time: scores, softmax, O += P V (O: 16 x d
+// fp32 scratch); then O / sum in the output's dtype, to dst[i] for the `valid` rows.
 void row_tile(const AttnView<Bf, Bf>& a, const uint16_t* Q, const uint32_t* Kt, const uint32_t* Vv, int64_t c_lo,
-              int64_t c_hi, int64_t begin, const float* pos, Scratch& s, float* out_rows, int64_t valid,
-              Bf* const* dst) {
+              int64_t c_hi, int64_t begin, const float* pos, Scratch& s, float* O, int64_t valid, Bf* const* dst) {
   const int64_t d = a.d, ss = kSegChunks * KC;
   float* S = s.floats(0, TR * ss);
   uint16_t* P = reinterpret_cast<uint16_t*>(s.units(3, TR * ss / 2));
   float* m = s.floats(2, TR);
   float* lsum = s.floats(3, TR * 16);
   float* alpha = s.floats(4, TR);
-  float* O = out_rows;
   for (int r = 0; r < TR; ++r) m[r] = -INFINITY;
   std::fill(lsum, lsum + TR * 16, 0.f);
   for (int64_t c0 = c_lo; c0 <= c_hi; c0 += kSegChunks) {
     const int64_t c1 = std::min(c0 + kSegChunks, c_hi + 1);
     scores(Q, d, Kt, c0, c1, S, ss);
     if (softmax_rows(S, ss, P, pos, begin + c0 * KC, (c1 - c0) * KC, a.window, a.scale, m, lsum, alpha) && c0 > c_lo) {
-      for (int r = 0; r < TR; ++r)
-        for (int64_t e = 0; e < d; e += 16) Vf::store(O + r * d + e, Vf::mul(Vf::load(O + r * d + e), Vf::set1(alpha[r])));
+      for (int r = 0; r < TR; ++r) {
+        const __m512 f = Vf::set1(alpha[r]);
+        for (int64_t e = 0; e < d; e += 16) Vf::store(O + r * d + e, Vf::mul(Vf::load(O + r * d + e), f));
+      }
     }
     values(P, ss, Vv, d, c0, c1, c0 == c_lo, O);
   }
