@@ -1,4 +1,4 @@
-"""Large, long-lived host tensors (the KV caches) on transparent huge pages.
+"""Large, long-lived host tensors (the KV caches, the packed weights' arena) on transparent huge pages.
 
 Decode attention reads each request's blocks in a random order across gigabytes of cache, so on 4 KiB pages
 nearly every block read misses the TLB. Where the kernel leaves huge pages to `madvise` (the common default),

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.engine import kernels
+from shared.engine import host_memory, kernels
 from shared.engine.models import gemm_plan
 
 logger = logging.getLogger(__name__)
@@ -73,14 +73,13 @@ class PackedWeight:
 class PackArena:
     """Packed weights copied side by side into buffers of `chunk_bytes`, in the order they are adopted.
 
-    A buffer is allocated when the last one is full; the part of it never written is never touched, so it costs
-    address space only. With torch's huge-page allocation on (shared.system.huge_pages_for_tensors) each buffer
-    is backed by 2 MiB pages.
+    A buffer is allocated when the last one is full, on huge pages (shared.engine.host_memory, as the KV caches);
+    at most the last buffer's unused tail (under `chunk_bytes`) is spent.
     """
 
     ALIGN = 64  # every weight starts on a cache line
 
-    def __init__(self, chunk_bytes: int = 64 << 20) -> None:
+    def __init__(self, chunk_bytes: int = 16 << 20) -> None:
         self.chunk_bytes = chunk_bytes
         self._buffer: torch.Tensor | None = None
         self._used = 0
@@ -92,7 +91,7 @@ class PackArena:
         if nbytes > self.chunk_bytes or not packed.is_contiguous():
             return packed
         if self._buffer is None or self._used + nbytes > self.chunk_bytes:
-            self._buffer = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=packed.device)
+            self._buffer = host_memory.zeros((self.chunk_bytes,), torch.uint8, packed.device)
             self._used = 0
         home = self._buffer[self._used : self._used + nbytes].view(packed.dtype).view(packed.shape).copy_(packed)
         self._used += -(-nbytes // self.ALIGN) * self.ALIGN
