@@ -44,26 +44,29 @@ def auto_dtype(device_type: str) -> torch.dtype:
     return dtype
 
 
-def cpu_flags() -> set[str]:
+def _cpuinfo(field: str) -> str | None:
+    """The first value of `field` in /proc/cpuinfo, or None off Linux."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return "unknown"
+    return None
+
+
+def cpu_flags() -> set[str]:
+    return set((_cpuinfo("flags") or "").split())
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or "unknown"
+
+
+def cpu_vendor() -> str:
+    """GenuineIntel, AuthenticAMD, ... ("unknown" where /proc/cpuinfo does not say)."""
+    return _cpuinfo("vendor_id") or "unknown"
 
 
 def _native_bf16() -> bool:

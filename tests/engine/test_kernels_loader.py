@@ -19,3 +19,27 @@ def test_a_lock_file_left_by_a_killed_loader_is_cleared():
     assert done.returncode == 0, done.stderr
     assert "left by a kernel build that was killed" in done.stderr
     assert not stale.exists()
+
+
+def test_kv_prefetch_target_follows_the_vendor_unless_overridden(monkeypatch):
+    from shared.engine import auto_dtype
+
+    monkeypatch.delenv("KVRELAY_KV_PREFETCH", raising=False)
+    monkeypatch.setattr(auto_dtype, "cpu_vendor", lambda: "AuthenticAMD")
+    assert cpu_kernels.kv_prefetch_target() == "l2"
+    assert cpu_kernels._defines() == ["-DKVRELAY_PREFETCH_L2"]
+    monkeypatch.setattr(auto_dtype, "cpu_vendor", lambda: "GenuineIntel")
+    assert cpu_kernels.kv_prefetch_target() == "l1"
+    assert cpu_kernels._defines() == []
+    monkeypatch.setenv("KVRELAY_KV_PREFETCH", "l2")
+    assert cpu_kernels.kv_prefetch_target() == "l2"
+    monkeypatch.setenv("KVRELAY_KV_PREFETCH", "l3")
+    with pytest.raises(ValueError, match="choose l1 or l2"):
+        cpu_kernels.kv_prefetch_target()
+
+
+def test_the_prefetch_target_keys_the_build_folder(monkeypatch):
+    monkeypatch.setenv("KVRELAY_KV_PREFETCH", "l1")
+    l1 = cpu_kernels._build_dir()
+    monkeypatch.setenv("KVRELAY_KV_PREFETCH", "l2")
+    assert cpu_kernels._build_dir() != l1

@@ -11,7 +11,8 @@ processes wait for one build; the sources' content keys the build folder, so an 
 Any failure leaves `load()` returning None and the portable torch path in use.
 `python -m shared.engine.kernels` builds them now (`make install` does, so no request waits for it).
 `KVRELAY_KERNEL_MARCH` (default `native`) builds for another CPU level, e.g. `x86-64-v3` (AVX2, no AVX512), so
-an AVX512 machine can test the code paths an AVX2-only machine runs.
+an AVX512 machine can test the code paths an AVX2-only machine runs. `KVRELAY_KV_PREFETCH` (`l1` or `l2`; default
+`l2` on AMD CPUs, `l1` elsewhere) says which cache the attention kernels prefetch KV rows into (csrc/common.h).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def _build_dir() -> Path:
     for path in sorted(_CSRC.iterdir()):  # sources and headers
         digest.update(path.name.encode() + path.read_bytes())
     digest.update(_march().encode())
+    digest.update(" ".join(_defines()).encode())
     tag = f"torch{torch.__version__.replace('+', '_')}-{digest.hexdigest()[:16]}"
     path = Path(base) / "kernels" / tag
     path.mkdir(parents=True, exist_ok=True)
@@ -74,6 +76,22 @@ def _march() -> str:
     return os.environ.get("KVRELAY_KERNEL_MARCH") or "native"
 
 
+def kv_prefetch_target() -> str:
+    """`l1` or `l2`: the cache KV rows are prefetched into (measured per kind of machine, csrc/common.h)."""
+    chosen = os.environ.get("KVRELAY_KV_PREFETCH")
+    if chosen:
+        if chosen not in ("l1", "l2"):
+            raise ValueError(f"KVRELAY_KV_PREFETCH={chosen!r}: choose l1 or l2")
+        return chosen
+    from shared.engine.auto_dtype import cpu_vendor
+
+    return "l2" if cpu_vendor() == "AuthenticAMD" else "l1"
+
+
+def _defines() -> list[str]:
+    return ["-DKVRELAY_PREFETCH_L2"] if kv_prefetch_target() == "l2" else []
+
+
 def load():
     """The compiled module, or None when it cannot be built here (or KVRELAY_DISABLE_CPU_KERNELS is set)."""
     global _module, _tried
@@ -88,13 +106,14 @@ def load():
         try:
             from torch.utils.cpp_extension import load as build
 
-            logger.info("loading the native CPU kernels (compiled once per machine)")
+            logger.info("loading the native CPU kernels (compiled once per machine; KV rows prefetched into %s)",
+                        kv_prefetch_target().upper())
             build_dir = _build_dir()
             with _exclusive(build_dir):
                 _module = build(
                     name="kvrelay_cpu_kernels",
                     sources=[str(_CSRC / name) for name in _SOURCES],
-                    extra_cflags=["-O3", f"-march={_march()}", "-fno-math-errno", "-fopenmp"],
+                    extra_cflags=["-O3", f"-march={_march()}", "-fno-math-errno", "-fopenmp", *_defines()],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir),
                     verbose=False,

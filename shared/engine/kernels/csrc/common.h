@@ -219,12 +219,22 @@ inline void softmax_inplace(float* s, int64_t n) {
 }
 
 // Ask for bytes ahead of use: KV blocks are scattered, so the hardware prefetcher loses the stream at every
-// block boundary and a single walker would wait on DRAM latency there. The hint is T0 (a load's), not NTA: on an
-// AMX Xeon (2 vCPUs, KVM) the decode kernel stalled on its prefetchnta, 3.1 -> 1.55 ms per layer at 64 decodes x
-// 600 tokens in bf16 with T0, 5.8 -> 1.7 in fp32 (docs/benchmarks.md).
+// block boundary and a single walker would wait on DRAM latency there. Which cache the rows are asked into is
+// the machine's (the builder passes KVRELAY_PREFETCH_L2 on AMD; KVRELAY_KV_PREFETCH overrides it):
+// - T0 (into L1, a load's hint), not NTA, on an AMX Xeon (2 vCPUs, KVM): the decode kernel stalled on its
+//   prefetchnta, 3.1 -> 1.55 ms per layer at 64 decodes x 600 tokens in bf16 with T0, 5.8 -> 1.7 in fp32.
+// - T1 (into L2) on an AVX512-BF16 EPYC (Zen 4, 2 vCPUs): T0 requests wait for the few L1 miss buffers there.
+//   128 decodes x 600 tokens, one layer: fp32 6.83 -> 4.49 ms, bf16 4.22 -> 2.00 (17 -> 26 and 14 -> 29 GB/s);
+//   a plain read of the same scattered rows 19 -> 28 GB/s. On a Zen 5 the hint made no difference.
+// (docs/benchmarks.md)
 inline void prefetch(const void* p, int64_t bytes) {
+#ifdef KVRELAY_PREFETCH_L2
+  constexpr int locality = 2;
+#else
+  constexpr int locality = 3;
+#endif
   const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, locality);
 }
 
 }  // namespace kvrelay
