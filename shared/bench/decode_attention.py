@@ -1,11 +1,13 @@
 """`kvrelay bench decode-attention`: the native CPU paged-decode kernel vs the portable gather + SDPA path.
 
 One layer of decode attention for a batch of requests whose blocks are scattered over a large cache (as
-after hours of serving), SmolLM2's shape by default (9 query heads, 3 kv heads, head size 64, fp32). Both
-paths run on the same inputs in the same invocation; the JSON gives milliseconds per layer, the KV bytes
-read per second, the speed-up and the largest difference between the two outputs.
+after hours of serving), SmolLM2's shape by default (9 query heads, 3 kv heads, head size 64, fp32 or bf16).
+The cache is allocated as the engine allocates it (shared.engine.host_memory: huge pages where the kernel
+allows). Both paths run on the same inputs in the same invocation; the JSON gives milliseconds per layer, the
+KV bytes read per second, the speed-up, the largest difference between the two outputs, and the cache the
+kernels prefetch KV rows into on this machine.
 
-    kvrelay bench decode-attention --decodes 64 --context 600
+    kvrelay bench decode-attention --decodes 128 --context 600 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def _time(fn, seconds: float) -> float:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    from shared.engine import host_memory
     from shared.engine import kernels as cpu_kernels
     from shared.engine.attention.torch_backend import TorchAttentionBackend
 
@@ -50,13 +53,15 @@ def measure(args: argparse.Namespace) -> dict:
     bs, kvh, d, heads = args.block_size, args.kv_heads, args.head_size, args.heads
     blocks_per_req = -(-args.context // bs)
     num_blocks = max(args.num_blocks, args.decodes * blocks_per_req)
-    kv = torch.randn(2, num_blocks, bs, kvh, d)
+    dtype = getattr(torch, args.dtype)
+    kv = host_memory.zeros((2, num_blocks, bs, kvh, d), dtype, torch.device("cpu"))
+    kv.copy_(torch.randn(kv.shape))
     order = list(range(num_blocks))
     random.Random(0).shuffle(order)  # scattered, as a long-running pool leaves them
     tables = torch.tensor([order[i * blocks_per_req:(i + 1) * blocks_per_req] for i in range(args.decodes)],
                           dtype=torch.int32)
     lens = torch.full((args.decodes,), args.context, dtype=torch.int32)
-    q = torch.randn(args.decodes, heads, d)
+    q = torch.randn(args.decodes, heads, d).to(dtype)
     scale = d ** -0.5
     if cpu_kernels.load() is None:
         raise SystemExit("the native kernel could not be built here (no C++ compiler?)")
@@ -67,13 +72,14 @@ def measure(args: argparse.Namespace) -> dict:
     native, portable = TorchAttentionBackend(use_native=True), TorchAttentionBackend(use_native=False)
     run_native = lambda: native.forward(q, k, v, kv, meta, scale)  # noqa: E731
     run_portable = lambda: portable.forward(q, k, v, kv, meta, scale)  # noqa: E731
-    diff = (run_native() - run_portable()).abs().max().item()
+    diff = (run_native().float() - run_portable().float()).abs().max().item()
     t_native, t_portable = _time(run_native, args.seconds), _time(run_portable, args.seconds)
     kv_bytes = args.decodes * args.context * kvh * d * 2 * kv.element_size()
     return {
         "benchmark": "decode_attention", "threads": torch.get_num_threads(),
         "shape": {"decodes": args.decodes, "context": args.context, "heads": heads, "kv_heads": kvh,
-                  "head_size": d, "block_size": bs, "num_blocks": num_blocks, "dtype": "float32"},
+                  "head_size": d, "block_size": bs, "num_blocks": num_blocks, "dtype": args.dtype},
+        "kv_prefetch": cpu_kernels.kv_prefetch_target(),
         "native": {"ms_per_layer": t_native * 1e3, "kv_gb_per_s": kv_bytes / t_native / 1e9},
         "portable": {"ms_per_layer": t_portable * 1e3, "kv_gb_per_s": kv_bytes / t_portable / 1e9},
         "native_speedup": t_portable / t_native,
@@ -91,6 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=3, help="key/value heads")
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="queries and KV cache")
     p.add_argument("--num-blocks", type=int, default=2900, help="blocks in the cache (the requests' are scattered)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seconds", type=float, default=2.0, help="timing per path")
