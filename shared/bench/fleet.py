@@ -11,27 +11,31 @@ Each arm starts cold (fresh processes, empty caches), so arms never share prefix
 Scenarios, each a pair of arms compared with `bench serve --compare` (B/A ratios, a combined CDF plot):
   disagg   A = colocated (one engine prefills and decodes), B = 1 prefill + 1 decode node; random dataset
   routing  A = round_robin, B = cache_aware, over N prefill nodes + 1 decode node; multi-tenant dataset
+  vllm     A = `vllm serve` (vLLM's CPU build from its venv, as `bench throughput --baseline vllm` finds it),
+           B = `kvrelay up` placed as it chooses; both in one dtype, concurrency 32 on 128 requests of 16-1,024
+           input and 8-256 output tokens. Run A B B A (--rounds 2), since a shared machine drifts: each round's
+           pair is compared, and the mean ratio is printed last.
 
     kvrelay bench fleet --scenario disagg
     kvrelay bench fleet --scenario routing --prefill-nodes 3 --serve-args "--num-requests 96 --tenants 12"
+    kvrelay bench fleet --scenario vllm --dtype float32
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import logging
 import os
 import shlex
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.bench import parser as bench_parser
-from shared.bench import serve, serve_report
+from shared.bench import serve, serve_report, vllm_baseline
+from shared.bench.server_process import ServerProcess
 from shared.system import free_port
 
 logger = logging.getLogger(__name__)
@@ -42,17 +46,31 @@ SERVE_DEFAULTS = {
               "--min-output 16 --max-output 96 --ignore-eos",
     "routing": "--dataset multi-tenant --tenants 8 --system-len 768 --concurrency 4 --num-requests 64 --warmup 0 "
                "--min-input 16 --max-input 96 --max-tokens 16 --ignore-eos",
+    # The speed issue's served workload: its lengths, at its concurrency.
+    "vllm": "--dataset random --concurrency 32 --num-requests 128 --warmup 2 --min-input 16 --max-input 1024 "
+            "--min-output 8 --max-output 256 --ignore-eos",
 }
+# KV cache per node: several nodes share the machine in the fleet scenarios; against vLLM, one engine each,
+# given as much as the peer kit gives vLLM's CPU build.
+KV_CACHE_DEFAULTS = {"disagg": 512 * 2**20, "routing": 512 * 2**20, "vllm": 2 * 2**30}
+
+
+class Server(enum.Enum):
+    KVRELAY = "kvrelay up"
+    VLLM = "vllm serve"
 
 
 @dataclass(frozen=True)
 class Arm:
     label: str
-    up_flags: tuple[str, ...]
+    up_flags: tuple[str, ...] = ()
+    server: Server = Server.KVRELAY
 
 
 def scenario_arms(scenario: str, prefill_nodes: int) -> tuple[Arm, Arm]:
     """(A, B): the baseline first, the configuration under test second."""
+    if scenario == "vllm":
+        return Arm("vllm-serve", server=Server.VLLM), Arm("kvrelay-up")
     if scenario == "disagg":
         return Arm("colocated", ("--colocated",)), Arm("disagg-1p1d", ("--prefill", "1", "--decode", "1"))
     nodes = ("--prefill", str(prefill_nodes), "--decode", "1")
@@ -60,59 +78,17 @@ def scenario_arms(scenario: str, prefill_nodes: int) -> tuple[Arm, Arm]:
             Arm(f"cache_aware-{prefill_nodes}p1d", (*nodes, "--routing-policy", "cache_aware")))
 
 
-class FleetProcess:
-    """One `kvrelay up` child; a context manager that always stops it."""
+class FleetProcess(ServerProcess):
+    """One `kvrelay up` child on free ports."""
 
     def __init__(self, flags: list[str], log_path: Path, ready_timeout: float) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.argv = [sys.executable, "-m", "shared.cli", "up", "--port", str(self.port),
-                     "--grpc-port", str(free_port()), *flags]
-        self.log_path, self.ready_timeout = log_path, ready_timeout
-        self.proc: subprocess.Popen | None = None
+        super().__init__([sys.executable, "-m", "shared.cli", "up", "--port", str(self.port),
+                          "--grpc-port", str(free_port()), *flags], log_path, ready_timeout)
 
-    def __enter__(self) -> FleetProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        logger.info("starting: %s (log: %s)", shlex.join(self.argv[2:]), self.log_path)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the fleet exited with {self.proc.returncode}:\n{self._tail()}")
-            # kvrelay up prints its banner once the gateway routes to every node
-            if "kvrelay is up" in self._tail(200):
-                logger.info("fleet ready at %s", self.base_url)
-                return
-            time.sleep(0.5)
-        raise TimeoutError(f"the fleet was not ready within {self.ready_timeout:g} s:\n{self._tail()}")
-
-    def stop(self, timeout_s: float = 90.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)  # `kvrelay up` drains and stops its children
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("fleet did not stop within %g s; killing its process group", timeout_s)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def _tail(self, lines: int = 30) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+    def is_ready(self) -> bool:
+        return "kvrelay is up" in self.tail(200)  # printed once the gateway routes to every node
 
 
 def serve_namespace(serve_args: list[str], base_url: str, label: str, output: Path) -> argparse.Namespace:
@@ -122,16 +98,33 @@ def serve_namespace(serve_args: list[str], base_url: str, label: str, output: Pa
     return args
 
 
+def server_for(arm: Arm, args: argparse.Namespace, log_path: Path) -> tuple[ServerProcess, dict]:
+    """The arm's server (not started yet) and what to record about it."""
+    if arm.server is Server.VLLM:
+        from shared.model_resolve import resolve_model
+
+        model = resolve_model(args.model)
+        python = vllm_baseline.find_python(args.vllm_python)
+        server = vllm_baseline.VllmServer(python, str(model.path), model.model_id, args.dtype, free_port(),
+                                          kv_cache_bytes=args.kv_cache_memory, log_path=log_path,
+                                          ready_timeout=args.ready_timeout)
+        return server, {"vllm_serve_argv": server.argv[1:], "cpu_count": os.cpu_count()}
+    flags = ["--model", args.model, *arm.up_flags]
+    if args.dtype != "auto":
+        flags += ["--dtype", args.dtype]
+    if args.kv_cache_memory:
+        flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    return FleetProcess(flags, log_path, args.ready_timeout), {"kvrelay_up_flags": flags, "cpu_count": os.cpu_count()}
+
+
 def run_arm(arm: Arm, args: argparse.Namespace, serve_args: list[str]) -> Path:
     out_dir = Path(args.output_dir)
     output = out_dir / f"fleet-{arm.label}.json"
-    flags = ["--model", args.model, *arm.up_flags]
-    if args.kv_cache_memory:
-        flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    with FleetProcess(flags, out_dir / f"fleet-{arm.label}.log", args.ready_timeout) as fleet:
-        sargs = serve_namespace(serve_args, fleet.base_url, arm.label, output)
+    server, record = server_for(arm, args, out_dir / f"fleet-{arm.label}.log")
+    with server:
+        sargs = serve_namespace(serve_args, server.base_url, arm.label, output)
         result = serve.measure(sargs)
-        result["fleet"] = {"kvrelay_up_flags": flags, "cpu_count": os.cpu_count()}
+        result["fleet"] = record
     serve_report.save(result, output, plot=not args.no_plot)
     print(json.dumps({k: result[k] for k in ("label", "completed", "failed", "request_throughput",
                                              "output_throughput", "prefix_hit_ratio")}
@@ -139,6 +132,49 @@ def run_arm(arm: Arm, args: argparse.Namespace, serve_args: list[str]) -> Path:
     if not result["completed"]:
         raise RuntimeError(f"{arm.label}: no request completed; errors: {result['errors']}")
     return output
+
+
+def round_arms(a: Arm, b: Arm, rounds: int) -> list[tuple[Arm, Arm]]:
+    """Each round's (A, B), labelled by round when there are several; they run A B, B A, A B, ..."""
+    if rounds == 1:
+        return [(a, b)]
+    return [(Arm(f"{a.label}-{r}", a.up_flags, a.server), Arm(f"{b.label}-{r}", b.up_flags, b.server))
+            for r in range(1, rounds + 1)]
+
+
+def play_order(pairs: list[tuple[Arm, Arm]]) -> list[Arm]:
+    """A B, B A, A B, ...: each arm runs first as often as last, so a drifting machine favours neither."""
+    return [arm for r, (a, b) in enumerate(pairs) for arm in ((a, b) if r % 2 == 0 else (b, a))]
+
+
+def resolved_dtype(dtype: str) -> str:
+    """An explicit dtype both servers can be given: `auto` becomes what kvrelay's own `auto` picks here."""
+    if dtype != "auto":
+        return dtype
+    from shared.engine.auto_dtype import auto_dtype
+
+    return str(auto_dtype("cpu")).removeprefix("torch.")
+
+
+def run_scenario(scenario: str, args: argparse.Namespace, serve_args: list[str]) -> dict:
+    out_dir = Path(args.output_dir)
+    rounds = args.rounds if scenario == "vllm" else 1
+    pairs = round_arms(*scenario_arms(scenario, args.prefill_nodes), rounds)
+    paths = {arm.label: run_arm(arm, args, serve_args) for arm in play_order(pairs)}
+    summary = []
+    for r, (a, b) in enumerate(pairs, start=1):
+        path_a, path_b = paths[a.label], paths[b.label]
+        suffix = f"-{r}" if rounds > 1 else ""
+        serve_report.run_compare(str(path_a), str(path_b), str(out_dir / f"fleet-{scenario}-compare{suffix}.json"),
+                                 not args.no_plot)
+        ra, rb = (json.loads(p.read_text()) for p in (path_a, path_b))
+        summary.append({"a": a.label, "b": b.label, "output_throughput": [ra["output_throughput"],
+                                                                          rb["output_throughput"]],
+                        "ttft_p90_ms": [ra["ttft_ms"]["p90"], rb["ttft_ms"]["p90"]]})
+    a_total = sum(s["output_throughput"][0] for s in summary)
+    b_total = sum(s["output_throughput"][1] for s in summary)
+    return {"scenario": scenario, "rounds": summary,
+            "mean_output_throughput_b_over_a": b_total / a_total if a_total else None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,30 +189,41 @@ def run(args: argparse.Namespace) -> int:
         serve_args = shlex.split(SERVE_DEFAULTS[scenario]) + shlex.split(args.serve_args or "")
         if tokenizer and "--tokenizer" not in serve_args:
             serve_args += ["--tokenizer", tokenizer]
-        a, b = scenario_arms(scenario, args.prefill_nodes)
-        path_a, path_b = run_arm(a, args, serve_args), run_arm(b, args, serve_args)
-        serve_report.run_compare(str(path_a), str(path_b),
-                                 str(Path(args.output_dir) / f"fleet-{scenario}-compare.json"), not args.no_plot)
+        scenario_args = argparse.Namespace(**vars(args))
+        scenario_args.kv_cache_memory = args.kv_cache_memory or KV_CACHE_DEFAULTS[scenario]
+        if scenario == "vllm":
+            scenario_args.dtype = resolved_dtype(args.dtype)  # the same explicit dtype for both servers
+        print(json.dumps(run_scenario(scenario, scenario_args, serve_args), indent=1))
     return 0
 
 
-HELP = "kvrelay up + bench serve: colocated vs disaggregated, routing policies"
+HELP = "kvrelay up + bench serve: colocated vs disaggregated, routing policies, vs `vllm serve`"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=["disagg", "routing", "all"], default="all",
-                   help="disagg: colocated vs 1P+1D; routing: round_robin vs cache_aware over several prefill nodes")
-    p.add_argument("--model", default="default", help="passed to `kvrelay up --model`")
+    p.add_argument("--scenario", choices=["disagg", "routing", "vllm", "all"], default="all",
+                   help="disagg: colocated vs 1P+1D; routing: round_robin vs cache_aware over several prefill "
+                        "nodes; vllm: `vllm serve` vs `kvrelay up` (all: disagg and routing)")
+    p.add_argument("--model", default="default", help="passed to `kvrelay up --model` (and its folder to vLLM)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="passed to `kvrelay up --dtype`; vllm scenario: both servers get it, `auto` resolved to "
+                        "what kvrelay picks on this machine")
     p.add_argument("--prefill-nodes", type=int, default=3, help="routing scenario: prefill nodes (one decode node)")
-    p.add_argument("--kv-cache-memory", type=int, default=512 * 1024**2,
-                   help="bytes of KV cache per node (kept small: several nodes share this machine's memory)")
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes of KV cache per node (default: "
+                        + ", ".join(f"{k} {v // 2**20} MiB" for k, v in KV_CACHE_DEFAULTS.items())
+                        + "; kept small where several nodes share this machine's memory)")
+    p.add_argument("--vllm-python", default=None,
+                   help="vllm scenario: the vLLM venv's python (default: $KVRELAY_VLLM_PYTHON, then the peer kit's)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="vllm scenario: rounds of the pair, run A B, B A, ... (2: ABBA)")
     p.add_argument("--tokenizer", default=None,
                    help="measure dataset lengths in this tokenizer's tokens (default: the model's, when local)")
     p.add_argument("--serve-args", default=None,
                    help="extra `kvrelay bench serve` flags, appended to the scenario's defaults (later wins): "
                         + "; ".join(f"{k}: {v}" for k, v in SERVE_DEFAULTS.items()))
     p.add_argument("--output-dir", default="bench/results", help="where JSON, PNG and fleet logs go")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a fleet may take to come up")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to come up")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
 
 

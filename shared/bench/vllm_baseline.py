@@ -6,6 +6,8 @@ our engine, with the settings vLLM's CPU documentation and our measurements foun
 OpenMP threads bound to the cores we use (VLLM_CPU_OMP_THREADS_BIND), a KV cache as large as ours
 (VLLM_CPU_KVCACHE_SPACE, whole GiB), tcmalloc and the venv's Intel OpenMP preloaded when present, prefix
 caching off. The same greedy, ignore_eos requests as ours; its output tokens come back for the agreement check.
+`VllmServer` runs `vllm serve` (its OpenAI server module) from the same venv with the same settings, for
+`kvrelay bench fleet --scenario vllm`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from shared.bench.server_process import HttpServerProcess
 from shared.bench.workload import BenchRequest
 
 RUNNER = Path(__file__).parent / "external" / "vllm_offline.py"
@@ -102,3 +105,22 @@ def run_vllm(python: str, model_dir: str, dtype: str, requests: Sequence[BenchRe
                      "prefix_caching": False},
     }
     return metrics, tokens
+
+
+def serve_argv(python: str, model_dir: str, served_name: str, dtype: str, port: int, max_num_seqs: int = 128,
+               max_model_len: int = 2048) -> list[str]:
+    # The module, not the `vllm` script: the vllm-cpu distribution's script looks up the "vllm" package version.
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
+            served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len",
+            str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--no-enable-prefix-caching", "--seed", "0",
+            "--disable-uvicorn-access-log"]
+
+
+class VllmServer(HttpServerProcess):
+    """`vllm serve` on 127.0.0.1 from the vLLM venv, OpenMP bound to this machine's cores."""
+
+    def __init__(self, python: str, model_dir: str, served_name: str, dtype: str, port: int, *,
+                 kv_cache_bytes: int, log_path: Path, ready_timeout: float) -> None:
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        super().__init__(serve_argv(python, model_dir, served_name, dtype, port), f"http://127.0.0.1:{port}/health",
+                         log_path, ready_timeout, env=vllm_env(python, os.cpu_count() or 1, kv_cache_bytes))
