@@ -101,9 +101,7 @@ def serve_namespace(serve_args: list[str], base_url: str, label: str, output: Pa
 def server_for(arm: Arm, args: argparse.Namespace, log_path: Path) -> tuple[ServerProcess, dict]:
     """The arm's server (not started yet) and what to record about it."""
     if arm.server is Server.VLLM:
-        from shared.model_resolve import resolve_model
-
-        model = resolve_model(args.model)
+        model = args.resolved_model
         python = vllm_baseline.find_python(args.vllm_python)
         server = vllm_baseline.VllmServer(python, str(model.path), model.model_id, args.dtype, free_port(),
                                           kv_cache_bytes=args.kv_cache_memory, log_path=log_path,
@@ -192,7 +190,10 @@ def run(args: argparse.Namespace) -> int:
         scenario_args = argparse.Namespace(**vars(args))
         scenario_args.kv_cache_memory = args.kv_cache_memory or KV_CACHE_DEFAULTS[scenario]
         if scenario == "vllm":
+            from shared.model_resolve import resolve_model
+
             scenario_args.dtype = resolved_dtype(args.dtype)  # the same explicit dtype for both servers
+            scenario_args.resolved_model = resolve_model(args.model)  # vLLM is given its HF folder
         print(json.dumps(run_scenario(scenario, scenario_args, serve_args), indent=1))
     return 0
 

@@ -10,6 +10,7 @@ Lifecycle:
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import shlex
@@ -24,7 +25,7 @@ import httpx
 logger = logging.getLogger(__name__)
 
 
-class ServerProcess:
+class ServerProcess(abc.ABC):
     """One child server; a context manager that always stops it. Subclasses say when it is ready."""
 
     def __init__(self, argv: Sequence[str], log_path: Path, ready_timeout: float,
@@ -33,8 +34,9 @@ class ServerProcess:
         self.log_path, self.ready_timeout = log_path, ready_timeout
         self.proc: subprocess.Popen | None = None
 
+    @abc.abstractmethod
     def is_ready(self) -> bool:
-        raise NotImplementedError
+        """Whether the server takes requests now (polled while it starts)."""
 
     def __enter__(self):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,8 @@ import shlex
 import pytest
 
 from shared.bench import fleet, vllm_baseline
+from shared.bench.server_process import ServerProcess
+from shared.model_resolve import resolve_model
 from tests.helpers.procs import alive, descendants
 
 
@@ -59,18 +61,24 @@ def test_default_serve_flags_parse_and_later_flags_win(scenario, tmp_path):
     assert args.dataset == ("multi-tenant" if scenario == "routing" else "random")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_one_arm_runs_a_real_fleet_and_stops_it(default_model_dir, tmp_path, monkeypatch):
+def _record_spawned(monkeypatch) -> list[set[int]]:
+    """Each started server's process tree, taken once it is ready (to check nothing outlives it)."""
     spawned = []
-    real_enter = fleet.FleetProcess.__enter__
+    real_enter = ServerProcess.__enter__
 
     def enter(self):
         out = real_enter(self)
         spawned.append(descendants(self.proc.pid) | {self.proc.pid})
         return out
 
-    monkeypatch.setattr(fleet.FleetProcess, "__enter__", enter)
+    monkeypatch.setattr(ServerProcess, "__enter__", enter)
+    return spawned
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_one_arm_runs_a_real_fleet_and_stops_it(default_model_dir, tmp_path, monkeypatch):
+    spawned = _record_spawned(monkeypatch)
     args = argparse.Namespace(output_dir=str(tmp_path), model="default", kv_cache_memory=128 * 2**20,
                               ready_timeout=360.0, no_plot=False, dtype="auto")
     serve_args = shlex.split(fleet.SERVE_DEFAULTS["disagg"]) + [
@@ -100,17 +108,10 @@ def _vllm_python() -> str:
 @pytest.mark.timeout(600)
 def test_the_vllm_arm_serves_the_same_model_and_stops(default_model_dir, tmp_path, monkeypatch):
     _vllm_python()
-    spawned = []
-    real_enter = vllm_baseline.VllmServer.__enter__
-
-    def enter(self):
-        out = real_enter(self)
-        spawned.append(descendants(self.proc.pid) | {self.proc.pid})
-        return out
-
-    monkeypatch.setattr(vllm_baseline.VllmServer, "__enter__", enter)
+    spawned = _record_spawned(monkeypatch)
     args = argparse.Namespace(output_dir=str(tmp_path), model="default", kv_cache_memory=2**30, ready_timeout=480.0,
-                              no_plot=True, dtype="float32", vllm_python=None)
+                              no_plot=True, dtype="float32", vllm_python=None,
+                              resolved_model=resolve_model("default"))
     serve_args = shlex.split(fleet.SERVE_DEFAULTS["vllm"]) + [
         "--num-requests", "3", "--warmup", "0", "--concurrency", "2", "--min-input", "40", "--max-input", "60",
         "--min-output", "4", "--max-output", "6", "--tokenizer", str(default_model_dir), "--no-progress"]
