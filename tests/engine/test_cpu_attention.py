@@ -70,7 +70,7 @@ class Step:
 
 def _tolerance(dtype, d):
     # fp32: summation order only. bf16: the output's own rounding (2^-9 relative, values up to ~3), and on
-    # AVX512-BF16 the weights rounded to bf16 for p . v.
+    # AVX512-BF16 the prefill tiles' weights rounded to bf16 for p . v (decodes split them into hi + lo).
     return 2e-5 if dtype == torch.float32 else 4e-2
 
 

@@ -7,7 +7,8 @@
 //      S^T [16 keys][group] = K Q^T on the tiles, stored key-major;
 //   2. mask positions outside [first, seq_len) with -inf; softmax per query row over the key-major scores,
 //      16 lanes at a time (a lane's query row repeats every group / gcd(group, 16) vectors); P rounded to bf16
-//      and written query-major, as the A tiles of P V (as the AVX512-BF16 kernel and GPU flash attention round it);
+//      and written query-major, as the A tiles of P V (as GPU flash attention rounds it; the AVX512-BF16 kernel
+//      splits each weight into two bf16 parts instead, not yet measured on tiles);
 //   3. per 32 keys: stage V with keys 2j and 2j + 1 interleaved in row j (the B tiles), zero outside the range;
 //      O [group][64 dims] += P V in four sum tiles; a head size of 128 walks the values twice, 64 dims a time.
 // A request's result depends only on its own keys and values (same tiles, same order whatever the batch).
