@@ -30,7 +30,7 @@ import logging
 import os
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shared.bench import parser as bench_parser
@@ -106,38 +106,38 @@ def server_for(arm: Arm, args: argparse.Namespace, log_path: Path) -> tuple[Serv
         server = vllm_baseline.VllmServer(python, str(model.path), model.model_id, args.dtype, free_port(),
                                           kv_cache_bytes=args.kv_cache_memory, log_path=log_path,
                                           ready_timeout=args.ready_timeout)
-        return server, {"vllm_serve_argv": server.argv[1:], "cpu_count": os.cpu_count()}
+        return server, {"vllm_serve_argv": server.argv[1:]}
     flags = ["--model", args.model, *arm.up_flags]
     if args.dtype != "auto":
         flags += ["--dtype", args.dtype]
     if args.kv_cache_memory:
         flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    return FleetProcess(flags, log_path, args.ready_timeout), {"kvrelay_up_flags": flags, "cpu_count": os.cpu_count()}
+    return FleetProcess(flags, log_path, args.ready_timeout), {"kvrelay_up_flags": flags}
 
 
-def run_arm(arm: Arm, args: argparse.Namespace, serve_args: list[str]) -> Path:
+def run_arm(arm: Arm, args: argparse.Namespace, serve_args: list[str]) -> tuple[Path, dict]:
+    """The arm's serve run: where its JSON went, and the result."""
     out_dir = Path(args.output_dir)
     output = out_dir / f"fleet-{arm.label}.json"
     server, record = server_for(arm, args, out_dir / f"fleet-{arm.label}.log")
     with server:
         sargs = serve_namespace(serve_args, server.base_url, arm.label, output)
         result = serve.measure(sargs)
-        result["fleet"] = record
+        result["fleet"] = {**record, "cpu_count": os.cpu_count()}
     serve_report.save(result, output, plot=not args.no_plot)
     print(json.dumps({k: result[k] for k in ("label", "completed", "failed", "request_throughput",
                                              "output_throughput", "prefix_hit_ratio")}
                      | {m: result[m]["p50"] for m in ("ttft_ms", "itl_ms", "e2e_ms")}, indent=1))
     if not result["completed"]:
         raise RuntimeError(f"{arm.label}: no request completed; errors: {result['errors']}")
-    return output
+    return output, result
 
 
 def round_arms(a: Arm, b: Arm, rounds: int) -> list[tuple[Arm, Arm]]:
     """Each round's (A, B), labelled by round when there are several; they run A B, B A, A B, ..."""
     if rounds == 1:
         return [(a, b)]
-    return [(Arm(f"{a.label}-{r}", a.up_flags, a.server), Arm(f"{b.label}-{r}", b.up_flags, b.server))
-            for r in range(1, rounds + 1)]
+    return [(replace(a, label=f"{a.label}-{r}"), replace(b, label=f"{b.label}-{r}")) for r in range(1, rounds + 1)]
 
 
 def play_order(pairs: list[tuple[Arm, Arm]]) -> list[Arm]:
@@ -158,14 +158,13 @@ def run_scenario(scenario: str, args: argparse.Namespace, serve_args: list[str])
     out_dir = Path(args.output_dir)
     rounds = args.rounds if scenario == "vllm" else 1
     pairs = round_arms(*scenario_arms(scenario, args.prefill_nodes), rounds)
-    paths = {arm.label: run_arm(arm, args, serve_args) for arm in play_order(pairs)}
+    runs = {arm.label: run_arm(arm, args, serve_args) for arm in play_order(pairs)}
     summary = []
     for r, (a, b) in enumerate(pairs, start=1):
-        path_a, path_b = paths[a.label], paths[b.label]
+        (path_a, ra), (path_b, rb) = runs[a.label], runs[b.label]
         suffix = f"-{r}" if rounds > 1 else ""
         serve_report.run_compare(str(path_a), str(path_b), str(out_dir / f"fleet-{scenario}-compare{suffix}.json"),
                                  not args.no_plot)
-        ra, rb = (json.loads(p.read_text()) for p in (path_a, path_b))
         summary.append({"a": a.label, "b": b.label, "output_throughput": [ra["output_throughput"],
                                                                           rb["output_throughput"]],
                         "ttft_p90_ms": [ra["ttft_ms"]["p90"], rb["ttft_ms"]["p90"]]})

@@ -84,7 +84,7 @@ def test_one_arm_runs_a_real_fleet_and_stops_it(default_model_dir, tmp_path, mon
     serve_args = shlex.split(fleet.SERVE_DEFAULTS["disagg"]) + [
         "--num-requests", "3", "--warmup", "0", "--concurrency", "2", "--min-input", "80", "--max-input", "120",
         "--min-output", "4", "--max-output", "6", "--tokenizer", str(default_model_dir), "--no-progress"]
-    path = fleet.run_arm(fleet.scenario_arms("disagg", 1)[1], args, serve_args)
+    path, _ = fleet.run_arm(fleet.scenario_arms("disagg", 1)[1], args, serve_args)
     result = json.loads(path.read_text())
     assert result["label"] == "disagg-1p1d" and result["completed"] == 3 and result["failed"] == 0
     assert result["fleet"]["kvrelay_up_flags"] == ["--model", "default", "--prefill", "1", "--decode", "1",
@@ -116,7 +116,8 @@ def test_the_vllm_arm_serves_the_same_model_and_stops(default_model_dir, tmp_pat
         "--num-requests", "3", "--warmup", "0", "--concurrency", "2", "--min-input", "40", "--max-input", "60",
         "--min-output", "4", "--max-output", "6", "--tokenizer", str(default_model_dir), "--no-progress"]
     arm, _ = fleet.scenario_arms("vllm", 1)
-    result = json.loads(fleet.run_arm(arm, args, serve_args).read_text())
+    path, _ = fleet.run_arm(arm, args, serve_args)
+    result = json.loads(path.read_text())
     assert result["label"] == "vllm-serve" and result["completed"] == 3 and result["failed"] == 0
     assert all(4 <= r["completion_tokens"] <= 6 for r in result["requests"])
     argv = result["fleet"]["vllm_serve_argv"]

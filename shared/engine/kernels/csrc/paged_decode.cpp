@@ -261,11 +261,10 @@ void decode_heads_w(const AttnView<T, Q>& a, const int32_t* table, int64_t token
     uint16_t* pb = reinterpret_cast<uint16_t*>(s.units(0, rows * npad));
     for (int64_t i = 0; i < rows * npad; i += 16) {
       const __m512 p = _mm512_loadu_ps(scores + i);
-      const __m256i hi = (__m256i)_mm512_cvtneps_pbh(p);
-      const __m512 hi_f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + i), hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + i), (__m256i)_mm512_cvtneps_pbh(p));
+      const __m512 hi = load16(reinterpret_cast<const at::BFloat16*>(pb + i));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + rows * npad + i),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, hi_f)));
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, hi)));
     }
     pw = reinterpret_cast<const uint32_t*>(pb);
 #endif
