@@ -196,7 +196,12 @@ def test_percentiles_match_the_server_sleeps(fake, tmp_path):
     assert 150.0 <= ttft["min"] and ttft["p50"] <= 150 + slack  # the role-only chunk is not the first token
     assert ttft["count"] == 12 and itl["count"] == 12 * 10
     assert 15.0 <= itl["p50"] <= 20 + 30  # 80% of the gaps are 20 ms ...
-    assert 70.0 <= itl["p90"] <= 80 + slack and 70.0 <= itl["p99"] <= 80 + slack  # ... and 20% are 80 ms
+    assert 70.0 <= itl["p90"] <= 80 + slack  # ... and 20% are 80 ms
+    # p99 is the second largest of the 120 gaps: one scheduling stall of the busy machine moves it (a run here
+    # saw 327 ms), so it gets only the lower bound; the medians below pin each sleep to its place.
+    assert 70.0 <= itl["p99"]
+    gaps_ms = np.array([q["itl_s"] for q in r["requests"]]) * 1000.0  # [request, gap before chunk 1..10]
+    assert np.median(gaps_ms[:, [4, 9]]) >= 75.0 and np.median(np.delete(gaps_ms, [4, 9], axis=1)) <= 20 + 30
     assert 470.0 <= e2e["min"] and e2e["p50"] <= 470 + 2 * slack  # 150 + 8 x 20 + 2 x 80
     assert 30.0 <= r["tpot_ms"]["p50"] <= 32 + slack / 10
     for key, values in serve_report.latency_samples(r).items():  # the percentiles of the recorded samples
