@@ -12,7 +12,8 @@ Any failure leaves `load()` returning None and the portable torch path in use.
 `python -m shared.engine.kernels` builds them now (`make install` does, so no request waits for it).
 `KVRELAY_KERNEL_MARCH` (default `native`) builds for another CPU level, e.g. `x86-64-v3` (AVX2, no AVX512), so
 an AVX512 machine can test the code paths an AVX2-only machine runs. `KVRELAY_KV_PREFETCH` (`l1` or `l2`; default
-`l2` on AMD CPUs, `l1` elsewhere) says which cache the attention kernels prefetch KV rows into (csrc/common.h).
+`l2` on AMD CPUs, `l1` elsewhere) says which cache the attention kernels ask KV rows into (csrc/common.h; AMD
+cores before Zen 4 fill L1 whatever the hint).
 """
 
 from __future__ import annotations

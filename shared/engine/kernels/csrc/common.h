@@ -226,6 +226,9 @@ inline void softmax_inplace(float* s, int64_t n) {
 // - T1 (into L2) on an AVX512-BF16 EPYC (Zen 4, 2 vCPUs): T0 requests wait for the few L1 miss buffers there.
 //   128 decodes x 600 tokens, one layer: fp32 6.83 -> 4.49 ms, bf16 4.22 -> 2.00 (17 -> 26 and 14 -> 29 GB/s);
 //   a plain read of the same scattered rows 19 -> 28 GB/s. On a Zen 5 the hint made no difference.
+// - AMD cores before Zen 4 (the AVX2-only EPYCs) fill L1 for every hint (AMD's optimisation guides; T1 into L2
+//   is new with Zen 4), so there the L2 build behaves as the L1 one; `KVRELAY_KV_PREFETCH=l1` on a Zen 4 stands in
+//   for them.
 // (docs/benchmarks.md)
 inline void prefetch(const void* p, int64_t bytes) {
 #ifdef KVRELAY_PREFETCH_L2

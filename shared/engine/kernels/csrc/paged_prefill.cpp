@@ -31,10 +31,13 @@ namespace {
 
 constexpr int W = Vf::W;
 constexpr int64_t KC = 64;            // keys per softmax update (32 measured 5-20% slower, 16 worse still)
-// Register tiles: 24 accumulators of 32 registers with 16 lanes (8 x 3), 8 of 16 with 8 lanes. Halving them
-// (4 x 3) measured 1.9x slower.
+// Register tiles: 24 accumulators of 32 registers with 16 lanes (8 x 3); 12 of 16 with 8 lanes (4 x 3: with the
+// three row vectors and a broadcast, all 16 registers, in both passes). With 16 lanes, halving them (4 x 3)
+// measured 1.9x slower. With 8 lanes, 4 x 3 against the earlier 4 x 2 (whose 5-token tiles also left one row of
+// 16 empty for a group of 3): one prompt, one layer of SmolLM2, 512 to 2,048 tokens, fp32 126-129 -> 147-152
+// GFLOP/s, bf16 cache 117-120 -> 144-149; 6 keys x 2 (chunks of 60) 130 (AVX2-held Zen 4, 2 threads).
 constexpr int NK = W == 16 ? 8 : 4;   // keys per QK register tile
-constexpr int NR = W == 16 ? 3 : 2;   // row vectors per register tile
+constexpr int NR = 3;                 // row vectors per register tile
 constexpr int NE = W == 16 ? 8 : 4;   // head elements per PV register tile
 
 struct F32Units {
