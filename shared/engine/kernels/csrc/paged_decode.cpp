@@ -250,16 +250,13 @@ void decode_heads_w(const AttnView<T, Q>& a, const int32_t* table, int64_t token
     std::fill(scores + row * npad + n, scores + (row + 1) * npad, -INFINITY);
     softmax_row_w(scores + row * npad, npad);
   }
-  // Pass 2: out = sum_t p_t v_t, up to GT query rows of a kv head per walk over its values, their GT x CH sums
-  // in registers (32 of them with AVX512). AVX2's 16 hold 3 rows x half a head of 64 (12 sums), so it walks a
-  // head's values once per half, not once per query row as before: a third of the loads per value row. One
-  // layer, 32 decodes x 600 tokens, AVX2-held Zen 4, builds alternated over 6 rounds: fp32 0.71-1.31 -> 0.66-0.95
-  // ms (5 rounds of 6 faster, ~0.89 -> ~0.72 typical), bf16 cache 0.73-0.87 -> 0.66-0.71. Same sums in the same
-  // order per element, so the same results.
-  constexpr int GT = W == 16 ? (D <= 64 ? 3 : 2) : 3;
+  // Pass 2: out = sum_t p_t v_t, up to GT query rows of a kv head per walk over its values, their GT x C sums
+  // in registers (32 of them with AVX512; AVX2's 16 hold one row of 64). AVX2 holding 3 rows x half a head
+  // instead (a third of the loads) was 10% faster with prefetches into L2, but 8-14% slower in fp32 where they
+  // fill L1, as on every AVX2-only machine (csrc/common.h): AVX2-held Zen 4, 32 and 64 decodes x 600 tokens,
+  // builds alternated in one process (docs/benchmarks.md, session 25).
+  constexpr int GT = W == 16 ? (D <= 64 ? 3 : 2) : 1;
   constexpr int C = D / W;
-  constexpr int CH = W == 16 ? C : C / 2;  // vectors of a head per walk: AVX2 walks each half of it
-  static_assert(!pairs || CH == C, "the pairs walk covers the whole head");
   [[maybe_unused]] const uint32_t* pw = nullptr;
   [[maybe_unused]] const int64_t lo_at = rows * npad / 2;  // pw[lo_at + i]: the lo parts of pw[i]'s two weights
   if constexpr (pairs) {
@@ -277,51 +274,49 @@ void decode_heads_w(const AttnView<T, Q>& a, const int32_t* table, int64_t token
   }
   float* outf = s.floats(2, rows * D);
   for (int64_t hh = 0; hh < nh; ++hh) {
-    for (int c0 = 0; c0 < C; c0 += CH) {
-      for (int64_t g0 = 0; g0 < group; g0 += GT) {
-        const int64_t gt = std::min<int64_t>(GT, group - g0), row0 = hh * group + g0;
-        Vf::R acc[GT][CH];
-        for (int g = 0; g < GT; ++g)
-          for (int c = 0; c < CH; ++c) acc[g][c] = Vf::zero();
-        RowCursor<T> vals = a.rows(a.v, table, first, h0 + hh);
-        const bool lead = g0 == 0 && c0 == 0;  // later walks of a head re-read values the first brought in
-        if constexpr (pairs) {
+    for (int64_t g0 = 0; g0 < group; g0 += GT) {
+      const int64_t gt = std::min<int64_t>(GT, group - g0), row0 = hh * group + g0;
+      Vf::R acc[GT][C];
+      for (int g = 0; g < GT; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = Vf::zero();
+      RowCursor<T> vals = a.rows(a.v, table, first, h0 + hh);
+      const bool lead = g0 == 0;  // a head's later groups re-read values the first group brought in
+      if constexpr (pairs) {
 #if defined(KVRELAY_AVX512BF16)
-          for (int64_t t = first; t < seq_len; t += 2) {
-            const T* va = vals.next();
-            const T* vb = t + 1 < seq_len ? vals.next() : va;  // its weight is 0
-            if (lead) ahead.advance(2);
-            const int64_t j = (t - first) / 2;
-            for (int c = 0; c < C / 2; ++c) {
-              const __m512i x = _mm512_loadu_si512(va + 32 * c), y = _mm512_loadu_si512(vb + 32 * c);
-              const __m512i lo = interleave_pairs(x, y, 0), hi = interleave_pairs(x, y, 1);
-              for (int g = 0; g < GT; ++g) {
-                if (g >= gt) break;
-                const int64_t at = ((row0 + g) * npad) / 2 + j;
-                const __m512i w = _mm512_set1_epi32(static_cast<int>(pw[at]));
-                const __m512i wl = _mm512_set1_epi32(static_cast<int>(pw[lo_at + at]));
-                acc[g][2 * c] = dot_pairs(dot_pairs(acc[g][2 * c], lo, w), lo, wl);
-                acc[g][2 * c + 1] = dot_pairs(dot_pairs(acc[g][2 * c + 1], hi, w), hi, wl);
-              }
-            }
-          }
-#endif
-        } else {
-          for (int64_t t = first; t < seq_len; ++t) {
-            const T* vt = vals.next();
-            if (lead) ahead.advance(1);
-            Vf::R v[CH];
-            for (int c = 0; c < CH; ++c) v[c] = load_w(vt + W * (c0 + c));
+        for (int64_t t = first; t < seq_len; t += 2) {
+          const T* va = vals.next();
+          const T* vb = t + 1 < seq_len ? vals.next() : va;  // its weight is 0
+          if (lead) ahead.advance(2);
+          const int64_t j = (t - first) / 2;
+          for (int c = 0; c < C / 2; ++c) {
+            const __m512i x = _mm512_loadu_si512(va + 32 * c), y = _mm512_loadu_si512(vb + 32 * c);
+            const __m512i lo = interleave_pairs(x, y, 0), hi = interleave_pairs(x, y, 1);
             for (int g = 0; g < GT; ++g) {
               if (g >= gt) break;
-              const Vf::R w = Vf::set1(scores[(row0 + g) * npad + (t - first)]);
-              for (int c = 0; c < CH; ++c) acc[g][c] = Vf::fma(w, v[c], acc[g][c]);
+              const int64_t at = ((row0 + g) * npad) / 2 + j;
+              const __m512i w = _mm512_set1_epi32(static_cast<int>(pw[at]));
+              const __m512i wl = _mm512_set1_epi32(static_cast<int>(pw[lo_at + at]));
+              acc[g][2 * c] = dot_pairs(dot_pairs(acc[g][2 * c], lo, w), lo, wl);
+              acc[g][2 * c + 1] = dot_pairs(dot_pairs(acc[g][2 * c + 1], hi, w), hi, wl);
             }
           }
         }
-        for (int g = 0; g < gt; ++g)
-          for (int c = 0; c < CH; ++c) Vf::store(outf + (row0 + g) * D + W * (c0 + c), acc[g][c]);
+#endif
+      } else {
+        for (int64_t t = first; t < seq_len; ++t) {
+          const T* vt = vals.next();
+          if (lead) ahead.advance(1);
+          Vf::R v[C];
+          for (int c = 0; c < C; ++c) v[c] = load_w(vt + W * c);
+          for (int g = 0; g < GT; ++g) {
+            if (g >= gt) break;
+            const Vf::R w = Vf::set1(scores[(row0 + g) * npad + (t - first)]);
+            for (int c = 0; c < C; ++c) acc[g][c] = Vf::fma(w, v[c], acc[g][c]);
+          }
+        }
       }
+      for (int g = 0; g < gt; ++g)
+        for (int c = 0; c < C; ++c) Vf::store(outf + (row0 + g) * D + W * c, acc[g][c]);
     }
   }
   store_n(outf, a.out + (token * a.heads + h0 * group) * D, rows * D);
