@@ -43,7 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block (fleet-wide)")
     g.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes of KV cache on CPU (default 2 GiB); the log says how many tokens fit")
+                   help="bytes of KV cache (CPU default 2 GiB; on CUDA it overrides "
+                        "--gpu-memory-utilization); the log says how many tokens fit")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: fraction of device memory for weights plus KV cache")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")

@@ -67,7 +67,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
-    kv_cache_memory: int | None = None  # bytes; CPU budget (None: DEFAULT_KV_CACHE_MEMORY)
+    kv_cache_memory: int | None = None  # bytes (None: DEFAULT_KV_CACHE_MEMORY on CPU, gpu_memory_utilization on CUDA)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total device memory for weights + KV
     num_gpu_blocks_override: int | None = None  # tests: exact block count
     cache_salt: str = ""

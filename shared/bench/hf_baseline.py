@@ -16,11 +16,11 @@ from tqdm.auto import tqdm
 from shared.bench.workload import BenchRequest
 
 
-def load_hf_model(path: str, dtype: torch.dtype):
+def load_hf_model(path: str, dtype: torch.dtype, device: torch.device | str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
+    return model.to(device).eval()
 
 
 def pad_token_id(model) -> int:
@@ -78,8 +78,8 @@ def generate_batch(model, batch: Sequence[BenchRequest], pad_id: int, bar=None) 
     ids, mask = left_pad([r.prompt_token_ids for r in batch], pad_id)
     num_tokens = max(r.output_len for r in batch)
     streamer = _StepStreamer(bar, num_tokens) if bar is not None and not bar.disable else None
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config(num_tokens, pad_id),
-                         streamer=streamer)
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                         generation_config=generation_config(num_tokens, pad_id), streamer=streamer)
     new = out[:, ids.shape[1]:]
     return [new[row, : r.output_len].tolist() for row, r in enumerate(batch)]
 
@@ -91,10 +91,10 @@ def batches(requests: Sequence[BenchRequest], size: int) -> list[Sequence[BenchR
 
 
 def run_hf(path: str, dtype: torch.dtype, requests: Sequence[BenchRequest], batch_size: int,
-           progress: bool = True) -> tuple[dict, list[list[int]]]:
-    """Time transformers on the workload; returns (metrics, each request's output tokens)."""
+           progress: bool = True, device: torch.device | str = "cpu") -> tuple[dict, list[list[int]]]:
+    """Time transformers on the workload, on our engine's device; returns (metrics, each request's output tokens)."""
     t0 = time.perf_counter()
-    model = load_hf_model(path, dtype)
+    model = load_hf_model(path, dtype, device)
     load_s = time.perf_counter() - t0
     pad_id = pad_token_id(model)
     generate_batch(model, [BenchRequest(0, requests[0].prompt_token_ids[:8], 2, 0)], pad_id)  # warm-up

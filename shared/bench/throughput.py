@@ -131,7 +131,9 @@ def _time_matmul(fn: Callable[[], torch.Tensor], min_seconds: float) -> float:
     best, spent, n = float("inf"), 0.0, 0
     while spent < min_seconds or n < 3:
         t0 = time.perf_counter()
-        fn()
+        out = fn()
+        if out.is_cuda:  # the launch returns at once; the product is done when the stream is
+            torch.cuda.synchronize(out.device)
         dt = time.perf_counter() - t0
         best, spent, n = min(best, dt), spent + dt, n + 1
     return best
@@ -294,6 +296,9 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     engine, load_s = build_engine(args)
     path, dtype, device = str(engine.info.path), engine.info.dtype, str(engine.info.device)
+    if args.baseline in ("vllm", "all") and engine.info.device.type != "cpu":
+        raise SystemExit(f"--baseline {args.baseline}: the vLLM baseline is vLLM's CPU build; on {device} "
+                         "compare with --baseline hf")
     encode, tokenizer_name = load_encoder(args.tokenizer or path)
     spec = workload_spec(args)
     requests = build_workload(encode, spec, vocab_size=engine.vocab_size)
@@ -320,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
         if args.baseline in (baseline, "all"):
             add_ceiling(result, matmul_runs)
             write_results({**result, baseline: "running"}, args.output, plot=False)  # keep ours if it dies
-            run_baseline(baseline, args, path, dtype, requests, our_tokens, result, progress)
+            run_baseline(baseline, args, path, dtype, device, requests, our_tokens, result, progress)
     matmul_runs.append(measure_matmul(cfg, gemm_dtype, device, args.matmul_seconds))
     add_ceiling(result, matmul_runs)
     write_results(result, args.output, plot=not args.no_plot)
@@ -339,11 +344,11 @@ def add_ceiling(result: dict, matmul_runs: list[dict]) -> None:
             add_ceiling_fraction(result[system], ceil)
 
 
-def run_baseline(name: str, args, path, dtype, requests, our_tokens, result, progress) -> None:
+def run_baseline(name: str, args, path, dtype, device, requests, our_tokens, result, progress) -> None:
     from shared.bench.hf_baseline import compare_greedy, run_hf
 
     if name == "hf":
-        metrics, tokens = run_hf(path, dtype, requests, args.hf_batch_size, progress=progress)
+        metrics, tokens = run_hf(path, dtype, requests, args.hf_batch_size, progress=progress, device=device)
     else:
         metrics, tokens = run_vllm_baseline(args, path, dtype, requests, result["engine"])
     result[name] = metrics

@@ -128,7 +128,7 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and cache.kv_cache_memory is None:
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = total * cache.gpu_memory_utilization - torch.cuda.memory_allocated(self.device)
             budget -= _CUDA_ACTIVATION_RESERVE

@@ -24,12 +24,17 @@ SCALE = HEAD_SIZE**-0.5
 
 # (context already cached, new tokens): decodes first, then a fresh prompt and a continued chunk.
 BATCH = [(0, 1), (16, 1), (39, 1), (70, 1), (0, 23), (20, 13), (47, 30)]
+# The same with a decode and a chunk long enough to span many 16-token blocks.
+LONG_BATCH = [(300, 1), *BATCH, (290, 40)]
 
 
 class Case:
     """Random k/v histories for a batch of requests, their paged layout, and the step's metadata."""
 
     def __init__(self, batch, block_size: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> None:
+        lens = [n for _, n in batch]
+        # The metadata contract: every single-token decode comes before the first multi-token chunk.
+        assert lens[: lens.count(1)] == [1] * lens.count(1), f"decodes must lead the batch: {batch}"
         gen = torch.Generator().manual_seed(seed)
         num_blocks = sum(-(-(c + n) // block_size) for c, n in batch) + 8
         free = random.Random(seed).sample(range(1, num_blocks), num_blocks - 1)
@@ -237,8 +242,7 @@ def _flash_ready() -> bool:
 @pytest.mark.parametrize("window", [None, 8], ids=["full", "window8"])
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_flash_matches_torch_backend(block_size, window):
-    batch = BATCH + [(300, 1), (290, 40)]
-    case = Case(batch, block_size, torch.bfloat16, device="cuda")
+    case = Case(LONG_BATCH, block_size, torch.bfloat16, device="cuda")
     q, k, v, meta = case.inputs()
     cache = case.cache.clone()
     flash = get_attention_backend("flash_attn", "cuda").forward(q, k, v, case.cache, meta, SCALE, window)

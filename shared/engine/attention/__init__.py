@@ -39,7 +39,8 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
                 logger.warning("flash-attn unusable (%s); using the torch attention backend", exc)
         name = "torch"
     if name == "torch":
-        return TorchAttentionBackend()
+        # The native kernels are CPU code: a CUDA engine never calls them, so it does not build them either.
+        return TorchAttentionBackend(use_native=torch.device(device).type == "cpu")
     if name == "flash_attn":
         if torch.device(device).type != "cuda":
             raise ValueError(f"attention backend 'flash_attn' needs a CUDA device, got {str(device)!r}")

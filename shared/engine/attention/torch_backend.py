@@ -1,6 +1,6 @@
 """Attention over the paged KV cache on CPU: the native kernels (shared.engine.kernels: one call per layer for
 every decode and prefill chunk of the step, K/V read in place), else a portable path built on torch's
-scaled_dot_product_attention, described below.
+scaled_dot_product_attention, described below (also the CUDA path when flash-attn is not installed).
 
 Decodes are batched: their contexts are gathered block by block into one padded tensor and attended in a
 single SDPA call with a length mask. Prefill chunks go one request at a time: a chunk with no prior context
@@ -18,10 +18,17 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shared.engine import kernels as cpu_kernels
 
 from .base import AttentionBackend, AttentionMetadata, write_kv
+
+# On Hopper GPUs torch picks cuDNN's fused attention for bf16/fp16, and cuDNN builds an execution plan for each
+# new shape (tens of ms). Here shapes are new nearly every step (contexts grow, prompt lengths vary): on an H200
+# the throughput benchmark ran 3x slower in bf16 (attention in cuDNN, per a profile) than in fp32 (math and
+# memory-efficient kernels). Flash and memory-efficient attention build no plans.
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -206,6 +213,13 @@ def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
     """One request: q [Lq, H, d], k/v [Lk, kvh, d] -> [Lq, H, d]; causal when no mask is given."""
+    if q.is_cuda:
+        with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+            return _sdpa_call(q, k, v, scale, mask)
+    return _sdpa_call(q, k, v, scale, mask)
+
+
+def _sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
     # 4-D inputs: on CPU, 3-D ones (or expanded kv heads) miss the fused flash kernel for the math path,
     # which measured 2-5x slower; enable_gqa beat expanding the kv heads.
     out = F.scaled_dot_product_attention(
