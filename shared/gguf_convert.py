@@ -58,11 +58,24 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # ---------------------------------------------------------------- public API
 
 
+_FINGERPRINT_SAMPLE = 1 << 20
+
+
 def gguf_fingerprint(gguf_path: str | os.PathLike) -> str:
-    """Short hash of size + mtime + converter version: cheap to compute, changes when the file does."""
-    st = Path(gguf_path).stat()
-    key = f"{st.st_size}:{st.st_mtime_ns}:{CONVERTER_VERSION}"
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+    """Short hash of the size, the first and the last MiB, and the converter version.
+
+    Cheap for a file of any size, and a property of the file's bytes, not of where or when it was installed:
+    the same GGUF in two virtualenvs shares one conversion (an mtime-based key converted it again, ~0.5 GB, for
+    every fresh install). The first MiB holds the header (metadata, tensor names, shapes and offsets)."""
+    path = Path(gguf_path)
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}:{CONVERTER_VERSION}".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(_FINGERPRINT_SAMPLE))
+        if size > _FINGERPRINT_SAMPLE:
+            f.seek(max(size - _FINGERPRINT_SAMPLE, _FINGERPRINT_SAMPLE))
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def is_converted(out_dir: str | os.PathLike) -> bool:

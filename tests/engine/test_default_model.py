@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
@@ -222,6 +223,23 @@ def test_default_resolve_is_cached(default_model):
     assert elapsed < 1.0, f"cache hit took {elapsed:.2f}s"
     assert default_model.path.parent == cache_dir() / "models"
     assert default_model.path.name.endswith(gguf_fingerprint(default_model.gguf_path))
+
+
+def test_fingerprint_follows_the_bytes_not_the_install(tmp_path):
+    data = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MiB: a head, a middle and a tail
+    a, b = tmp_path / "a.gguf", tmp_path / "venv2" / "a.gguf"
+    b.parent.mkdir()
+    a.write_bytes(data)
+    b.write_bytes(data)
+    os.utime(b, ns=(0, 0))  # installed at another time
+    assert gguf_fingerprint(a) == gguf_fingerprint(b)
+    for index in (0, len(data) - 1):  # the header, the last tensor's bytes
+        changed = bytearray(data)
+        changed[index] ^= 1
+        b.write_bytes(changed)
+        assert gguf_fingerprint(a) != gguf_fingerprint(b)
+    b.write_bytes(data[:1000])  # shorter than the sampled head
+    assert gguf_fingerprint(b) != gguf_fingerprint(a)
 
 
 def test_resolve_gguf_converts_once_into_cache(tiny_gguf, tmp_path, monkeypatch):
