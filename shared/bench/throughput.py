@@ -42,6 +42,7 @@ from shared.bench.workload import (
     build_workload,
     summarize,
 )
+from shared.engine.model_info import resolve_device
 from shared.engine.models import cpu_linear
 from shared.engine.models.loader import compute_dtype
 
@@ -294,11 +295,11 @@ def machine_info() -> dict:
 
 def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
+    if args.baseline in ("vllm", "all") and (asked := resolve_device(args.device)).type != "cpu":
+        raise SystemExit(f"--baseline {args.baseline}: the vLLM baseline is vLLM's CPU build; on {asked} "
+                         "compare with --baseline hf")
     engine, load_s = build_engine(args)
     path, dtype, device = str(engine.info.path), engine.info.dtype, str(engine.info.device)
-    if args.baseline in ("vllm", "all") and engine.info.device.type != "cpu":
-        raise SystemExit(f"--baseline {args.baseline}: the vLLM baseline is vLLM's CPU build; on {device} "
-                         "compare with --baseline hf")
     encode, tokenizer_name = load_encoder(args.tokenizer or path)
     spec = workload_spec(args)
     requests = build_workload(encode, spec, vocab_size=engine.vocab_size)

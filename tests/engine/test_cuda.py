@@ -10,7 +10,7 @@ import torch
 from shared.engine.attention import get_attention_backend
 from shared.engine.llm import LLM, SamplingParams
 from tests.engine.test_attention import LONG_BATCH, SCALE, Case
-from tests.engine.test_engine import CHAT_PROMPTS, RAW_PROMPTS, _assert_all_free, _tokens
+from tests.engine.test_engine import CHAT_PROMPTS, RAW_PROMPTS, _assert_all_free, _hf_greedy, _tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -37,14 +37,6 @@ def hf_cuda(default_model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).to("cuda").eval()
-
-
-@torch.inference_mode()
-def _hf_greedy(model, ids: list[int], n: int, eos: int) -> list[int]:
-    x = torch.tensor([ids], device=model.device)
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                         eos_token_id=eos, pad_token_id=eos)
-    return out[0, len(ids):].tolist()
 
 
 def test_engine_runs_on_cuda_with_the_kv_budget_asked(cuda_llm):

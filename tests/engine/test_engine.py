@@ -40,7 +40,8 @@ def hf_model(default_model_dir):
 def _hf_greedy(hf_model, ids: list[int], n: int, eos: int) -> list[int]:
     with torch.inference_mode():
         out = hf_model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            torch.tensor([ids], device=hf_model.device),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=hf_model.device),
             max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos,
         )
     return out[0, len(ids):].tolist()

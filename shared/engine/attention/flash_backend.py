@@ -53,7 +53,7 @@ class FlashAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if q.dtype not in _FLASH_DTYPES or kv_cache.dtype != q.dtype:
             # flash-attn has no fp32 kernels; keep fp32 runs (tests, debugging) working.
-            self._fallback = self._fallback or TorchAttentionBackend()
+            self._fallback = self._fallback or TorchAttentionBackend(use_native=False)  # CUDA: no CPU kernels
             return self._fallback.forward(q, k, v, kv_cache, meta, scale, sliding_window)
         write_kv(k, v, kv_cache, meta.slot_mapping)
         plan = self._step_plan(meta)

@@ -89,6 +89,12 @@ class TorchAttentionBackend(AttentionBackend):
                                                 meta.slot_mapping if fused else None, meta.block_tables,
                                                 meta.query_start_loc, meta.seq_lens, meta.num_decodes, scale,
                                                 sliding_window or 0)
+        if q.is_cuda:  # the backends chosen once per layer: the context manager costs ~12 us a call
+            with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+                return self._portable(q, k, v, kv_cache, meta, scale, sliding_window)
+        return self._portable(q, k, v, kv_cache, meta, scale, sliding_window)
+
+    def _portable(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
         write_kv(k, v, kv_cache, meta.slot_mapping)
         plan = self._step_plan(meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -213,13 +219,6 @@ def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
     """One request: q [Lq, H, d], k/v [Lk, kvh, d] -> [Lq, H, d]; causal when no mask is given."""
-    if q.is_cuda:
-        with sdpa_kernel(_CUDA_SDPA_BACKENDS):
-            return _sdpa_call(q, k, v, scale, mask)
-    return _sdpa_call(q, k, v, scale, mask)
-
-
-def _sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
     # 4-D inputs: on CPU, 3-D ones (or expanded kv heads) miss the fused flash kernel for the math path,
     # which measured 2-5x slower; enable_gqa beat expanding the kv heads.
     out = F.scaled_dot_product_attention(
