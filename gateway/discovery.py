@@ -24,10 +24,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from gateway.breaker import BreakerConfig, CircuitBreaker
-from gateway.node_client import NodeClients, NodeRpcError
-from shared.records import NodeLoad
-from shared.wire import NodeInfo
+from kvrelay.common.records import NodeLoad
+from kvrelay.common.wire import NodeInfo
+from kvrelay.gateway.breaker import BreakerConfig, CircuitBreaker
+from kvrelay.gateway.node_client import NodeClients, NodeRpcError
 
 logger = logging.getLogger(__name__)
 

@@ -33,12 +33,12 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
-from gateway.discovery import Discovery, Node
-from gateway.errors import BadRequest, NoCapacity, NodeFailure, Overloaded, RequestTimeout
-from gateway.liveness import Liveness
-from gateway.node_client import EngineRequest, NodeClients, NodeRpcError
-from gateway.router import RouteDecision, Router
-from shared.wire import PrefillResult, ReserveResult, TokenChunk
+from kvrelay.common.wire import PrefillResult, ReserveResult, TokenChunk
+from kvrelay.gateway.discovery import Discovery, Node
+from kvrelay.gateway.errors import BadRequest, NoCapacity, NodeFailure, Overloaded, RequestTimeout
+from kvrelay.gateway.liveness import Liveness
+from kvrelay.gateway.node_client import EngineRequest, NodeClients, NodeRpcError
+from kvrelay.gateway.router import RouteDecision, Router
 
 logger = logging.getLogger(__name__)
 

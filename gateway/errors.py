@@ -28,7 +28,7 @@ class BadRequest(GatewayError):
 
     @classmethod
     def from_value_error(cls, err: ValueError) -> BadRequest:
-        """shared.sampling_params and the engines phrase errors as '<field>: <what is wrong>'."""
+        """kvrelay.common.sampling_params and the engines phrase errors as '<field>: <what is wrong>'."""
         text = str(err)
         head, sep, _ = text.partition(":")
         param = head.strip() if sep and head.strip().replace("_", "").isalnum() else None

@@ -14,12 +14,12 @@ from types import SimpleNamespace
 
 import grpc
 
-from gateway.core import GenerateInput, Generation, new_request_id
-from gateway.errors import BadRequest, GatewayError, Unauthorized
-from gateway.outputs import Delta, LogprobEntry
-from gateway.serving_common import check_model, observe_error, output_options, sampling_params
-from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as pb
-from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from kvrelay.gateway.core import GenerateInput, Generation, new_request_id
+from kvrelay.gateway.errors import BadRequest, GatewayError, Unauthorized
+from kvrelay.gateway.outputs import Delta, LogprobEntry
+from kvrelay.gateway.serving_common import check_model, observe_error, output_options, sampling_params
+from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as pb
+from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 

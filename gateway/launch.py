@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.system import free_port
+from kvrelay.common.system import free_port
 
 
 class GatewayProcess:
@@ -30,7 +30,7 @@ class GatewayProcess:
 
     def __enter__(self) -> GatewayProcess:
         self.log = tempfile.NamedTemporaryFile(prefix="kvrelay-gateway-", suffix=".log", delete=False)  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "--log-level", "WARNING", "gateway",
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "--log-level", "WARNING", "gateway",
                                       *self.argv], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:

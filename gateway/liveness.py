@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gateway.discovery import Discovery, Node
-from gateway.node_client import CallWatch, NodeClients, NodeRpcError
+from kvrelay.gateway.discovery import Discovery, Node
+from kvrelay.gateway.node_client import CallWatch, NodeClients, NodeRpcError
 
 logger = logging.getLogger(__name__)
 

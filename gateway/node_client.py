@@ -1,4 +1,4 @@
-"""grpc.aio clients of the engine service. Protobuf stays in this module, gateway.node_streams and shared.wire
+"""grpc.aio clients of the engine service. Protobuf stays in this module, gateway.node_streams and kvrelay.common.wire
 (which converts): callers see the wire records.
 
 One channel per node address, reused by every request, reconnecting within a second or two once a restarted
@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.node_errors import CallWatch, NodeRpcError
-from gateway.node_streams import SequenceStream
-from shared import wire
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
-from shared.records import NodeLoad
-from shared.sampling_params import BeamSearchParams, SamplingParams
-from shared.wire import Health, NodeInfo, PrefillResult, ReserveResult, TokenChunk
+from kvrelay.common import wire
+from kvrelay.common.records import NodeLoad
+from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
+from kvrelay.common.wire import Health, NodeInfo, PrefillResult, ReserveResult, TokenChunk
+from kvrelay.gateway.node_errors import CallWatch, NodeRpcError
+from kvrelay.gateway.node_streams import SequenceStream
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -8,14 +8,14 @@ import time
 
 import grpc
 
-from shared import wire
+from kvrelay.common import wire
 
 _BUSY = {grpc.StatusCode.RESOURCE_EXHAUSTED}
 _BAD_INPUT = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 
 
 class NodeRpcError(Exception):
-    """A failed engine call. `kind` is what the node itself said went wrong (shared.wire.NodeErrorKind), or
+    """A failed engine call. `kind` is what the node itself said went wrong (kvrelay.common.wire.NodeErrorKind), or
     None when the call failed without the node answering (down, hung, unreachable)."""
 
     def __init__(self, address: str, method: str, code: grpc.StatusCode, details: str,

@@ -1,5 +1,5 @@
 """The Generate streams of many sequences to one node over a single GenerateMany call (the node's end is
-shared.node.multiplex). With 32 sequences on a node the gateway receives one message per engine step instead of
+kvrelay.node.multiplex). With 32 sequences on a node the gateway receives one message per engine step instead of
 32, and each sequence still sees exactly what its own Generate call would give: its chunks in order, then the
 end, or NodeRpcError with the status and error kind that call would have ended with.
 
@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway.node_errors import CallWatch, NodeRpcError
-from shared import wire
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
+from kvrelay.common import wire
+from kvrelay.gateway.node_errors import CallWatch, NodeRpcError
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _METHOD = "Generate"  # what errors name: each sequence is a Generate carried over the shared call

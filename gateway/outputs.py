@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from shared.records import TokenLogprobs
-from shared.tokenizer import IncrementalDetokenizer, Tokenizer
-from shared.wire import TokenChunk
+from kvrelay.common.records import TokenLogprobs
+from kvrelay.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvrelay.common.wire import TokenChunk
 
 
 @dataclass(frozen=True)

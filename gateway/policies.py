@@ -27,7 +27,7 @@ from operator import itemgetter
 
 import xxhash
 
-from gateway.discovery import Node
+from kvrelay.gateway.discovery import Node
 
 _FIRST = itemgetter(0)
 

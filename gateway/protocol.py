@@ -2,7 +2,7 @@
 
 Requests ignore unknown fields, as OpenAI's own server does for forward compatibility. Bounds that protect
 the wire (int64 seeds, int32 token ids, uint32 counts) live here; the meaning of each sampling value is
-checked once, by shared.sampling_params, so the HTTP API, the gRPC API and the engines agree.
+checked once, by kvrelay.common.sampling_params, so the HTTP API, the gRPC API and the engines agree.
 """
 
 from __future__ import annotations

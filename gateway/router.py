@@ -1,6 +1,6 @@
 """Pick the prefill and decode nodes of one request.
 
-hash the prompt's blocks (shared.hashing, the engines' own function) -> one index lookup for every node ->
+hash the prompt's blocks (kvrelay.common.hashing, the engines' own function) -> one index lookup for every node ->
 score each role's candidates with the policy -> the best decode node, and the best prefill node unless the
 decode node should prefill itself (few tokens to compute, or no prefill node up). The ranked rest of each
 role is kept as the fallback order when a node refuses or fails.
@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from gateway.discovery import Discovery, Node
-from gateway.errors import NoCapacity
-from gateway.policies import Candidate, Policy, Prompt, decode_is_local
-from shared.hashing import prompt_block_hashes
+from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.gateway.discovery import Discovery, Node
+from kvrelay.gateway.errors import NoCapacity
+from kvrelay.gateway.policies import Candidate, Policy, Prompt, decode_is_local
 
 logger = logging.getLogger(__name__)
 

@@ -8,21 +8,21 @@ import logging
 import time
 from pathlib import Path
 
-from gateway.config import GatewayConfig
-from gateway.core import Admission, GatewayCore
-from gateway.discovery import Discovery, DiscoveryConfig
-from gateway.dispatch import DispatchConfig, Dispatcher
-from gateway.liveness import Liveness
-from gateway.metrics import GatewayMetrics
-from gateway.node_client import NodeClients, Timeouts
-from gateway.policies import make_policy
-from gateway.router import Router, wait_for_nodes
-from gateway.serving_chat import ChatServing
-from gateway.serving_completions import CompletionServing
-from gateway.serving_tokenize import TokenizeServing
-from gateway.tool_parsers import create_tool_parser
-from shared.model_resolve import resolve_model
-from shared.tokenizer import Tokenizer
+from kvrelay.common.tokenizer import Tokenizer
+from kvrelay.gateway.config import GatewayConfig
+from kvrelay.gateway.core import Admission, GatewayCore
+from kvrelay.gateway.discovery import Discovery, DiscoveryConfig
+from kvrelay.gateway.dispatch import DispatchConfig, Dispatcher
+from kvrelay.gateway.liveness import Liveness
+from kvrelay.gateway.metrics import GatewayMetrics
+from kvrelay.gateway.node_client import NodeClients, Timeouts
+from kvrelay.gateway.policies import make_policy
+from kvrelay.gateway.router import Router, wait_for_nodes
+from kvrelay.gateway.serving_chat import ChatServing
+from kvrelay.gateway.serving_completions import CompletionServing
+from kvrelay.gateway.serving_tokenize import TokenizeServing
+from kvrelay.gateway.tool_parsers import create_tool_parser
+from kvrelay.model_files.resolve import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +31,9 @@ _MIRROR_READY_S = 5.0  # at start, how long the mirror may take to load before r
 
 
 def open_index(redis_url: str, model_id: str, backend: str = "mirror"):
-    """The block index and the node registry on one Redis (shared.index; 'memory' for in-process tests).
+    """The block index and the node registry on one Redis (kvrelay.index; 'memory' for in-process tests).
     `backend` "mirror" follows the index into this process (lookups without a round trip)."""
-    from shared.index import create_index, create_registry
+    from kvrelay.index import create_index, create_registry
 
     return create_index(redis_url, model_id, backend=backend), create_registry(redis_url)
 

@@ -26,10 +26,10 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from gateway.config import GatewayConfig
-from gateway.errors import BadRequest, GatewayError, Unauthorized
-from gateway.metrics import CONTENT_TYPE
-from gateway.protocol import (
+from kvrelay.gateway.config import GatewayConfig
+from kvrelay.gateway.errors import BadRequest, GatewayError, Unauthorized
+from kvrelay.gateway.metrics import CONTENT_TYPE
+from kvrelay.gateway.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -45,8 +45,8 @@ from gateway.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from gateway.runtime import Gateway
-from gateway.serving_common import observe_error
+from kvrelay.gateway.runtime import Gateway
+from kvrelay.gateway.serving_common import observe_error
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def build_app(gateway: Gateway, grpc_port: int | None = None) -> FastAPI:
         await gateway.start()
         grpc_server = None
         if grpc_port is not None:
-            from gateway.grpc_api import start_grpc_server
+            from kvrelay.gateway.grpc_api import start_grpc_server
 
             grpc_server = await start_grpc_server(gateway, gateway.config.host, grpc_port)
         app.state.grpc_server = grpc_server

@@ -16,11 +16,11 @@ from dataclasses import replace
 
 from starlette.responses import Response
 
-from gateway import structured, tools
-from gateway.core import GatewayCore, GenerateInput, Generation, new_request_id
-from gateway.errors import BadRequest, GatewayError
-from gateway.outputs import ChoiceOutput, Delta, LogprobEntry
-from gateway.protocol import (
+from kvrelay.gateway import structured, tools
+from kvrelay.gateway.core import GatewayCore, GenerateInput, Generation, new_request_id
+from kvrelay.gateway.errors import BadRequest, GatewayError
+from kvrelay.gateway.outputs import ChoiceOutput, Delta, LogprobEntry
+from kvrelay.gateway.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -38,7 +38,7 @@ from gateway.protocol import (
     TopLogprobEntry,
     UsageInfo,
 )
-from gateway.serving_common import (
+from kvrelay.gateway.serving_common import (
     SSE_DONE,
     SSEResponse,
     beam_search_params,
@@ -51,7 +51,7 @@ from gateway.serving_common import (
     sse,
     sse_error,
 )
-from gateway.tool_parsers import StreamDelta, ToolParser
+from kvrelay.gateway.tool_parsers import StreamDelta, ToolParser
 
 logger = logging.getLogger(__name__)
 

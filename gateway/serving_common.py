@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
-from gateway.errors import BadRequest, GatewayError, ModelNotFound, ShuttingDown
-from gateway.outputs import OutputOptions
-from gateway.protocol import PromptLogprob
-from shared.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
+from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
+from kvrelay.gateway.errors import BadRequest, GatewayError, ModelNotFound, ShuttingDown
+from kvrelay.gateway.outputs import OutputOptions
+from kvrelay.gateway.protocol import PromptLogprob
 
 SSE_DONE = "data: [DONE]\n\n"
 _OUTCOME = {400: "client_error", 401: "unauthorized", 404: "not_found", 429: "overloaded", 503: "no_capacity",

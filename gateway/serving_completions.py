@@ -13,11 +13,11 @@ from contextlib import aclosing
 
 from starlette.responses import Response
 
-from gateway import structured
-from gateway.core import GatewayCore, GenerateInput, Generation, merge, new_request_id
-from gateway.errors import BadRequest, GatewayError
-from gateway.outputs import ChoiceOutput, Delta, LogprobEntry, TokenTexts
-from gateway.protocol import (
+from kvrelay.gateway import structured
+from kvrelay.gateway.core import GatewayCore, GenerateInput, Generation, merge, new_request_id
+from kvrelay.gateway.errors import BadRequest, GatewayError
+from kvrelay.gateway.outputs import ChoiceOutput, Delta, LogprobEntry, TokenTexts
+from kvrelay.gateway.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -26,7 +26,7 @@ from gateway.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from gateway.serving_common import (
+from kvrelay.gateway.serving_common import (
     SSE_DONE,
     SSEResponse,
     beam_search_params,

@@ -7,10 +7,16 @@ count and max_model_len; /detokenize turns ids back into text.
 
 from __future__ import annotations
 
-from gateway.core import GatewayCore
-from gateway.errors import BadRequest
-from gateway.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, VersionResponse
-from gateway.serving_common import check_model
+from kvrelay.gateway.core import GatewayCore
+from kvrelay.gateway.errors import BadRequest
+from kvrelay.gateway.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from kvrelay.gateway.serving_common import check_model
 
 VERSION = "0.1.0"
 

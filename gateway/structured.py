@@ -15,8 +15,8 @@ from typing import Any
 
 import jsonschema
 
-from gateway.errors import BadRequest
-from shared.sampling_params import StructuredOutputKind, StructuredOutputs
+from kvrelay.common.sampling_params import StructuredOutputKind, StructuredOutputs
+from kvrelay.gateway.errors import BadRequest
 
 Kind = StructuredOutputKind
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from gateway.errors import BadRequest
-from gateway.protocol import ChatCompletionRequest, NamedToolChoice
-from gateway.structured import check_schema
-from gateway.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser
-from shared.sampling_params import StructuredOutputs
+from kvrelay.common.sampling_params import StructuredOutputs
+from kvrelay.gateway.errors import BadRequest
+from kvrelay.gateway.protocol import ChatCompletionRequest, NamedToolChoice
+from kvrelay.gateway.structured import check_schema
+from kvrelay.gateway.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 

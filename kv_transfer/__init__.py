@@ -2,7 +2,7 @@
 
     connector = create_connector("auto", ConnectorConfig(name="auto"))   # shm on one host, else ucx
     caches = allocate through connector.kv_allocator() when it gives one (shared memory), else anywhere
-    connector.register_kv_caches(KVLayout.for_caches(model_id, kv_caches), kv_caches)   # shared.records.KVLayout
+    connector.register_kv_caches(KVLayout.for_caches(model_id, kv_caches), kv_caches)  # common.records.KVLayout
 
 Implementations are imported on demand, so that choosing "local" never loads UCX or starts a store.
 """
@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import importlib
 
-from kv_transfer._book import TransferBooks
-from kv_transfer.base import KVAllocator, KVConnector
-from kv_transfer.types import ConnectorConfig, ConnectorMetrics, LayoutMismatchError, TransferError, TransferResult
+from kvrelay.kv_transfer._book import TransferBooks
+from kvrelay.kv_transfer.base import KVAllocator, KVConnector
+from kvrelay.kv_transfer.types import (
+    ConnectorConfig,
+    ConnectorMetrics,
+    LayoutMismatchError,
+    TransferError,
+    TransferResult,
+)
 
 CONNECTORS: dict[str, str] = {
-    "ucx": "kv_transfer.ucx:UcxConnector",
-    "nccl": "kv_transfer.nccl:NcclConnector",
-    "local": "kv_transfer.local:LocalConnector",
-    "shm": "kv_transfer.shm:ShmConnector",
-    "auto": "kv_transfer.auto:AutoConnector",
+    "ucx": "kvrelay.kv_transfer.ucx:UcxConnector",
+    "nccl": "kvrelay.kv_transfer.nccl:NcclConnector",
+    "local": "kvrelay.kv_transfer.local:LocalConnector",
+    "shm": "kvrelay.kv_transfer.shm:ShmConnector",
+    "auto": "kvrelay.kv_transfer.auto:AutoConnector",
 }
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from kv_transfer.types import ConnectorMetrics, TransferError, TransferResult
+from kvrelay.kv_transfer.types import ConnectorMetrics, TransferError, TransferResult
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 import torch
 
-from shared import native
+from kvrelay.common import native
 
 SCHEME = "shm://"
 SOCKET_PREFIX = "kvrelay-kv-"
@@ -242,7 +242,7 @@ def copy_blocks(
     dst: np.ndarray, src: np.ndarray, plan: tuple[np.ndarray, np.ndarray, np.ndarray]
 ) -> int:
     """Copy every piece of the plan from src to dst (flat uint8 arrays); returns the bytes copied. One
-    native call without the GIL when shared.native is built, else a numpy slice per piece."""
+    native call without the GIL when kvrelay.common.native is built, else a numpy slice per piece."""
     dst_off, src_off, sizes = plan
     if len(sizes) and (int((dst_off + sizes).max()) > dst.nbytes or int((src_off + sizes).max()) > src.nbytes):
         raise ValueError("copy outside a layer cache")  # a bug or a lying peer: never touch foreign memory

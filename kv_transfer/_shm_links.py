@@ -11,12 +11,12 @@ import socket
 import threading
 from typing import TYPE_CHECKING
 
-from kv_transfer._shm_io import Channel, PeerMapping, parse_address
-from kv_transfer.types import LayoutMismatchError, TransferError, layout_mismatch
-from shared.records import KVLayout
+from kvrelay.common.records import KVLayout
+from kvrelay.kv_transfer._shm_io import Channel, PeerMapping, parse_address
+from kvrelay.kv_transfer.types import LayoutMismatchError, TransferError, layout_mismatch
 
 if TYPE_CHECKING:
-    from kv_transfer.shm import ShmConnector
+    from kvrelay.kv_transfer.shm import ShmConnector
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any
 
-from kv_transfer.types import ConnectorConfig, TransferError
+from kvrelay.kv_transfer.types import ConnectorConfig, TransferError
 
 # UCX warns that ucxx's own UCX_MEMTYPE_CACHE setting is unused on builds without CUDA: noise, not news.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

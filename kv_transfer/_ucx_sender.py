@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kv_transfer import _blocks
-from kv_transfer._ucx_runtime import parse_peer, recv_msg, send_msg, tag, ucxx
-from kv_transfer.types import LayoutMismatchError, TransferError, layout_mismatch
-from shared.records import KVLayout
+from kvrelay.common.records import KVLayout
+from kvrelay.kv_transfer import _blocks
+from kvrelay.kv_transfer._ucx_runtime import parse_peer, recv_msg, send_msg, tag, ucxx
+from kvrelay.kv_transfer.types import LayoutMismatchError, TransferError, layout_mismatch
 
 if TYPE_CHECKING:
-    from kv_transfer.ucx import UcxConnector
+    from kvrelay.kv_transfer.ucx import UcxConnector
 
 logger = logging.getLogger(__name__)
 

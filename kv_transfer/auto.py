@@ -14,12 +14,12 @@ from dataclasses import replace
 
 import torch
 
-from kv_transfer._book import TransferBooks
-from kv_transfer.base import KVConnector
-from kv_transfer.shm import SCHEME as SHM_SCHEME
-from kv_transfer.shm import ShmConnector, parse_address
-from kv_transfer.types import ConnectorConfig, TransferResult
-from shared.records import KVLayout
+from kvrelay.common.records import KVLayout
+from kvrelay.kv_transfer._book import TransferBooks
+from kvrelay.kv_transfer.base import KVConnector
+from kvrelay.kv_transfer.shm import SCHEME as SHM_SCHEME
+from kvrelay.kv_transfer.shm import ShmConnector, parse_address
+from kvrelay.kv_transfer.types import ConnectorConfig, TransferResult
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class AutoConnector(KVConnector):
         super().__init__(config, books)
         if config.remote not in ("ucx", "nccl"):
             raise ValueError(f"remote: {config.remote!r}; the auto connector reaches other hosts by ucx or nccl")
-        from kv_transfer import create_connector
+        from kvrelay.kv_transfer import create_connector
 
         self._shm = ShmConnector(config, self.books)
         try:

@@ -15,9 +15,9 @@ from typing import Protocol
 
 import torch
 
-from kv_transfer._book import TransferBooks
-from kv_transfer.types import ConnectorConfig, TransferError, TransferResult, torch_dtype
-from shared.records import KVLayout
+from kvrelay.common.records import KVLayout
+from kvrelay.kv_transfer._book import TransferBooks
+from kvrelay.kv_transfer.types import ConnectorConfig, TransferError, TransferResult, torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ _SETTLE_GRACE_S = 5.0
 
 
 class KVAllocator(Protocol):
-    """Allocates a node's KV caches (shared.engine.model_runner.KVAllocator has the same shape)."""
+    """Allocates a node's KV caches (kvrelay.engine.model_runner.KVAllocator has the same shape)."""
 
     def allocate_kv_caches(
         self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device

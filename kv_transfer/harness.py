@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from kv_transfer.base import KVAllocator, KVConnector
-from kv_transfer.types import ConnectorConfig, torch_dtype
-from shared.records import KVLayout
+from kvrelay.common.records import KVLayout
+from kvrelay.kv_transfer.base import KVAllocator, KVConnector
+from kvrelay.kv_transfer.types import ConnectorConfig, torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class _Host:
     def op_create(
         self, key: str, name: str, config: dict, layout: dict, seed: int | None, device: str
     ) -> str:
-        from kv_transfer import create_connector
+        from kvrelay.kv_transfer import create_connector
 
         connector = create_connector(name, ConnectorConfig(**config))
         kv_layout = KVLayout.from_dict(layout)

@@ -10,10 +10,10 @@ import threading
 
 import torch
 
-from kv_transfer import _blocks
-from kv_transfer._book import TransferBooks
-from kv_transfer.base import KVConnector
-from kv_transfer.types import ConnectorConfig, LayoutMismatchError, TransferError, layout_mismatch
+from kvrelay.kv_transfer import _blocks
+from kvrelay.kv_transfer._book import TransferBooks
+from kvrelay.kv_transfer.base import KVConnector
+from kvrelay.kv_transfer.types import ConnectorConfig, LayoutMismatchError, TransferError, layout_mismatch
 
 logger = logging.getLogger(__name__)
 

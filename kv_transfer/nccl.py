@@ -25,11 +25,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kv_transfer import _blocks
-from kv_transfer._book import TransferBooks
-from kv_transfer.base import KVConnector
-from kv_transfer.types import ConnectorConfig, LayoutMismatchError, TransferError, TransferResult, layout_mismatch
-from shared.records import KVLayout
+from kvrelay.common.records import KVLayout
+from kvrelay.kv_transfer import _blocks
+from kvrelay.kv_transfer._book import TransferBooks
+from kvrelay.kv_transfer.base import KVConnector
+from kvrelay.kv_transfer.types import (
+    ConnectorConfig,
+    LayoutMismatchError,
+    TransferError,
+    TransferResult,
+    layout_mismatch,
+)
 
 logger = logging.getLogger(__name__)
 

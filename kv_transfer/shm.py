@@ -39,8 +39,9 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kv_transfer._book import TransferBooks
-from kv_transfer._shm_io import (
+from kvrelay.common.records import KVLayout
+from kvrelay.kv_transfer._book import TransferBooks
+from kvrelay.kv_transfer._shm_io import (
     SCHEME,  # noqa: F401 - re-exported: the auto connector and callers name shm addresses by it
     Channel,
     PeerMapping,
@@ -54,10 +55,9 @@ from kv_transfer._shm_io import (
     split_plan,
     sweep_stale_sockets,
 )
-from kv_transfer._shm_links import Inbound, Outbound
-from kv_transfer.base import KVConnector
-from kv_transfer.types import ConnectorConfig, TransferError, TransferResult, layout_mismatch
-from shared.records import KVLayout
+from kvrelay.kv_transfer._shm_links import Inbound, Outbound
+from kvrelay.kv_transfer.base import KVConnector
+from kvrelay.kv_transfer.types import ConnectorConfig, TransferError, TransferResult, layout_mismatch
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from shared.records import KVLayout
+from kvrelay.common.records import KVLayout
 
 
 class TransferError(RuntimeError):

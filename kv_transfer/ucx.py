@@ -18,13 +18,19 @@ import asyncio
 import logging
 import random
 
-from kv_transfer import _blocks
-from kv_transfer._book import TransferBooks
-from kv_transfer._ucx_runtime import UcxRuntime, parse_peer, recv_msg, send_msg, tag, ucx_settings, ucxx
-from kv_transfer._ucx_sender import Job, SenderPeer
-from kv_transfer.base import KVConnector
-from kv_transfer.types import ConnectorConfig, LayoutMismatchError, TransferError, TransferResult, layout_mismatch
-from shared.records import KVLayout
+from kvrelay.common.records import KVLayout
+from kvrelay.kv_transfer import _blocks
+from kvrelay.kv_transfer._book import TransferBooks
+from kvrelay.kv_transfer._ucx_runtime import UcxRuntime, parse_peer, recv_msg, send_msg, tag, ucx_settings, ucxx
+from kvrelay.kv_transfer._ucx_sender import Job, SenderPeer
+from kvrelay.kv_transfer.base import KVConnector
+from kvrelay.kv_transfer.types import (
+    ConnectorConfig,
+    LayoutMismatchError,
+    TransferError,
+    TransferResult,
+    layout_mismatch,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -21,12 +21,13 @@ import time
 
 import grpc
 
-from kv_transfer.types import TransferError
-from shared import wire
-from shared.engine.async_engine import EngineDead
-from shared.engine.request import KVSendSpec
-from shared.engine.reservation_queue import DuplicateRequest
-from shared.node.server import (
+from kvrelay.common import wire
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.async_engine import EngineDead
+from kvrelay.engine.request import KVSendSpec
+from kvrelay.engine.reservation_queue import DuplicateRequest
+from kvrelay.kv_transfer.types import TransferError
+from kvrelay.node.server import (
     NodeServer,
     RpcFailure,
     checked_prompt,
@@ -34,8 +35,7 @@ from shared.node.server import (
     transfer_failure,
     unary_rpc,
 )
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.sampling_params import SamplingParams
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ def generate(out: pathlib.Path) -> None:
     # protoc writes imports rooted at proto/; root them at this package instead of touching sys.path.
     for f in out.rglob("*_pb2*.py*"):
         text = f.read_text()
-        f.write_text(re.sub(r"^from kvrelay\.", "from shared.proto_gen.kvrelay.", text, flags=re.M))
+        f.write_text(re.sub(r"^from kvrelay\.", "from kvrelay.proto_gen.kvrelay.", text, flags=re.M))
 
 
 def stale(a: pathlib.Path, b: pathlib.Path) -> list[str]:

@@ -12,7 +12,7 @@ import pytest
 @pytest.fixture(scope="session")
 def default_model():
     """The packaged SmolLM2 GGUF, resolved once (converted into the kvrelay cache on first use)."""
-    from shared.model_resolve import resolve_model
+    from kvrelay.model_files.resolve import resolve_model
 
     return resolve_model("default", progress=False)
 
@@ -25,7 +25,7 @@ def default_model_dir(default_model) -> Path:
 
 @pytest.fixture(scope="session")
 def default_tokenizer(default_model_dir):
-    from shared.tokenizer import Tokenizer
+    from kvrelay.common.tokenizer import Tokenizer
 
     return Tokenizer(default_model_dir)
 
@@ -36,7 +36,7 @@ def default_tokenizer(default_model_dir):
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real redis-server on a unix socket for the whole run (shared/redis_server.py)."""
-    from shared.index.redis_server import start_redis
+    from kvrelay.index.redis_server import start_redis
 
     sock = tmp_path_factory.mktemp("redis") / "redis.sock"
     with start_redis(sock) as server:

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from gateway.tool_parsers.base import (
+from kvrelay.gateway.tool_parsers.base import (
     CallDelta,
     ParsedCall,
     ParsedOutput,
@@ -16,10 +16,10 @@ from gateway.tool_parsers.base import (
     ToolCallStream,
     ToolParser,
 )
-from gateway.tool_parsers.forced import NamedToolParser, RequiredToolParser
-from gateway.tool_parsers.hermes import HermesToolParser
-from gateway.tool_parsers.llama3_json import Llama3JsonToolParser
-from gateway.tool_parsers.mistral import MistralToolParser
+from kvrelay.gateway.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from kvrelay.gateway.tool_parsers.hermes import HermesToolParser
+from kvrelay.gateway.tool_parsers.llama3_json import Llama3JsonToolParser
+from kvrelay.gateway.tool_parsers.mistral import MistralToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)

@@ -15,7 +15,7 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from gateway.tool_parsers.json_scan import PartialCall
+from kvrelay.gateway.tool_parsers.json_scan import PartialCall
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
-from gateway.tool_parsers.base import Scan, ToolParser
-from gateway.tool_parsers.json_scan import NotACall, PartialCall, scan_call_list, skip_ws, value_end
+from kvrelay.gateway.tool_parsers.base import Scan, ToolParser
+from kvrelay.gateway.tool_parsers.json_scan import NotACall, PartialCall, scan_call_list, skip_ws, value_end
 
 
 class RequiredToolParser(ToolParser):

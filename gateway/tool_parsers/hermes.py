@@ -9,8 +9,8 @@ Any text before the first <tool_call> is content; each block holds one call.
 
 from __future__ import annotations
 
-from gateway.tool_parsers.base import Scan, ToolParser
-from gateway.tool_parsers.json_scan import NotACall, partial_marker_len, scan_call
+from kvrelay.gateway.tool_parsers.base import Scan, ToolParser
+from kvrelay.gateway.tool_parsers.json_scan import NotACall, partial_marker_len, scan_call
 
 START, END = "<tool_call>", "</tool_call>"
 

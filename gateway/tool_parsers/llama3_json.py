@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 
-from gateway.tool_parsers.base import Scan, ToolParser
-from gateway.tool_parsers.json_scan import NotACall, scan_call, skip_ws
+from kvrelay.gateway.tool_parsers.base import Scan, ToolParser
+from kvrelay.gateway.tool_parsers.json_scan import NotACall, scan_call, skip_ws
 
 TAG = "<|python_tag|>"
 

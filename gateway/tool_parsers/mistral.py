@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 
-from gateway.tool_parsers.base import Scan, ToolParser, mistral_call_id
-from gateway.tool_parsers.json_scan import (
+from kvrelay.gateway.tool_parsers.base import Scan, ToolParser, mistral_call_id
+from kvrelay.gateway.tool_parsers.json_scan import (
     NotACall,
     PartialCall,
     partial_marker_len,

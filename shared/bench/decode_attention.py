@@ -2,7 +2,7 @@
 
 One layer of decode attention for a batch of requests whose blocks are scattered over a large cache (as
 after hours of serving), SmolLM2's shape by default (9 query heads, 3 kv heads, head size 64, fp32 or bf16).
-The cache is allocated as the engine allocates it (shared.engine.host_memory: huge pages where the kernel
+The cache is allocated as the engine allocates it (kvrelay.engine.host_memory: huge pages where the kernel
 allows). Both paths run on the same inputs in the same invocation; the JSON gives milliseconds per layer, the
 KV bytes read per second, the speed-up, the largest difference between the two outputs, and the cache the
 kernels prefetch KV rows into on this machine.
@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from shared.bench.report import emit
+from kvrelay.bench.report import emit
 
 
 def _metadata(tables: torch.Tensor, lens: torch.Tensor, block_size: int):
     """A decode-only step: each request's new token is the last of its context."""
-    from shared.engine.attention.base import AttentionMetadata
+    from kvrelay.engine.attention.base import AttentionMetadata
 
     nd = len(lens)
     last = lens.long() - 1
@@ -45,9 +45,9 @@ def _time(fn, seconds: float) -> float:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from shared.engine import host_memory
-    from shared.engine import kernels as cpu_kernels
-    from shared.engine.attention.torch_backend import TorchAttentionBackend
+    from kvrelay.engine import host_memory
+    from kvrelay.engine import kernels as cpu_kernels
+    from kvrelay.engine.attention.torch_backend import TorchAttentionBackend
 
     torch.manual_seed(0)
     bs, kvh, d, heads = args.block_size, args.kv_heads, args.head_size, args.heads
@@ -110,8 +110,3 @@ def run(args: argparse.Namespace) -> int:
     emit(measure(args), args.output)
     return 0
 
-
-if __name__ == "__main__":
-    from shared.bench import standalone
-
-    raise SystemExit(standalone(__name__))

@@ -33,10 +33,9 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shared.bench import parser as bench_parser
-from shared.bench import serve, serve_report, vllm_baseline
-from shared.bench.server_process import ServerProcess
-from shared.system import free_port
+from kvrelay.bench import parse_args, serve, serve_report, vllm_baseline
+from kvrelay.bench.server_process import ServerProcess
+from kvrelay.common.system import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class FleetProcess(ServerProcess):
     def __init__(self, flags: list[str], log_path: Path, ready_timeout: float) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        super().__init__([sys.executable, "-m", "shared.cli", "up", "--port", str(self.port),
+        super().__init__([sys.executable, "-m", "kvrelay.cli", "up", "--port", str(self.port),
                           "--grpc-port", str(free_port()), *flags], log_path, ready_timeout)
 
     def is_ready(self) -> bool:
@@ -92,7 +91,7 @@ class FleetProcess(ServerProcess):
 
 
 def serve_namespace(serve_args: list[str], base_url: str, label: str, output: Path) -> argparse.Namespace:
-    args = bench_parser(serve.__name__).parse_args([*serve_args, "--base-url", base_url, "--label", label,
+    args = parse_args(serve.__name__, [*serve_args, "--base-url", base_url, "--label", label,
                                             "--output", str(output)])
     serve.check_args(args)
     return args
@@ -149,7 +148,7 @@ def resolved_dtype(dtype: str) -> str:
     """An explicit dtype both servers can be given: `auto` becomes what kvrelay's own `auto` picks here."""
     if dtype != "auto":
         return dtype
-    from shared.engine.auto_dtype import auto_dtype
+    from kvrelay.engine.auto_dtype import auto_dtype
 
     return str(auto_dtype("cpu")).removeprefix("torch.")
 
@@ -178,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     tokenizer = args.tokenizer
     if tokenizer is None and (args.model == "default" or os.path.isdir(args.model)):
-        from shared.model_resolve import resolve_model
+        from kvrelay.model_files.resolve import resolve_model
 
         tokenizer = str(resolve_model(args.model).path)  # dataset lengths in the served model's tokens
     scenarios = ["disagg", "routing"] if args.scenario == "all" else [args.scenario]
@@ -189,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         scenario_args = argparse.Namespace(**vars(args))
         scenario_args.kv_cache_memory = args.kv_cache_memory or KV_CACHE_DEFAULTS[scenario]
         if scenario == "vllm":
-            from shared.model_resolve import resolve_model
+            from kvrelay.model_files.resolve import resolve_model
 
             scenario_args.dtype = resolved_dtype(args.dtype)  # the same explicit dtype for both servers
             scenario_args.resolved_model = resolve_model(args.model)  # vLLM is given its HF folder
@@ -226,8 +225,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to come up")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
 
-
-if __name__ == "__main__":
-    from shared.bench import standalone
-
-    raise SystemExit(standalone(__name__))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from shared.bench.workload import BenchRequest
+from kvrelay.bench.workload import BenchRequest
 
 
 def load_hf_model(path: str, dtype: torch.dtype, device: torch.device | str = "cpu"):

@@ -4,8 +4,8 @@ Data: 4 tenants whose system prompts fill 1/4, 2/4, 3/4 and all of a `num_blocks
 each tenant's prompt with probability 3/4, up to a random length, plus `noise_blocks` unrelated blocks.
 Queries: a tenant's system prompt followed by a fresh user turn, `num_blocks` blocks in all.
 
-    python -m shared.bench.index_lookup                      # starts a throw-away redis-server on a unix socket
-    python -m shared.bench.index_lookup --url unix:///run/kvrelay/redis.sock --compare-set
+    python -m kvrelay.bench.index_lookup                      # starts a throw-away redis-server on a unix socket
+    python -m kvrelay.bench.index_lookup --url unix:///run/kvrelay/redis.sock --compare-set
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from shared.hashing import prompt_block_hashes
-from shared.index.redis_index import RedisIndex
-from shared.records import BlockEvent, BlockEventKind
+from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.common.records import BlockEvent, BlockEventKind
+from kvrelay.index.redis_index import RedisIndex
 
 BLOCK_SIZE = 16
 
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     if args.url:
         result = bench_lookup(args.url, args.nodes, args.blocks, args.iters, **kwargs)
     else:
-        from shared.index.redis_server import start_redis
+        from kvrelay.index.redis_server import start_redis
 
         with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp:
             with start_redis(os.path.join(tmp, "redis.sock")) as server:
@@ -182,8 +182,3 @@ def run(args: argparse.Namespace) -> int:
     print()
     return 0
 
-
-if __name__ == "__main__":
-    from shared.bench import standalone
-
-    raise SystemExit(standalone(__name__))

@@ -20,11 +20,11 @@ import time
 import torch
 from tqdm import tqdm
 
-from kv_transfer.harness import PeerProcess, make_caches
-from kv_transfer.local import LocalConnector
-from kv_transfer.types import ConnectorConfig
-from shared.bench.report import emit
-from shared.records import KVLayout
+from kvrelay.bench.report import emit
+from kvrelay.common.records import KVLayout
+from kvrelay.kv_transfer.harness import PeerProcess, make_caches
+from kvrelay.kv_transfer.local import LocalConnector
+from kvrelay.kv_transfer.types import ConnectorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -196,8 +196,3 @@ def run(args: argparse.Namespace) -> int:
     emit(report, args.output)
     return 0
 
-
-if __name__ == "__main__":
-    from shared.bench import standalone
-
-    raise SystemExit(standalone(__name__))

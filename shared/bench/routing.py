@@ -15,8 +15,8 @@
 The default model is a small random llama carrying the default model's tokenizer (built once into the
 kvrelay cache): big enough that a prefix hit visibly saves compute, small enough for two CPU cores.
 
-    python -m shared.bench.routing                   # all three, JSON to stdout and bench/results/routing.json
-    python -m shared.bench.routing --skip-policies --skip-overhead
+    python -m kvrelay.bench.routing                   # all three, JSON to stdout and bench/results/routing.json
+    python -m kvrelay.bench.routing --skip-policies --skip-overhead
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import random
 import time
 from pathlib import Path
 
-from shared.bench.report import emit
-from shared.hashing import prompt_block_hashes
+from kvrelay.bench.report import emit
+from kvrelay.common.hashing import prompt_block_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -86,13 +86,13 @@ def bench_decision(num_nodes: int, num_tokens: int, iters: int, seed: int, lag_s
     """Router.route on a populated Redis index, looking up in the gateway's in-process mirror and with a
     Redis round trip per decision; the nodes exist only as registrations in the router's view. Then the
     mirror's lag behind the nodes' events while a publisher floods the index (and decisions go on)."""
-    from gateway.discovery import Discovery, DiscoveryConfig, Node
-    from gateway.node_client import NodeClients
-    from gateway.policies import make_policy
-    from gateway.router import Router
-    from shared.index import create_index
-    from shared.index.redis_server import start_redis
-    from shared.records import BlockEvent, BlockEventKind, NodeLoad
+    from kvrelay.common.records import BlockEvent, BlockEventKind, NodeLoad
+    from kvrelay.gateway.discovery import Discovery, DiscoveryConfig, Node
+    from kvrelay.gateway.node_client import NodeClients
+    from kvrelay.gateway.policies import make_policy
+    from kvrelay.gateway.router import Router
+    from kvrelay.index import create_index
+    from kvrelay.index.redis_server import start_redis
 
     model_id = "bench-routing"
     rng = random.Random(seed)
@@ -166,7 +166,7 @@ async def _time_decisions(router, index, queries: list[list[int]], iters: int) -
 
 def _time_python_hashing(queries: list[list[int]], model_id: str, iters: int) -> dict:
     """The portable per-block Python loop (the hashing before the native chain), for comparison."""
-    from shared.hashing import _hash_blocks_py, root_hash
+    from kvrelay.common.hashing import _hash_blocks_py, root_hash
 
     root = root_hash(model_id, BLOCK_SIZE)
     samples = []
@@ -183,7 +183,7 @@ def _mirror_lag(index, mirror, router, queries: list[list[int]], seconds: float,
     an event's write in Redis (its stream entry id) to its application in the mirror."""
     import threading
 
-    from shared.records import BlockEvent, BlockEventKind
+    from kvrelay.common.records import BlockEvent, BlockEventKind
 
     stop, sent = threading.Event(), [0]
     batches = [[rng.randbytes(16) for _ in range(64)] for _ in range(32)]
@@ -309,8 +309,8 @@ def bench_overhead(fleet, iters: int) -> dict:
     difference is the gateway's, not a client library's."""
     import grpc
 
-    from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-    from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
+    from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+    from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 
     ids = fleet.tokenizer.encode("Hello, how are you today?")
     params = pb.SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=1, ignore_eos=True, repetition_penalty=1.0)
@@ -413,7 +413,8 @@ def small_model() -> Path:
     """A random llama (4 layers, hidden 256) with the default model's tokenizer, built once into the cache."""
     import shutil
 
-    from shared.model_resolve import cache_dir, resolve_model
+    from kvrelay.common.system import cache_dir
+    from kvrelay.model_files.resolve import resolve_model
 
     path = cache_dir() / "bench" / "small-random-llama-v1"
     if (path / "config.json").is_file():
@@ -439,8 +440,8 @@ class Fleet:
     """Redis, registered node processes, and gateway processes on demand; everything stopped on exit."""
 
     def __init__(self, model: str, num_prefill: int, num_decode: int) -> None:
-        from shared.model_resolve import resolve_model
-        from shared.tokenizer import Tokenizer
+        from kvrelay.common.tokenizer import Tokenizer
+        from kvrelay.model_files.resolve import resolve_model
 
         resolved = resolve_model(str(small_model()) if model == "small" else model)
         self.model_path, self.model_id = str(resolved.path), resolved.model_id
@@ -450,8 +451,8 @@ class Fleet:
         self.nodes: list = []
 
     def __enter__(self) -> Fleet:
-        from shared.index.redis_server import start_redis
-        from shared.node.launch import NodeProcess
+        from kvrelay.index.redis_server import start_redis
+        from kvrelay.node.launch import NodeProcess
 
         self.redis = start_redis(_socket_path())
         common = ["--model", self.model_path, "--dtype", "float32", "--num-threads", "1", "--connector", "ucx",
@@ -469,7 +470,7 @@ class Fleet:
         return next(n.address for n in self.nodes if n.info.get("node_id") == node_id)
 
     def gateway(self, **flags):
-        from gateway.launch import GatewayProcess
+        from kvrelay.gateway.launch import GatewayProcess
 
         argv = ["--model", self.model_path, "--redis-url", self.redis.url, "--refresh-interval", "0.2"]
         for key, value in flags.items():
@@ -508,8 +509,3 @@ def run(args: argparse.Namespace) -> int:
     emit(result, args.output)
     return 0
 
-
-if __name__ == "__main__":
-    from shared.bench import standalone
-
-    raise SystemExit(standalone(__name__))

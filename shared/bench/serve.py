@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm.auto import tqdm
 
-from shared.bench import serve_report
-from shared.bench.serve_datasets import (
+from kvrelay.bench import serve_report
+from kvrelay.bench.serve_datasets import (
     DATASETS,
     Conversation,
     DatasetSpec,
@@ -43,7 +43,7 @@ from shared.bench.serve_datasets import (
     iter_sessions,
     load_tokenizer,
 )
-from shared.bench.serve_report import RequestRecord
+from kvrelay.bench.serve_report import RequestRecord
 
 logger = logging.getLogger(__name__)
 
@@ -387,8 +387,3 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(serve_report.summary(result), indent=2))
     return 0 if result["completed"] else 1
 
-
-if __name__ == "__main__":
-    from shared.bench import standalone
-
-    raise SystemExit(standalone(__name__))

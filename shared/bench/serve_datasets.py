@@ -1,6 +1,6 @@
 """Datasets for `kvrelay bench serve`: seeded sessions of real English text.
 
-The text is the stdlib-docstring corpus of `shared.bench.workload` (offline, identical on every machine with the
+The text is the stdlib-docstring corpus of `kvrelay.bench.workload` (offline, identical on every machine with the
 same Python version). Lengths are approximate: in tokens when a tokenizer is given (a window of the corpus token
 stream, decoded back to text), else in whitespace-separated words.
 
@@ -19,7 +19,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from shared.bench.workload import corpus_tokens, iter_corpus_docs
+from kvrelay.bench.workload import corpus_tokens, iter_corpus_docs
 
 DATASETS = ("random", "multi-tenant", "multi-turn")
 
@@ -100,7 +100,7 @@ class TextSource:
 
 def load_tokenizer(path: str):
     """The model folder's tokenizer (transformers is imported only when a folder is given)."""
-    from shared.tokenizer import Tokenizer
+    from kvrelay.common.tokenizer import Tokenizer
 
     return Tokenizer(path)
 

@@ -35,12 +35,12 @@ from pathlib import Path
 import grpc
 import httpx
 
-from shared import wire
-from shared.bench.fleet import FleetProcess
-from shared.bench.report import emit
-from shared.bench.soak_workload import MALFORMED, Outcome, SoakRequest, Tally, build_requests, send
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
+from kvrelay.bench.fleet import FleetProcess
+from kvrelay.bench.report import emit
+from kvrelay.bench.soak_workload import MALFORMED, Outcome, SoakRequest, Tally, build_requests, send
+from kvrelay.common import wire
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -219,8 +219,8 @@ def soak(base_url: str, requests: list[SoakRequest], ref: dict[str, str], args, 
 
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from shared.model_resolve import resolve_model
-    from shared.tokenizer import Tokenizer
+    from kvrelay.common.tokenizer import Tokenizer
+    from kvrelay.model_files.resolve import resolve_model
 
     tokenizer = Tokenizer(resolve_model(args.model).path)
     flags = ["--model", args.model, "--prefill", str(args.prefill), "--decode", str(args.decode), "--restart",
@@ -276,8 +276,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", default="bench/results", help="soak.json and the fleet's log go here")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds the fleet may take to come up")
 
-
-if __name__ == "__main__":
-    from shared.bench import standalone
-
-    raise SystemExit(standalone(__name__))

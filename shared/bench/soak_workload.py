@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from shared.bench.serve_datasets import TextSource
+from kvrelay.bench.serve_datasets import TextSource
 
 MALFORMED: list[tuple[str, object]] = [  # (endpoint, body): each must be a 4xx with an OpenAI error body
     ("chat", {"messages": [], "max_tokens": 4}),

@@ -30,8 +30,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.bench.report import emit
-from shared.bench.workload import iter_corpus_docs
+from kvrelay.bench.report import emit
+from kvrelay.bench.workload import iter_corpus_docs
 
 HELP = "speculative decoding vs plain decoding: tokens/s and ITL at batch 1 and 16, acceptance rate"
 DEFAULT_OUTPUT = "bench/results/spec_decode.json"
@@ -58,7 +58,7 @@ TEXT_TASKS = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from shared.args import add_engine_args
+    from kvrelay.engine.args import add_engine_args
 
     add_engine_args(p)
     p.set_defaults(speculative_config=DEFAULT_SPEC)
@@ -132,7 +132,7 @@ class _Timing:
 
 def run_closed_loop(engine, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[float, list[_Timing]]:
     """Keep `batch` requests in flight until all are done; (elapsed seconds, per-request timings)."""
-    from shared.sampling_params import SamplingParams
+    from kvrelay.common.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     queue = deque(enumerate(prompts))
@@ -211,10 +211,10 @@ def _itl(t: _Timing) -> float | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from shared.args import engine_config
-    from shared.bench.throughput import machine_info
-    from shared.engine.core import EngineCore
-    from shared.tokenizer import Tokenizer
+    from kvrelay.bench.throughput import machine_info
+    from kvrelay.common.tokenizer import Tokenizer
+    from kvrelay.engine.args import engine_config
+    from kvrelay.engine.core import EngineCore
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -251,10 +251,3 @@ def run(args: argparse.Namespace) -> int:
     emit(report, args.output)
     return 0
 
-
-if __name__ == "__main__":
-    import sys
-
-    from shared.bench import standalone
-
-    sys.exit(standalone(__name__))

@@ -16,8 +16,8 @@ One engine in this process (the default model unless --model), two measurements:
    and what the cached one adds over unconstrained. The grammar backend's one-time start (reading the
    tokenizer) is reported on its own.
 
-    python -m shared.bench.structured
-    python -m shared.bench.structured --batch 4 --steps 8 --repetitions 3
+    python -m kvrelay.bench.structured
+    python -m kvrelay.bench.structured --batch 4 --steps 8 --repetitions 3
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import platform
 import statistics
 import time
 
-from shared.bench.report import emit
+from kvrelay.bench.report import emit
 
 DEFAULT_OUTPUT = "bench/results/structured.json"
 HELP = "structured outputs: per-step cost of constrained rows and TTFT of a first-seen vs cached schema"
@@ -65,9 +65,9 @@ class _Bench:
     """The engine under test and its tokenizer."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from shared.config import engine_config_from_kwargs
-        from shared.engine.core import EngineCore
-        from shared.tokenizer import Tokenizer
+        from kvrelay.common.tokenizer import Tokenizer
+        from kvrelay.engine.config import engine_config_from_kwargs
+        from kvrelay.engine.core import EngineCore
 
         self.engine = EngineCore(engine_config_from_kwargs(args.model, args.dtype, num_gpu_blocks_override=1024,
                                                            max_num_seqs=max(64, args.batch)))
@@ -82,7 +82,7 @@ class _Bench:
 
 def step_cost(bench: _Bench, batch: int, steps: int, constrained: int, tag: str) -> float:
     """Mean seconds per engine step with `constrained` of `batch` decoding rows under the long schema."""
-    from shared.sampling_params import SamplingParams, StructuredOutputs
+    from kvrelay.common.sampling_params import SamplingParams, StructuredOutputs
 
     engine = bench.engine
     spec = StructuredOutputs.json_schema(_LONG_SCHEMA)
@@ -120,9 +120,9 @@ def sampler_steps(bench: _Bench, batch: int, reps: int) -> dict:
     """The grammar work of one step around the sampler, for `batch` rows of which 0, half, all constrained."""
     import torch
 
-    from shared.engine.sampler import Sampler, SamplingRow, TokenBitmask
-    from shared.engine.structured import bitmask_words
-    from shared.sampling_params import SamplingParams, StructuredOutputs
+    from kvrelay.common.sampling_params import SamplingParams, StructuredOutputs
+    from kvrelay.engine.sampler import Sampler, SamplingRow, TokenBitmask
+    from kvrelay.engine.structured import bitmask_words
 
     engine = bench.engine
     vocab = engine.vocab_size
@@ -160,9 +160,9 @@ def row_pieces(bench: _Bench) -> dict:
     """Per constrained row, in isolation: bitmask fill, bitmask application, matcher advance (microseconds)."""
     import torch
 
-    from shared.engine.sampler import TokenBitmask, apply_token_bitmask
-    from shared.engine.structured import bitmask_words
-    from shared.sampling_params import StructuredOutputs
+    from kvrelay.common.sampling_params import StructuredOutputs
+    from kvrelay.engine.sampler import TokenBitmask, apply_token_bitmask
+    from kvrelay.engine.structured import bitmask_words
 
     engine = bench.engine
     matcher = engine.compile_grammar(StructuredOutputs.json_schema(_ttft_schema(-1))).result().matcher()
@@ -205,7 +205,7 @@ def ttft(engine, prompt: list[int], params) -> float:
 
 
 def ttft_variants(bench: _Bench, repetitions: int) -> dict:
-    from shared.sampling_params import SamplingParams, StructuredOutputs
+    from kvrelay.common.sampling_params import SamplingParams, StructuredOutputs
 
     rows: dict[str, list[float]] = {"unconstrained": [], "first_seen_schema": [], "cached_schema": []}
     for rep in range(repetitions):
@@ -229,7 +229,7 @@ def ttft_variants(bench: _Bench, repetitions: int) -> dict:
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
-    from shared.sampling_params import SamplingParams, StructuredOutputs
+    from kvrelay.common.sampling_params import SamplingParams, StructuredOutputs
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -258,10 +258,3 @@ def run(args: argparse.Namespace) -> int:
     emit(report, args.output)
     return 0
 
-
-if __name__ == "__main__":
-    import sys
-
-    from shared.bench import standalone
-
-    sys.exit(standalone(__name__))

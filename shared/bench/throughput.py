@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from shared.bench.workload import (
+from kvrelay.bench.workload import (
     DEFAULT_INPUT_RANGE,
     DEFAULT_NUM_REQUESTS,
     DEFAULT_OUTPUT_RANGE,
@@ -42,9 +42,9 @@ from shared.bench.workload import (
     build_workload,
     summarize,
 )
-from shared.engine.model_info import resolve_device
-from shared.engine.models import cpu_linear
-from shared.engine.models.loader import compute_dtype
+from kvrelay.engine.model_info import resolve_device
+from kvrelay.engine.models import cpu_linear
+from kvrelay.engine.models.loader import compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ HELP = "engine throughput on a mixed real-text workload, vs the matmul ceiling a
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from shared.args import add_engine_args
+    from kvrelay.engine.args import add_engine_args
 
     add_engine_args(p)
     # Prefix caching off, as for the baselines: requests sharing a docstring's first block would otherwise
@@ -209,7 +209,7 @@ def rates(elapsed: float, requests: Sequence[BenchRequest], useful_output_tokens
 
 def run_requests(engine, requests: Sequence[BenchRequest], progress: bool) -> tuple[list[list[int]], int]:
     """Submit every request at once (arrival order), step until done; (tokens per request, cached tokens)."""
-    from shared.sampling_params import SamplingParams
+    from kvrelay.common.sampling_params import SamplingParams
 
     tokens: list[list[int]] = [[] for _ in requests]
     cached = [0] * len(requests)
@@ -248,8 +248,8 @@ def run_ours(engine, requests: Sequence[BenchRequest], progress: bool) -> tuple[
 
 def build_engine(args: argparse.Namespace):
     """Our EngineCore, configured like `LLM(model, dtype, **engine kwargs)`; (engine, load seconds)."""
-    from shared.args import engine_config
-    from shared.engine.core import EngineCore
+    from kvrelay.engine.args import engine_config
+    from kvrelay.engine.core import EngineCore
 
     t0 = time.perf_counter()
     engine = EngineCore(engine_config(args))
@@ -346,7 +346,7 @@ def add_ceiling(result: dict, matmul_runs: list[dict]) -> None:
 
 
 def run_baseline(name: str, args, path, dtype, device, requests, our_tokens, result, progress) -> None:
-    from shared.bench.hf_baseline import compare_greedy, run_hf
+    from kvrelay.bench.hf_baseline import compare_greedy, run_hf
 
     if name == "hf":
         metrics, tokens = run_hf(path, dtype, requests, args.hf_batch_size, progress=progress, device=device)
@@ -360,8 +360,8 @@ def run_baseline(name: str, args, path, dtype, device, requests, our_tokens, res
 
 
 def run_vllm_baseline(args, path, dtype, requests, settings: dict):
-    from shared.bench.vllm_baseline import find_python, run_vllm
-    from shared.config import DEFAULT_KV_CACHE_MEMORY
+    from kvrelay.bench.vllm_baseline import find_python, run_vllm
+    from kvrelay.engine.config import DEFAULT_KV_CACHE_MEMORY
 
     logger.info("running vLLM's CPU build on the same %d requests (its load and compile take a minute or two)",
                 len(requests))
@@ -378,15 +378,10 @@ def write_results(result: dict, output: str, plot: bool) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result["files"] = {"json": str(out)}
     if plot:
-        from shared.bench.plots import plot_throughput
+        from kvrelay.bench.plots import plot_throughput
 
         png = out.with_suffix(".png")
         plot_throughput(result, png)
         result["files"]["png"] = str(png)
     out.write_text(json.dumps(result, indent=2) + "\n")
 
-
-if __name__ == "__main__":
-    from shared.bench import standalone
-
-    raise SystemExit(standalone(__name__))

@@ -17,8 +17,8 @@ added <= last layer transfer + 5 ms (`meets_target`; `raw_meets_target` holds th
 Raw differences also carry compute noise and any slowdown of the prefill's forward by the sends running
 beside it (`prefill_compute_slowdown`): on one machine the receiving node shares the cores.
 
-    python -m shared.bench.ttft                      # default model, 512 and 2048 tokens, tcp, shm and auto
-    python -m shared.bench.ttft --prompt-lens 512 --transports tcp --repetitions 2
+    python -m kvrelay.bench.ttft                      # default model, 512 and 2048 tokens, tcp, shm and auto
+    python -m kvrelay.bench.ttft --prompt-lens 512 --transports tcp --repetitions 2
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import statistics
 import time
 import urllib.request
 
-from shared.bench.report import emit
-from shared.node.launch import NodeProcess
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.sampling_params import SamplingParams
-from shared.wire import sampling_to_proto
+from kvrelay.bench.report import emit
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.wire import sampling_to_proto
+from kvrelay.node.launch import NodeProcess
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +189,3 @@ def run(args: argparse.Namespace) -> int:
     emit(report, args.output)
     return 0
 
-
-if __name__ == "__main__":
-    from shared.bench import standalone
-
-    raise SystemExit(standalone(__name__))

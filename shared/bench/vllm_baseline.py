@@ -21,8 +21,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from shared.bench.server_process import HttpServerProcess
-from shared.bench.workload import BenchRequest
+from kvrelay.bench.server_process import HttpServerProcess
+from kvrelay.bench.workload import BenchRequest
 
 RUNNER = Path(__file__).parent / "external" / "vllm_offline.py"
 DEFAULT_PYTHONS = ("/tmp/peerkit/venv-vllm/bin/python",)

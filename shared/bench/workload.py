@@ -163,5 +163,5 @@ def summarize(requests: Sequence[BenchRequest], spec: WorkloadSpec) -> dict:
         "mean_input_len": sum(inputs) / len(inputs),
         "mean_output_len": sum(outputs) / len(outputs),
         "fingerprint": fingerprint(requests),
-        "text_source": "docstrings of Python stdlib modules (shared.bench.workload.CORPUS_MODULES)",
+        "text_source": "docstrings of Python stdlib modules (kvrelay.bench.workload.CORPUS_MODULES)",
     }

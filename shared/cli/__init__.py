@@ -1,12 +1,12 @@
-"""The `kvrelay` command line: the only place (with shared.bench) that imports the roles."""
+"""The `kvrelay` command line: the only place (with kvrelay.bench) that imports the roles."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from shared.log import configure_logging
-from shared.system import huge_pages_for_tensors
+from kvrelay.cli.log import configure_logging
+from kvrelay.common.system import huge_pages_for_tensors
 
 DESCRIPTION = """kvrelay: disaggregated LLM serving (OpenAI gateway, prefill and decode pools, paged KV cache).
 
@@ -21,15 +21,14 @@ Commands:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shared.bench import register as register_bench
-    from shared.cli import gateway, generate, node, up
+    from kvrelay.cli import bench, gateway, generate, node, up
 
     parser = argparse.ArgumentParser(prog="kvrelay", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.register(sub)
-    register_bench(sub)
+    bench.register(sub)
     up.register(sub)
     gateway.register(sub)
     node.register(sub)

@@ -1,7 +1,7 @@
-"""`python -m shared.cli` is `kvrelay`."""
+"""`python -m kvrelay.cli` is `kvrelay`."""
 
 import sys
 
-from shared.cli import main
+from kvrelay.cli import main
 
 sys.exit(main())

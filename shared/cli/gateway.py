@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from shared.args import HelpFormatter
-from shared.config import DEFAULT_BLOCK_SIZE
+from kvrelay.cli.args import HelpFormatter
+from kvrelay.common.hashing import DEFAULT_BLOCK_SIZE
 
 EXAMPLES = """examples:
   kvrelay gateway --model default --redis-url redis://127.0.0.1:6379/0
@@ -74,7 +74,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from gateway.config import GatewayConfig
+    from kvrelay.gateway.config import GatewayConfig
 
     if not args.redis_url and not args.decode:
         raise ValueError("decode: give --redis-url (node registry) or at least one --decode HOST:PORT")
@@ -98,7 +98,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from gateway.server import serve
+    from kvrelay.gateway.server import serve
 
     return serve(config_from_args(args), log_level=getattr(args, "log_level", "INFO"))
 

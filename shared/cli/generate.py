@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from shared.args import HelpFormatter, add_engine_args, engine_kwargs
+from kvrelay.cli.args import HelpFormatter
+from kvrelay.engine.args import add_engine_args, engine_kwargs
 
 
 def register(sub) -> None:
@@ -33,7 +34,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shared.engine.llm import LLM, SamplingParams
+    from kvrelay.engine.llm import LLM, SamplingParams
 
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from kv_transfer import ConnectorConfig
-from shared.args import HelpFormatter, add_engine_args, engine_config
-from shared.node.config import NodeConfig, RegistryConfig
+from kvrelay.cli.args import HelpFormatter
+from kvrelay.engine.args import add_engine_args, engine_config
+from kvrelay.kv_transfer import ConnectorConfig
+from kvrelay.node.config import NodeConfig, RegistryConfig
 
 ROLES = {
     "prefill": ("computes prompts and hands their KV to decode nodes", 50061),
@@ -116,7 +117,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
     """The node's config record from its flags (a bad environment variable is reported here)."""
     if getattr(args, "env_errors", None):
         raise ValueError("bad environment: " + "; ".join(args.env_errors))
-    from shared.node.runtime import default_num_threads
+    from kvrelay.node.runtime import default_num_threads
 
     connector = ConnectorConfig(
         name=args.connector, host=args.kv_host or args.host, port=args.kv_port, transport=args.ucx_transport,
@@ -135,11 +136,11 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
 def server_class(role: str):
     """The role's server: the CLI is where the roles are chosen (the node runtime knows none of them)."""
     if role == "prefill":
-        from prefill_node.server import PrefillServer
+        from kvrelay.prefill_node.server import PrefillServer
 
         return PrefillServer
     if role == "decode":
-        from decode_node.server import DecodeServer
+        from kvrelay.decode_node.server import DecodeServer
 
         return DecodeServer
     raise ValueError(f"role: {role!r} is not a node role ({', '.join(ROLES)})")
@@ -148,6 +149,6 @@ def server_class(role: str):
 def run_node(args: argparse.Namespace, role: str) -> int:
     import asyncio
 
-    from shared.node.runtime import serve
+    from kvrelay.node.runtime import serve
 
     return asyncio.run(serve(node_config(args), server_class(role)))

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from shared.args import SCHEDULING_POLICIES, HelpFormatter, speculative_json
-from shared.system import die_with_parent, free_port
+from kvrelay.cli.args import HelpFormatter
+from kvrelay.common.system import die_with_parent, free_port
+from kvrelay.engine.args import SCHEDULING_POLICIES, speculative_json
 
 logger = logging.getLogger("kvrelay.up")
 
@@ -42,7 +43,7 @@ class Child:
 
 
 def _kvrelay(*args: str) -> list[str]:
-    return [sys.executable, "-m", "shared.cli", *args]
+    return [sys.executable, "-m", "kvrelay.cli", *args]
 
 
 def _fleet_flags(args: argparse.Namespace) -> list[str]:
@@ -166,7 +167,7 @@ class Fleet:
             self._spawn(child)
 
     def _start_redis(self) -> str:
-        from shared.index.redis_server import start_redis
+        from kvrelay.index.redis_server import start_redis
 
         self.redis = start_redis(os.path.join(self.log_dir, "redis.sock"))
         logger.info("embedded Redis at %s", self.redis.url)

@@ -30,12 +30,12 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from shared.engine.core import EngineCore
-from shared.engine.request import KVSendSpec
-from shared.engine.scheduler import EngineCounters
-from shared.engine.scheduler_output import EngineCoreOutput, Reservation
-from shared.records import BlockEvent, BlockHash, NodeLoad
-from shared.sampling_params import BeamSearchParams, SamplingParams
+from kvrelay.common.records import BlockEvent, BlockHash, NodeLoad
+from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
+from kvrelay.engine.core import EngineCore
+from kvrelay.engine.request import KVSendSpec
+from kvrelay.engine.scheduler import EngineCounters
+from kvrelay.engine.scheduler_output import EngineCoreOutput, Reservation
 
 logger = logging.getLogger(__name__)
 

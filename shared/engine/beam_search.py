@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.engine.request import Request, RequestStatus
-from shared.engine.scheduler_output import EngineCoreOutput
-from shared.records import BeamSequence
-from shared.sampling_params import BeamSearchParams
+from kvrelay.common.records import BeamSequence
+from kvrelay.common.sampling_params import BeamSearchParams
+from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.engine.scheduler_output import EngineCoreOutput
 
 _F32 = np.float32
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from shared.records import BlockEvent, BlockEventKind, BlockHash
+from kvrelay.common.records import BlockEvent, BlockEventKind, BlockHash
 
 
 class KVBlock:

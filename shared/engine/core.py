@@ -25,19 +25,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from shared.config import EngineConfig
-from shared.engine.beam_search import BeamGroup, num_candidates
-from shared.engine.block_pool import BlockPool
-from shared.engine.kv_cache_manager import KVCacheManager
-from shared.engine.model_info import ModelInfo, load_model_info
-from shared.engine.model_runner import KVAllocator, KVSender, ModelRunner
-from shared.engine.request import KVSendSpec, Request, RequestStatus
-from shared.engine.scheduler import EngineCounters, Scheduler
-from shared.engine.scheduler_output import EngineCoreOutput, Reservation
-from shared.engine.structured import GrammarCompiler, GrammarVocab, create_grammar_compiler
-from shared.records import BlockEvent, BlockHash, KVLayout, NodeLoad
-from shared.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
-from shared.system import TORCH_THP_ENV, huge_pages_for_tensors, keep_freed_memory
+from kvrelay.common.records import BlockEvent, BlockHash, KVLayout, NodeLoad
+from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
+from kvrelay.common.system import TORCH_THP_ENV, huge_pages_for_tensors, keep_freed_memory
+from kvrelay.engine.beam_search import BeamGroup, num_candidates
+from kvrelay.engine.block_pool import BlockPool
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.kv_cache_manager import KVCacheManager
+from kvrelay.engine.model_info import ModelInfo, load_model_info
+from kvrelay.engine.model_runner import KVAllocator, KVSender, ModelRunner
+from kvrelay.engine.request import KVSendSpec, Request, RequestStatus
+from kvrelay.engine.scheduler import EngineCounters, Scheduler
+from kvrelay.engine.scheduler_output import EngineCoreOutput, Reservation
+from kvrelay.engine.structured import GrammarCompiler, GrammarVocab, create_grammar_compiler
 
 _COMPUTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING)
 MAX_BEAM_CANDIDATES = 20  # a beam's candidates come back as its row's top logprobs

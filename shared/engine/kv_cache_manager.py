@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.engine.block_pool import BlockPool, KVBlock
-from shared.engine.request import Request
-from shared.hashing import hash_blocks, root_hash
+from kvrelay.common.hashing import hash_blocks, root_hash
+from kvrelay.engine.block_pool import BlockPool, KVBlock
+from kvrelay.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from shared.config import engine_config_from_kwargs
-from shared.engine.core import EngineCore
-from shared.engine.scheduler_output import EngineCoreOutput
-from shared.sampling_params import BeamSearchParams, SamplingParams
-from shared.tokenizer import Tokenizer
+from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
+from kvrelay.common.tokenizer import Tokenizer
+from kvrelay.engine.config import engine_config_from_kwargs
+from kvrelay.engine.core import EngineCore
+from kvrelay.engine.scheduler_output import EngineCoreOutput
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "BeamSearchOutput",
            "BeamSearchSequence"]
@@ -28,7 +28,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list | None  # per token: shared.engine.sampler.TokenLogprobs
+    logprobs: list | None  # per token: kvrelay.engine.sampler.TokenLogprobs
     finish_reason: str | None
     stop_reason: int | None = None
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.config import ModelConfig, parse_dtype
-from shared.engine.auto_dtype import auto_dtype
-from shared.model_resolve import resolve_model
+from kvrelay.engine.auto_dtype import auto_dtype
+from kvrelay.engine.config import ModelConfig, parse_dtype
+from kvrelay.model_files.resolve import resolve_model
 
 
 @dataclass(frozen=True)

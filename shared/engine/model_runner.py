@@ -28,18 +28,18 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from shared.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from shared.engine import host_memory
-from shared.engine.attention import get_attention_backend
-from shared.engine.attention.base import AttentionMetadata
-from shared.engine.model_info import ModelInfo
-from shared.engine.models.loader import load_model
-from shared.engine.sampler import Sampler, SamplerOutput, SamplingRow, TokenBitmask
-from shared.engine.scheduler_output import KVSend, ModelRunnerOutput, SchedulerOutput
-from shared.engine.spec_decode import Draft, ProposeRequest, Verified, Verifier, VerifyGroup, create_proposer
-from shared.engine.structured import GrammarCompiler, GrammarMatcher, bitmask_words
-from shared.records import KVLayout, TokenLogprobs, kv_cache_shape
-from shared.sampling_params import SamplingParams
+from kvrelay.common.records import KVLayout, TokenLogprobs, kv_cache_shape
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine import host_memory
+from kvrelay.engine.attention import get_attention_backend
+from kvrelay.engine.attention.base import AttentionMetadata
+from kvrelay.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from kvrelay.engine.model_info import ModelInfo
+from kvrelay.engine.models.loader import load_model
+from kvrelay.engine.sampler import Sampler, SamplerOutput, SamplingRow, TokenBitmask
+from kvrelay.engine.scheduler_output import KVSend, ModelRunnerOutput, SchedulerOutput
+from kvrelay.engine.spec_decode import Draft, ProposeRequest, Verified, Verifier, VerifyGroup, create_proposer
+from kvrelay.engine.structured import GrammarCompiler, GrammarMatcher, bitmask_words
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from shared.records import BlockHash
-from shared.sampling_params import SamplingParams
+from kvrelay.common.records import BlockHash
+from kvrelay.common.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -8,8 +8,8 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 
-from shared.config import SchedulerConfig, SchedulingPolicy
-from shared.engine.request import Request
+from kvrelay.engine.config import SchedulerConfig, SchedulingPolicy
+from kvrelay.engine.request import Request
 
 
 class RequestQueue(ABC):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shared.engine.request import Request
+from kvrelay.engine.request import Request
 
 
 class QueueFull(RuntimeError):

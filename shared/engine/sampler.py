@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.records import TokenLogprobs
-from shared.sampling_params import SamplingParams
+from kvrelay.common.records import TokenLogprobs
+from kvrelay.common.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _TINY = torch.finfo(torch.float32).tiny
@@ -49,7 +49,7 @@ class SamplingRow:
 @dataclass(frozen=True)
 class TokenBitmask:
     """Grammar masks for some rows of a batch: bit t % 32 of words[j, t // 32] set allows token t in row
-    rows[j] (the layout of shared.engine.structured)."""
+    rows[j] (the layout of kvrelay.engine.structured)."""
 
     rows: Sequence[int]
     words: torch.Tensor  # int32 [len(rows), >= ceil(V / 32)]

@@ -25,13 +25,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from shared.config import SchedulerConfig
-from shared.engine.beam_search import BeamSchedulerMixin
-from shared.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit, cdiv
-from shared.engine.request import Request, RequestStatus
-from shared.engine.request_queue import create_request_queue
-from shared.engine.reservation_queue import DuplicateRequest, QueuedReservation, QueueFull, ReservationQueue
-from shared.engine.scheduler_output import (
+from kvrelay.common.records import NodeLoad
+from kvrelay.engine.beam_search import BeamSchedulerMixin
+from kvrelay.engine.config import SchedulerConfig
+from kvrelay.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit, cdiv
+from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.engine.request_queue import create_request_queue
+from kvrelay.engine.reservation_queue import DuplicateRequest, QueuedReservation, QueueFull, ReservationQueue
+from kvrelay.engine.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
     KVSend,
@@ -40,8 +41,7 @@ from shared.engine.scheduler_output import (
     Reservation,
     SchedulerOutput,
 )
-from shared.engine.spec_decode.scheduling import SpecSchedulerMixin
-from shared.records import NodeLoad
+from kvrelay.engine.spec_decode.scheduling import SpecSchedulerMixin
 
 _COMPUTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING)
 

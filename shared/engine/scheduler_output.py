@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from shared.records import BeamSequence, TokenLogprobs
-from shared.sampling_params import SamplingParams
+from kvrelay.common.records import BeamSequence, TokenLogprobs
+from kvrelay.common.sampling_params import SamplingParams
 
 _EMPTY: Mapping = MappingProxyType({})
 

@@ -15,15 +15,15 @@ backends with the same memory name share it. The backend defaults to the URL's.
 
 from __future__ import annotations
 
-from shared.index.base import (
+from kvrelay.index.base import (
     BlockIndex,
     IndexUnavailable,
     LiveNode,
     NodeRegistration,
     RegistryBackend,
 )
-from shared.index.heartbeat import Heartbeat
-from shared.index.publisher import IndexPublisher
+from kvrelay.index.heartbeat import Heartbeat
+from kvrelay.index.publisher import IndexPublisher
 
 __all__ = [
     "INDEX_BACKENDS",
@@ -62,25 +62,25 @@ def create_index(
     if backend not in INDEX_BACKENDS:
         raise ValueError(f"index backend: {backend!r}; choose one of {', '.join(INDEX_BACKENDS)}")
     if store == "memory":  # already in process: a mirror of it would be itself
-        from shared.index.memory import MemoryIndex, get_store
+        from kvrelay.index.memory import MemoryIndex, get_store
 
         return MemoryIndex(get_store(url_or_name), model_id)
     if backend == "memory":
         raise ValueError(f"index backend 'memory' takes 'memory' or 'memory://<name>', not {url_or_name!r}")
     if backend == "mirror":
-        from shared.index.mirror import MirrorIndex
+        from kvrelay.index.mirror import MirrorIndex
 
         return MirrorIndex(url_or_name, model_id, socket_timeout_s=socket_timeout_s)
-    from shared.index.redis_index import RedisIndex
+    from kvrelay.index.redis_index import RedisIndex
 
     return RedisIndex(url_or_name, model_id, socket_timeout_s=socket_timeout_s)
 
 
 def create_registry(url_or_name: str, *, socket_timeout_s: float = 2.0) -> RegistryBackend:
     if backend_of(url_or_name) == "memory":
-        from shared.index.memory import MemoryRegistry, get_store
+        from kvrelay.index.memory import MemoryRegistry, get_store
 
         return MemoryRegistry(get_store(url_or_name))
-    from shared.index.registry import Registry
+    from kvrelay.index.registry import Registry
 
     return Registry(url_or_name, socket_timeout_s=socket_timeout_s)

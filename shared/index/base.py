@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.records import BlockEvent, JsonRecord, NodeLoad
+from kvrelay.common.records import BlockEvent, JsonRecord, NodeLoad
 
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")

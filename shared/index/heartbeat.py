@@ -17,8 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from shared.index.base import IndexUnavailable, NodeRegistration, RegistryBackend
-from shared.records import NodeLoad
+from kvrelay.common.records import NodeLoad
+from kvrelay.index.base import IndexUnavailable, NodeRegistration, RegistryBackend
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from shared.index.base import (
+from kvrelay.common.records import BlockEvent, BlockEventKind, NodeLoad
+from kvrelay.index.base import (
     BlockIndex,
     LiveNode,
     NodeRegistration,
@@ -19,7 +20,6 @@ from shared.index.base import (
     check_block_hashes,
     role_matches,
 )
-from shared.records import BlockEvent, BlockEventKind, NodeLoad
 
 
 @dataclass

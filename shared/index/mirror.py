@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import redis
 
-from shared.index.base import BlockIndex, IndexUnavailable, check_block_hashes
-from shared.index.redis_index import REDIS_ERRORS, RedisIndex, connect
-from shared.records import BlockEvent
+from kvrelay.common.records import BlockEvent
+from kvrelay.index.base import BlockIndex, IndexUnavailable, check_block_hashes
+from kvrelay.index.redis_index import REDIS_ERRORS, RedisIndex, connect
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.index.base import BlockIndex
-from shared.records import BlockEvent, BlockEventKind
+from kvrelay.common.records import BlockEvent, BlockEventKind
+from kvrelay.index.base import BlockIndex
 
 log = logging.getLogger(__name__)
 

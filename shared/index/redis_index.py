@@ -44,8 +44,8 @@ from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
 
-from shared.index.base import HASH_LEN, BlockIndex, IndexUnavailable, check_block_hashes
-from shared.records import BlockEvent, BlockEventKind
+from kvrelay.common.records import BlockEvent, BlockEventKind
+from kvrelay.index.base import HASH_LEN, BlockIndex, IndexUnavailable, check_block_hashes
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import redis
 
-from shared.system import die_with_parent, free_port
+from kvrelay.common.system import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
 

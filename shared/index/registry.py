@@ -19,15 +19,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
-from shared.index.base import (
+from kvrelay.common.records import NodeLoad
+from kvrelay.index.base import (
     IndexUnavailable,
     LiveNode,
     NodeRegistration,
     RegistryBackend,
     role_matches,
 )
-from shared.index.redis_index import CLEAR_LUA, REDIS_ERRORS, SLOT_FN, Keys, clear_node_entries, connect
-from shared.records import NodeLoad
+from kvrelay.index.redis_index import CLEAR_LUA, REDIS_ERRORS, SLOT_FN, Keys, clear_node_entries, connect
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kv_transfer.types import ConnectorConfig
-from shared.config import EngineConfig
+from kvrelay.engine.config import EngineConfig
+from kvrelay.kv_transfer.types import ConnectorConfig
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
         stub = node.stub()
         ...
 
-Each node runs as `python -m shared.cli <role>` (`kvrelay <role>`) in its own session with its log in a
+Each node runs as `python -m kvrelay.cli <role>` (`kvrelay <role>`) in its own session with its log in a
 file; `start` waits for the node's ready file (so the addresses are known even with port 0); `stop` sends
 SIGTERM, waits, and kills what does not exit. Several nodes start in parallel with `start_many`.
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import grpc
 
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ class NodeProcess:
         fd, name = tempfile.mkstemp(prefix=f"{role}-", suffix=".log", dir=folder)
         os.close(fd)
         log_path, ready = Path(name), Path(name).with_suffix(".ready.json")
-        cmd = [sys.executable, "-m", "shared.cli", "--log-level", log_level, role, "--port", "0",
+        cmd = [sys.executable, "-m", "kvrelay.cli", "--log-level", log_level, role, "--port", "0",
                "--ready-file", str(ready), *argv]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "wb") as log:

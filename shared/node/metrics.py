@@ -83,7 +83,7 @@ class NodeMetrics:
 
     # -- engine thread -------------------------------------------------------------------------------
     def observe_stats(self, load, stats) -> None:
-        """After each engine iteration: gauges from the load (shared.records.NodeLoad); the engine's
+        """After each engine iteration: gauges from the load (kvrelay.common.records.NodeLoad); the engine's
         cumulative counters (EngineCounters) advance by their delta."""
         name = self.model_name
         self.running.labels(name).set(load.num_running)
@@ -107,7 +107,7 @@ class NodeMetrics:
 
     def observe_output(self, out, since_arrival: float, last_token_at: float | None, now: float,
                        computes_prompt: bool) -> None:
-        """One engine output (shared.engine.scheduler_output.EngineCoreOutput) of a request this node serves."""
+        """One engine output (kvrelay.engine.scheduler_output.EngineCoreOutput) of a request this node serves."""
         if last_token_at is None and computes_prompt:
             self.observe_first_token(since_arrival, out.num_prompt_tokens)
         num_tokens = len(out.new_token_ids) + sum(len(b.token_ids) for b in out.beams)

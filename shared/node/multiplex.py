@@ -22,8 +22,8 @@ from contextlib import aclosing
 
 import grpc
 
-from shared import wire
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+from kvrelay.common import wire
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 
 ChunkSource = Callable[[pb.GenerateRequest], AsyncIterator[pb.TokenChunk]]
 StatusOf = Callable[[Exception], tuple[grpc.StatusCode, str, wire.NodeErrorKind]]

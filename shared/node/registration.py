@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared import wire
-from shared.index import IndexUnavailable, NodeRegistration, create_index, create_registry
-from shared.index.base import BlockIndex, RegistryBackend
-from shared.index.heartbeat import Heartbeat
-from shared.index.publisher import IndexPublisher
-from shared.node.config import RegistryConfig
-from shared.records import NodeLoad
+from kvrelay.common import wire
+from kvrelay.common.records import NodeLoad
+from kvrelay.index import IndexUnavailable, NodeRegistration, create_index, create_registry
+from kvrelay.index.base import BlockIndex, RegistryBackend
+from kvrelay.index.heartbeat import Heartbeat
+from kvrelay.index.publisher import IndexPublisher
+from kvrelay.node.config import RegistryConfig
 
 logger = logging.getLogger(__name__)
 

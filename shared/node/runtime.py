@@ -29,14 +29,14 @@ from pathlib import Path
 import grpc
 import torch
 
-from kv_transfer import KVConnector, create_connector
-from shared.engine.core import EngineCore
-from shared.node.config import NodeConfig
-from shared.node.metrics import MetricsServer, NodeMetrics
-from shared.node.registration import Registration, open_publisher, start_registration
-from shared.node.server import NodeServer, NodeSettings
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
-from shared.system import advertised
+from kvrelay.common.system import advertised
+from kvrelay.engine.core import EngineCore
+from kvrelay.kv_transfer import KVConnector, create_connector
+from kvrelay.node.config import NodeConfig
+from kvrelay.node.metrics import MetricsServer, NodeMetrics
+from kvrelay.node.registration import Registration, open_publisher, start_registration
+from kvrelay.node.server import NodeServer, NodeSettings
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 

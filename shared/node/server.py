@@ -1,5 +1,5 @@
 """The Engine gRPC service, common to both roles: node info, health, load, local Generate (a stream per
-sequence, or many sequences over one stream with GenerateMany: shared.node.multiplex), Abort.
+sequence, or many sequences over one stream with GenerateMany: kvrelay.node.multiplex), Abort.
 
 Role servers (prefill_node.server, decode_node.server) subclass NodeServer and fill in Prefill, Reserve and
 Generate with a hand-off; an RPC meant for the other role answers FAILED_PRECONDITION naming the role.
@@ -20,19 +20,19 @@ from dataclasses import dataclass
 
 import grpc
 
-from kv_transfer.base import KVConnector
-from kv_transfer.types import LayoutMismatchError, TransferError
-from shared import wire
-from shared.config import dtype_name
-from shared.engine.async_engine import AsyncEngine, BlockEventSink, EngineDead, EngineDraining, EngineHooks
-from shared.engine.core import EngineCore
-from shared.engine.reservation_queue import DuplicateRequest, QueueFull
-from shared.engine.scheduler_output import EngineCoreOutput
-from shared.node.metrics import NodeMetrics
-from shared.node.multiplex import SequenceMux
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
-from shared.sampling_params import SamplingParams
+from kvrelay.common import wire
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.async_engine import AsyncEngine, BlockEventSink, EngineDead, EngineDraining, EngineHooks
+from kvrelay.engine.config import dtype_name
+from kvrelay.engine.core import EngineCore
+from kvrelay.engine.reservation_queue import DuplicateRequest, QueueFull
+from kvrelay.engine.scheduler_output import EngineCoreOutput
+from kvrelay.kv_transfer.base import KVConnector
+from kvrelay.kv_transfer.types import LayoutMismatchError, TransferError
+from kvrelay.node.metrics import NodeMetrics
+from kvrelay.node.multiplex import SequenceMux
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import argparse
 import pytest
 import torch
 
-from shared.bench import decode_attention
-from shared.engine import kernels as cpu_kernels
+from kvrelay.bench import decode_attention
+from kvrelay.engine import kernels as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler for the native kernel")
 

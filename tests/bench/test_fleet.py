@@ -10,9 +10,9 @@ import shlex
 
 import pytest
 
-from shared.bench import fleet, vllm_baseline
-from shared.bench.server_process import ServerProcess
-from shared.model_resolve import resolve_model
+from kvrelay.bench import fleet, vllm_baseline
+from kvrelay.bench.server_process import ServerProcess
+from kvrelay.model_files.resolve import resolve_model
 from tests.helpers.procs import alive, descendants
 
 

@@ -21,8 +21,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from shared.bench import serve, serve_report, standalone
-from shared.bench.serve_datasets import (
+from kvrelay.bench import serve_report
+from kvrelay.bench.serve_datasets import (
     Conversation,
     DatasetSpec,
     TextSource,
@@ -30,7 +30,8 @@ from shared.bench.serve_datasets import (
     iter_sessions,
     poisson_arrivals,
 )
-from shared.bench.serve_report import RequestRecord
+from kvrelay.bench.serve_report import RequestRecord
+from kvrelay.cli import main as cli_main
 
 MODEL = "tiny-test"
 
@@ -139,11 +140,11 @@ def bench(fake, tmp_path, *flags: str, label: str = "t", capsys=None, via_cli: b
     else:
         argv.append("--no-plot")
     if via_cli:  # `kvrelay bench serve` is registered (the CLI imports torch: done once, here)
-        from shared import cli
+        from kvrelay import cli
 
         assert cli.main(["bench", "serve", *argv]) == rc
     else:
-        assert standalone(serve.__name__, argv) == rc
+        assert cli_main(["bench", "serve", *argv]) == rc
     result = json.loads(out.read_text())
     if capsys is not None:
         assert json.loads(capsys.readouterr().out) == serve_report.summary(result)
@@ -308,7 +309,7 @@ def test_max_duration_stops_everything(fake, tmp_path):
     fake.first_delay = lambda body: 3.0
     t = time.monotonic()
     out = tmp_path / "cap.json"
-    assert standalone(serve.__name__, ["--base-url", fake.url, "--no-progress", "--no-plot", "--warmup", "0",
+    assert cli_main(["bench", "serve", "--base-url", fake.url, "--no-progress", "--no-plot", "--warmup", "0",
                                        "--num-requests", "3", "--max-duration", "1.0", "--output", str(out)]) == 1
     assert time.monotonic() - t < 5
     r = json.loads(out.read_text())
@@ -322,7 +323,7 @@ def test_compare_two_runs(fake, tmp_path, capsys):
     b = bench(fake, tmp_path, "--num-requests", "6", "--max-tokens", "3", label="disagg")
     capsys.readouterr()
     out = tmp_path / "cmp.json"
-    assert standalone(serve.__name__, ["--compare", str(tmp_path / "colocated.json"), str(tmp_path / "disagg.json"),
+    assert cli_main(["bench", "serve", "--compare", str(tmp_path / "colocated.json"), str(tmp_path / "disagg.json"),
                      "--output", str(out)]) == 0
     table = capsys.readouterr().out
     assert "ttft_ms.p50" in table and "colocated" in table and "disagg" in table

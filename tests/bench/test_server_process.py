@@ -7,8 +7,8 @@ import sys
 import httpx
 import pytest
 
-from shared.bench.server_process import HttpServerProcess
-from shared.system import free_port
+from kvrelay.bench.server_process import HttpServerProcess
+from kvrelay.common.system import free_port
 from tests.helpers.procs import alive
 
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.bench import parser as bench_parser
-from shared.bench import soak
-from shared.bench.soak_workload import Outcome, Tally, build_requests
+from kvrelay.bench import parse_args, soak
+from kvrelay.bench.soak_workload import Outcome, Tally, build_requests
 from tests.e2e.test_gateway import make_tiny_with_tokenizer
 from tests.helpers.procs import alive, descendants
 
@@ -64,7 +63,7 @@ def test_a_short_soak_on_a_tiny_model(tmp_path, default_model_dir):
     """Burst with malformed requests on a small KV cache, then crashes under load: nothing fails, nothing
     differs from the fault-free run, no block leaks, and no process is left behind."""
     model = make_tiny_with_tokenizer(tmp_path / "tiny-soak", Path(default_model_dir))
-    args = bench_parser(soak.__name__).parse_args([
+    args = parse_args(soak.__name__, [
         "--model", str(model), "--duration", "25", "--kill-every", "8", "--concurrency", "3", "--num-prompts", "12",
         "--burst", "40", "--prefill", "1", "--decode", "2", "--kv-cache-memory", str(64 * 12288),
         "--settle-timeout", "60", "--output-dir", str(tmp_path)])

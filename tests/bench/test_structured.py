@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from shared.bench import structured
+from kvrelay.bench import structured
 
 
 def test_small_run_reports_step_cost_and_ttft(tmp_path):

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from shared.bench.workload import WorkloadSpec, build_workload, corpus_tokens, fingerprint, iter_corpus_docs
-from shared.engine.models.loader import compute_dtype
+from kvrelay.bench.workload import WorkloadSpec, build_workload, corpus_tokens, fingerprint, iter_corpus_docs
+from kvrelay.engine.models.loader import compute_dtype
 
 
 def _encode(text: str) -> list[int]:
@@ -73,7 +73,7 @@ def test_bad_spec_is_rejected():
 
 
 def test_flops_per_token_smollm2_shape():
-    from shared.bench.throughput import flops_per_token
+    from kvrelay.bench.throughput import flops_per_token
 
     cfg = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                intermediate_size=1536, vocab_size=49152)
@@ -84,10 +84,10 @@ def test_flops_per_token_smollm2_shape():
 
 
 def test_help_lists_every_flag(capsys):
-    from shared.bench import standalone
+    from kvrelay.cli import main as cli_main
 
     with pytest.raises(SystemExit):
-        standalone("shared.bench.throughput", ["--help"])
+        cli_main(["bench", "throughput", "--help"])
     out = capsys.readouterr().out
     for flag in ("--model", "--dtype", "--num-requests", "--seed", "--max-num-batched-tokens", "--max-num-seqs",
                  "--kv-cache-memory", "--baseline", "--hf-batch-size", "--output", "--min-input", "--max-output"):
@@ -96,7 +96,7 @@ def test_help_lists_every_flag(capsys):
 
 @pytest.mark.timeout(120)
 def test_end_to_end_tiny_with_hf_baseline(tmp_path, capsys):
-    from shared.bench import standalone
+    from kvrelay.cli import main as cli_main
     from tests.helpers.models import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint("llama", tmp_path / "tiny")
@@ -104,7 +104,7 @@ def test_end_to_end_tiny_with_hf_baseline(tmp_path, capsys):
     argv = ["--model", str(ckpt), "--num-requests", "4", "--min-input", "4", "--max-input", "24",
             "--min-output", "2", "--max-output", "6", "--baseline", "hf", "--hf-batch-size", "2",
             "--kv-cache-memory", str(8 * 2**20), "--matmul-seconds", "0.05", "--output", str(out), "--no-progress"]
-    assert standalone("shared.bench.throughput", argv) == 0
+    assert cli_main(["bench", "throughput", *argv]) == 0
     printed = json.loads(capsys.readouterr().out)
     saved = json.loads(out.read_text())
     assert printed["workload"]["fingerprint"] == saved["workload"]["fingerprint"]

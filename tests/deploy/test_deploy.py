@@ -423,7 +423,7 @@ def test_dockerfile_cpu():
     assert froms == ["python:3.11-slim"]
     runs = " ".join(rest for op, rest in instrs if op == "RUN")
     assert dockerfile_args(instrs)["TORCH_INDEX_URL"].endswith("/whl/cpu")
-    assert "python -m shared.engine.kernels" in runs
+    assert "python -m kvrelay.engine.kernels" in runs
 
 
 def test_dockerfile_cuda():

@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.hashing import prompt_block_hashes
-from shared.index.redis_server import start_redis
-from shared.node.launch import NodeProcess
+from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.index.redis_server import start_redis
+from kvrelay.node.launch import NodeProcess
 from tests.e2e.test_gateway import GatewayThread, make_tiny_with_tokenizer
 from tests.helpers.nodes import all_blocks_free, in_thread, start_nodes, stop_nodes, tiny_args, wait_for
 
@@ -266,7 +266,7 @@ def test_redis_killed_and_restarted_under_load(chaos):
 
 
 def _lookup(index, hashes) -> dict:
-    from shared.index import IndexUnavailable
+    from kvrelay.index import IndexUnavailable
 
     try:
         return index.lookup(hashes)

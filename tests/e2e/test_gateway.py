@@ -18,11 +18,11 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.server import make_server
-from shared.hashing import prompt_block_hashes
-from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as gpb
-from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as gpb_grpc
+from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.gateway.config import GatewayConfig
+from kvrelay.gateway.server import make_server
+from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as gpb
+from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as gpb_grpc
 from tests.helpers.models import make_tiny_with_tokenizer
 from tests.helpers.nodes import start_nodes, stop_nodes, tiny_args, wait_for
 
@@ -81,7 +81,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, default_model_dir):
     model = make_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny-gw") / "tiny-gw", Path(default_model_dir))
-    from shared.index.redis_server import start_redis
+    from kvrelay.index.redis_server import start_redis
 
     redis = start_redis()
     try:
@@ -370,7 +370,7 @@ def test_sigterm_drains_streams(fleet):
     """`kvrelay gateway` as a process: SIGTERM lets the open stream finish, refuses new work, exits 0."""
     import signal
 
-    from gateway.launch import GatewayProcess
+    from kvrelay.gateway.launch import GatewayProcess
 
     nodes = [a for n in fleet.nodes for a in (f"--{n.role}", n.address)]
     with GatewayProcess(["--model", fleet.model, "--shutdown-timeout", "20", *nodes], num_nodes=5) as gw:

@@ -18,7 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from shared.engine.llm import LLM, BeamSearchParams, SamplingParams
+from kvrelay.engine.llm import LLM, BeamSearchParams, SamplingParams
 from tests.e2e.test_gateway import GatewayThread, make_tiny_with_tokenizer
 from tests.helpers.nodes import scrape, start_nodes, stop_nodes, tiny_args, wait_for
 
@@ -34,7 +34,7 @@ def model(tmp_path_factory, default_model_dir) -> str:
 
 @pytest.fixture(scope="module")
 def fleet(model):
-    from shared.index.redis_server import start_redis
+    from kvrelay.index.redis_server import start_redis
 
     redis = start_redis()
     reg = ["--redis-url", redis.url, "--heartbeat-seconds", "0.5", "--registry-ttl", "3"]
@@ -112,7 +112,7 @@ def test_speculating_decode_node_is_exact(client, fleet, offline):
 
 
 def test_up_passes_the_speculative_config_to_decode_nodes_only():
-    from shared.cli import up
+    from kvrelay.cli import up
 
     parser = argparse.ArgumentParser()
     up.register(parser.add_subparsers())

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from shared.system import free_port
+from kvrelay.common.system import free_port
 from tests.helpers.procs import alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 def test_up_serves_chat_and_stops_cleanly(default_model_dir, tmp_path):
     port, grpc_port = free_port(), free_port()
     # Disaggregated explicitly: on a machine under 4 cores the default is one colocated engine.
-    cmd = [sys.executable, "-m", "shared.cli", "up", "--model", "default", "--prefill", "1", "--decode", "1",
+    cmd = [sys.executable, "-m", "kvrelay.cli", "up", "--model", "default", "--prefill", "1", "--decode", "1",
            "--port", str(port), "--grpc-port", str(grpc_port), "--kv-cache-memory", str(256 * 2**20),
            "--shutdown-timeout", "5"]
     log = open(tmp_path / "up.log", "w+")

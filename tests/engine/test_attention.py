@@ -12,12 +12,12 @@ import types
 import pytest
 import torch
 
-from shared.engine.attention import (
+from kvrelay.common.records import kv_cache_shape
+from kvrelay.engine.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
     get_attention_backend,
 )
-from shared.records import kv_cache_shape
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 8, 2, 32
 SCALE = HEAD_SIZE**-0.5
@@ -166,7 +166,7 @@ def test_get_attention_backend(monkeypatch):
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("xformers", "cpu")
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # as if the package were not installed
-    monkeypatch.delitem(sys.modules, "shared.engine.attention.flash_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "kvrelay.engine.attention.flash_backend", raising=False)
     with pytest.raises(ImportError, match="flash-attn"):
         get_attention_backend("flash_attn", "cuda")
 
@@ -210,13 +210,13 @@ def _fake_flash_attn_varlen_func(
 
 @pytest.fixture
 def fake_flash_module(monkeypatch):
-    """shared.engine.attention.flash_backend imported over a stand-in flash_attn, dropped again afterwards."""
+    """kvrelay.engine.attention.flash_backend imported over a stand-in flash_attn, dropped again afterwards."""
     fake = types.ModuleType("flash_attn")
     fake.flash_attn_varlen_func = _fake_flash_attn_varlen_func
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    monkeypatch.delitem(sys.modules, "shared.engine.attention.flash_backend", raising=False)
-    yield importlib.import_module("shared.engine.attention.flash_backend")
-    sys.modules.pop("shared.engine.attention.flash_backend", None)  # monkeypatch then restores any real one
+    monkeypatch.delitem(sys.modules, "kvrelay.engine.attention.flash_backend", raising=False)
+    yield importlib.import_module("kvrelay.engine.attention.flash_backend")
+    sys.modules.pop("kvrelay.engine.attention.flash_backend", None)  # monkeypatch then restores any real one
 
 
 @pytest.mark.parametrize("window", [None, 8], ids=["full", "window8"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.llm import LLM, BeamSearchParams
+from kvrelay.engine.llm import LLM, BeamSearchParams
 from tests.engine.test_engine import RAW_PROMPTS
 
 MAX_TOKENS = 16

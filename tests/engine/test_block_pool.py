@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
-from shared.engine.kv_cache_manager import NO_HIT, KVCacheManager, blocks_needed, cdiv, ids
-from shared.engine.request import Request
-from shared.hashing import prompt_block_hashes
-from shared.records import BlockEvent, BlockEventKind
-from shared.sampling_params import SamplingParams
+from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.common.records import BlockEvent, BlockEventKind
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from kvrelay.engine.kv_cache_manager import NO_HIT, KVCacheManager, blocks_needed, cdiv, ids
+from kvrelay.engine.request import Request
 
 BS = 4
 

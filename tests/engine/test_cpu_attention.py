@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from shared.engine import kernels as cpu_kernels
-from shared.engine.attention.base import AttentionMetadata
-from shared.engine.attention.torch_backend import TorchAttentionBackend
-from shared.records import kv_cache_shape
+from kvrelay.common.records import kv_cache_shape
+from kvrelay.engine import kernels as cpu_kernels
+from kvrelay.engine.attention.base import AttentionMetadata
+from kvrelay.engine.attention.torch_backend import TorchAttentionBackend
 
 native = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(native is None or native.attention_isa() == "scalar",

@@ -4,9 +4,9 @@ full and sliding-window attention, ragged context lengths and shuffled block tab
 import pytest
 import torch
 
-from shared.engine import kernels as cpu_kernels
-from shared.engine.attention.base import AttentionMetadata
-from shared.engine.attention.torch_backend import TorchAttentionBackend
+from kvrelay.engine import kernels as cpu_kernels
+from kvrelay.engine.attention.base import AttentionMetadata
+from kvrelay.engine.attention.torch_backend import TorchAttentionBackend
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler for the native kernel")
 
@@ -88,7 +88,7 @@ def test_native_decode_takes_bf16_queries(kv_dtype):
 
 
 def _ops():
-    from shared.engine.models.ops import LayerOps, NativeLayerOps
+    from kvrelay.engine.models.ops import LayerOps, NativeLayerOps
 
     return LayerOps(), NativeLayerOps(cpu_kernels.load())
 

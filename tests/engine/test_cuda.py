@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.attention import get_attention_backend
-from shared.engine.llm import LLM, SamplingParams
+from kvrelay.engine.attention import get_attention_backend
+from kvrelay.engine.llm import LLM, SamplingParams
 from tests.engine.test_attention import LONG_BATCH, SCALE, Case
 from tests.engine.test_engine import CHAT_PROMPTS, RAW_PROMPTS, _assert_all_free, _hf_greedy, _tokens
 

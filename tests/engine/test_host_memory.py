@@ -1,4 +1,4 @@
-"""shared.engine.host_memory: zeroed, 2 MiB aligned, huge-page backed where the kernel allows it, and alive for as
+"""kvrelay.engine.host_memory: zeroed, 2 MiB aligned, huge-page backed where the kernel allows it, and alive for as
 long as a view of it is."""
 
 import gc
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.engine import host_memory
-from shared.system import huge_pages_on_request
+from kvrelay.common.system import huge_pages_on_request
+from kvrelay.engine import host_memory
 
 
 def _anon_huge_kib(address: int) -> int:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from shared.engine import kernels as cpu_kernels
+from kvrelay.engine import kernels as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no native kernels on this machine")
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no native ke
 def test_a_lock_file_left_by_a_killed_loader_is_cleared():
     stale = cpu_kernels._build_dir() / "lock"
     stale.touch()  # what torch's FileBaton leaves when its process is SIGKILLed mid-load
-    code = "from shared.engine import kernels; assert kernels.load() is not None"
+    code = "from kvrelay.engine import kernels; assert kernels.load() is not None"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "left by a kernel build that was killed" in done.stderr
@@ -22,7 +22,7 @@ def test_a_lock_file_left_by_a_killed_loader_is_cleared():
 
 
 def test_kv_prefetch_target_follows_the_vendor_unless_overridden(monkeypatch):
-    from shared.engine import auto_dtype
+    from kvrelay.engine import auto_dtype
 
     monkeypatch.delenv("KVRELAY_KV_PREFETCH", raising=False)
     monkeypatch.setattr(auto_dtype, "cpu_vendor", lambda: "AuthenticAMD")

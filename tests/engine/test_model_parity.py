@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from shared.engine.attention import AttentionMetadata
-from shared.engine.models import load_model
-from shared.records import kv_cache_shape
+from kvrelay.common.records import kv_cache_shape
+from kvrelay.engine.attention import AttentionMetadata
+from kvrelay.engine.models import load_model
 from tests.helpers.models import TINY_ARCHS, make_tiny_checkpoint
 
 BLOCK_SIZE = 16
@@ -174,7 +174,7 @@ def test_mixed_batch_matches_alone(models):
 @pytest.mark.parametrize("native", [False, True], ids=["auto-compute", "native-bf16"])
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
 def test_bf16_smoke(arch, native, tmp_path, monkeypatch):
-    from shared.engine.models import loader
+    from kvrelay.engine.models import loader
 
     if native:  # bf16 matmuls even where the loader would compute in fp32 (CPUs without AVX512/AMX)
         monkeypatch.setattr(loader, "compute_dtype", lambda dtype, device: dtype)
@@ -206,8 +206,8 @@ def test_sharded_checkpoint(tmp_path):
 
 
 def test_unsupported_architecture_and_rope():
-    from shared.engine.models import get_model_class
-    from shared.engine.models.llama import rope_parameters
+    from kvrelay.engine.models import get_model_class
+    from kvrelay.engine.models.llama import rope_parameters
     from tests.helpers.models import tiny_config
 
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):

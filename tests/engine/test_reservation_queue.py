@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from shared.engine.request import Request, RequestStatus
-from shared.engine.reservation_queue import DuplicateRequest, QueueFull
-from shared.sampling_params import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.engine.reservation_queue import DuplicateRequest, QueueFull
 from tests.helpers.scheduler import EOS, Driver, prompt
 
 

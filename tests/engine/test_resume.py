@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import pytest
 
-from shared.engine.core import EngineCore
-from shared.sampling_params import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.core import EngineCore
 from tests.helpers.models import make_tiny_checkpoint
 from tests.helpers.nodes import colocated_engine
 

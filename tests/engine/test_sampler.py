@@ -10,8 +10,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from shared.engine.sampler import Sampler, SamplerOutput, SamplingRow, _narrow_supports, noise_seed
-from shared.sampling_params import SamplingParams as SP
+from kvrelay.common.sampling_params import SamplingParams as SP
+from kvrelay.engine.sampler import Sampler, SamplerOutput, SamplingRow, _narrow_supports, noise_seed
 
 
 def row(params: SP, position: int = 0, prompt=(), output=(), suppress=()) -> SamplingRow:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.request import RequestStatus
-from shared.engine.scheduler_output import ModelRunnerOutput
+from kvrelay.engine.request import RequestStatus
+from kvrelay.engine.scheduler_output import ModelRunnerOutput
 from tests.helpers.scheduler import EOS, FCFS, PRIORITY, SJF, Driver, prompt, tokens_then
 
 

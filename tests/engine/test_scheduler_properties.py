@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from shared.config import SchedulingPolicy
-from shared.engine.request import Request
-from shared.sampling_params import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.config import SchedulingPolicy
+from kvrelay.engine.request import Request
 from tests.helpers.scheduler import EOS, Driver
 
 BASES = [[(7 * i + 3 * k) % 23 + 3 for i in range(64)] for k in range(2)]  # shared-prefix sources

@@ -5,8 +5,8 @@ argmax equal to torch.argmax of the same kernel's logits, ties included."""
 import pytest
 import torch
 
-from shared.engine import kernels as cpu_kernels
-from shared.engine.models import cpu_linear
+from kvrelay.engine import kernels as cpu_kernels
+from kvrelay.engine.models import cpu_linear
 
 native = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(native is None or not native.small_gemm_available(),

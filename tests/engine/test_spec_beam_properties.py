@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from shared.config import SchedulingPolicy
-from shared.engine.beam_search import Beam, BeamGroup, num_candidates
-from shared.engine.request import Request, RequestStatus
-from shared.sampling_params import BeamSearchParams, SamplingParams
+from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
+from kvrelay.engine.beam_search import Beam, BeamGroup, num_candidates
+from kvrelay.engine.config import SchedulingPolicy
+from kvrelay.engine.request import Request, RequestStatus
 from tests.engine.test_scheduler_properties import BASES, STOP_ID, is_stop, sampled_token
 from tests.helpers.scheduler import EOS, Driver
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.engine.llm import LLM, SamplingParams
-from shared.engine.spec_decode.ngram import ngram_lookup
+from kvrelay.engine.llm import LLM, SamplingParams
+from kvrelay.engine.spec_decode.ngram import ngram_lookup
 from tests.helpers.models import make_tiny_checkpoint
 
 TEXT = ("The block pool keeps every KV block in a doubly linked free list, so that a block whose last "
@@ -154,7 +154,7 @@ def test_preemption_keeps_greedy_output(default_model_dir, base, base_greedy):
 def test_constrained_requests_get_no_drafts_beside_speculating_ones(base, ngram_llm):
     """A grammar-constrained request in a speculating batch: it is never given drafts (its mask holds for
     one position), its output equals the plain engine's, and its unconstrained neighbours still speculate."""
-    from shared.sampling_params import StructuredOutputKind, StructuredOutputs
+    from kvrelay.common.sampling_params import StructuredOutputKind, StructuredOutputs
 
     regex = StructuredOutputs(StructuredOutputKind.REGEX, r"(block|pool|list)( (block|pool|list)){5,9}")
     constrained = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=regex)

@@ -10,9 +10,9 @@ import itertools
 import pytest
 import torch
 
-from shared.config import engine_config_from_kwargs
-from shared.engine.core import EngineCore
-from shared.sampling_params import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.config import engine_config_from_kwargs
+from kvrelay.engine.core import EngineCore
 from tests.helpers.models import make_tiny_checkpoint
 
 V = 8

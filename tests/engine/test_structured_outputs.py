@@ -13,12 +13,12 @@ import jsonschema
 import pytest
 import torch
 
-from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, StructuredOutputsConfig
-from shared.engine.core import EngineCore
-from shared.engine.request import RequestStatus
-from shared.engine.sampler import Sampler, SamplingRow, TokenBitmask
-from shared.engine.structured import GrammarCompiler, GrammarVocab, bitmask_words, create_grammar_backend
-from shared.sampling_params import SamplingParams, StructuredOutputKind, StructuredOutputs
+from kvrelay.common.sampling_params import SamplingParams, StructuredOutputKind, StructuredOutputs
+from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, StructuredOutputsConfig
+from kvrelay.engine.core import EngineCore
+from kvrelay.engine.request import RequestStatus
+from kvrelay.engine.sampler import Sampler, SamplingRow, TokenBitmask
+from kvrelay.engine.structured import GrammarCompiler, GrammarVocab, bitmask_words, create_grammar_backend
 
 V = 64
 
@@ -123,7 +123,7 @@ def test_matcher_follows_tokens(vocab, default_tokenizer):
     bitmask = torch.zeros(1, bitmask_words(vocab.vocab_size), dtype=torch.int32)
     matcher.fill_bitmask(bitmask, 0)
     x = torch.zeros(1, vocab.vocab_size)
-    from shared.engine.sampler import apply_token_bitmask
+    from kvrelay.engine.sampler import apply_token_bitmask
 
     apply_token_bitmask(x, TokenBitmask([0], bitmask))
     allowed = set(torch.nonzero(x[0] == 0).flatten().tolist())

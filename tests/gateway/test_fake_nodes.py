@@ -17,12 +17,12 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.server import make_server
-from shared.hashing import prompt_block_hashes
-from shared.model_resolve import DEFAULT_MODEL_ID
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
+from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.gateway.config import GatewayConfig
+from kvrelay.gateway.server import make_server
+from kvrelay.model_files.resolve import DEFAULT_MODEL_ID
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 
 TEXT = " Hello world. This is a scripted node speaking, one two three four five six seven eight nine ten."
 BLOCK = 16
@@ -361,8 +361,8 @@ def test_disconnect_aborts_unary_request(fleet):
 @pytest.fixture(scope="module")
 def registry_fleet(default_tokenizer):
     """Fake nodes that register in the in-process registry and publish what they cache to the index."""
-    from shared.index import NodeRegistration, create_index, create_registry
-    from shared.records import BlockEvent, BlockEventKind
+    from kvrelay.common.records import BlockEvent, BlockEventKind
+    from kvrelay.index import NodeRegistration, create_index, create_registry
 
     url = "memory://gateway-fake-nodes"
     index, registry = create_index(url, DEFAULT_MODEL_ID), create_registry(url)
@@ -418,7 +418,7 @@ def test_registry_routes_tenants_to_their_prefix(registry_fleet):
 
 def test_lapsed_lease_is_not_routed(registry_fleet):
     f = registry_fleet
-    from shared.index import NodeRegistration
+    from kvrelay.index import NodeRegistration
 
     victim = next(n for n in f.extra if n.node_id == "decode1")
     f.registry.register(NodeRegistration(victim.node_id, "decode", victim.address, "local://x", "local",

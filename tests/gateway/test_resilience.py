@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from gateway.breaker import BreakerConfig, BreakerState, CircuitBreaker
-from gateway.policies import make_policy
-from gateway.router import Router
+from kvrelay.gateway.breaker import BreakerConfig, BreakerState, CircuitBreaker
+from kvrelay.gateway.policies import make_policy
+from kvrelay.gateway.router import Router
 from tests.gateway.test_fake_nodes import Fleet
 from tests.gateway.test_unit import FakeDiscovery, prompt
 from tests.gateway.test_unit import fleet as node_fleet

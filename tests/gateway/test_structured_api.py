@@ -11,14 +11,14 @@ import json
 import jsonschema
 import pytest
 
-from gateway import structured, tools
-from gateway.errors import BadRequest
-from gateway.policies import make_policy
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.router import Router
-from gateway.tool_parsers import create_tool_parser
-from shared.records import NodeLoad
-from shared.sampling_params import StructuredOutputKind
+from kvrelay.common.records import NodeLoad
+from kvrelay.common.sampling_params import StructuredOutputKind
+from kvrelay.gateway import structured, tools
+from kvrelay.gateway.errors import BadRequest
+from kvrelay.gateway.policies import make_policy
+from kvrelay.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from kvrelay.gateway.router import Router
+from kvrelay.gateway.tool_parsers import create_tool_parser
 from tests.gateway.test_unit import FakeDiscovery, node, prompt
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -147,9 +147,9 @@ def test_same_user_same_node_while_loads_are_comparable():
 def http():
     from fastapi.testclient import TestClient
 
-    from gateway.config import GatewayConfig
-    from gateway.runtime import Gateway
-    from gateway.server import build_app
+    from kvrelay.gateway.config import GatewayConfig
+    from kvrelay.gateway.runtime import Gateway
+    from kvrelay.gateway.server import build_app
 
     config = GatewayConfig(decode=("127.0.0.1:9",), allowed_origins=("https://app.example",), api_key="k",
                            health_interval=60)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from gateway.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser, create_tool_parser
+from kvrelay.gateway.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser, create_tool_parser
 
 # Outputs as the models write them (Qwen2.5-7B-Instruct for hermes, Llama-3.1-8B-Instruct for llama3_json,
 # Mistral-7B-Instruct-v0.3 and a v11 tokenizer for mistral).

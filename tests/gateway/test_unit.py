@@ -6,15 +6,15 @@ import asyncio
 
 import pytest
 
-from gateway.discovery import Discovery, DiscoveryConfig, Node
-from gateway.errors import BadRequest, NoCapacity
-from gateway.node_client import NodeClients
-from gateway.outputs import ChoiceOutput, OutputOptions, TokenTexts
-from gateway.policies import make_policy
-from gateway.router import Router
-from shared.hashing import prompt_block_hashes
-from shared.records import NodeLoad
-from shared.wire import TokenChunk
+from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.common.records import NodeLoad
+from kvrelay.common.wire import TokenChunk
+from kvrelay.gateway.discovery import Discovery, DiscoveryConfig, Node
+from kvrelay.gateway.errors import BadRequest, NoCapacity
+from kvrelay.gateway.node_client import NodeClients
+from kvrelay.gateway.outputs import ChoiceOutput, OutputOptions, TokenTexts
+from kvrelay.gateway.policies import make_policy
+from kvrelay.gateway.router import Router
 
 MODEL, BS = "m", 16
 

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
-from shared.index import IndexPublisher
+from kvrelay.index import IndexPublisher
 
 
 class EngineSide:

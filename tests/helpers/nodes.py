@@ -1,6 +1,6 @@
 """Node processes and a small engine-service client for the node tests.
 
-Nodes run as real processes on loopback (shared.node.launch), one torch thread each: the tests share two
+Nodes run as real processes on loopback (kvrelay.node.launch), one torch thread each: the tests share two
 cores. The client drives the disaggregated flow the way the gateway does: Reserve -> Prefill -> Generate.
 """
 
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from shared.engine.core import EngineCore
-from shared.node.launch import NodeProcess
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.sampling_params import SamplingParams
-from shared.wire import sampling_to_proto
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.wire import sampling_to_proto
+from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.engine.core import EngineCore
+from kvrelay.node.launch import NodeProcess
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 
 BLOCK = 16
 CHUNK = 64  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks

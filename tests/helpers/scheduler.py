@@ -13,14 +13,14 @@ import itertools
 from collections import defaultdict
 from collections.abc import Callable
 
-from shared.config import SchedulerConfig, SchedulingPolicy
-from shared.engine.block_pool import BlockPool
-from shared.engine.kv_cache_manager import KVCacheManager
-from shared.engine.request import Request, RequestStatus
-from shared.engine.scheduler import Scheduler
-from shared.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from shared.records import TokenLogprobs
-from shared.sampling_params import SamplingParams
+from kvrelay.common.records import TokenLogprobs
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.block_pool import BlockPool
+from kvrelay.engine.config import SchedulerConfig, SchedulingPolicy
+from kvrelay.engine.kv_cache_manager import KVCacheManager
+from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 EOS = 2
 FCFS = SchedulingPolicy.FCFS

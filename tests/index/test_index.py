@@ -10,12 +10,12 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.engine.block_pool import BlockPool
-from shared.index import IndexPublisher, IndexUnavailable, backend_of, create_index
-from shared.index.memory import MemoryIndex, MemoryStore
-from shared.index.redis_index import CLEAR_BATCH, RedisIndex
-from shared.index.redis_server import find_redis_server, start_redis
-from shared.records import BlockEvent, BlockEventKind
+from kvrelay.common.records import BlockEvent, BlockEventKind
+from kvrelay.engine.block_pool import BlockPool
+from kvrelay.index import IndexPublisher, IndexUnavailable, backend_of, create_index
+from kvrelay.index.memory import MemoryIndex, MemoryStore
+from kvrelay.index.redis_index import CLEAR_BATCH, RedisIndex
+from kvrelay.index.redis_server import find_redis_server, start_redis
 from tests.helpers.index import EngineSide
 
 STORED, EVICTED = BlockEventKind.STORED, BlockEventKind.EVICTED
@@ -330,7 +330,7 @@ def test_redis_server_tcp_and_stop():
 
 
 def test_bench_lookup_smoke(redis_url):
-    from shared.bench.index_lookup import bench_lookup
+    from kvrelay.bench.index_lookup import bench_lookup
 
     result = bench_lookup(redis_url, num_nodes=10, num_blocks=32, iters=50, noise_blocks=10)
     assert 0 < result["p50_us"] <= result["p99_us"]

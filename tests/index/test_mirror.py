@@ -14,12 +14,12 @@ import uuid
 
 import pytest
 
-from shared.index import IndexUnavailable, NodeRegistration, create_index
-from shared.index.mirror import MirrorIndex
-from shared.index.redis_index import RedisIndex
-from shared.index.redis_server import start_redis
-from shared.index.registry import Registry
-from shared.records import BlockEvent, BlockEventKind, NodeLoad
+from kvrelay.common.records import BlockEvent, BlockEventKind, NodeLoad
+from kvrelay.index import IndexUnavailable, NodeRegistration, create_index
+from kvrelay.index.mirror import MirrorIndex
+from kvrelay.index.redis_index import RedisIndex
+from kvrelay.index.redis_server import start_redis
+from kvrelay.index.registry import Registry
 
 STORED, EVICTED = BlockEventKind.STORED, BlockEventKind.EVICTED
 
@@ -142,11 +142,11 @@ def wait_for(cond, timeout_s: float = 10.0) -> bool:
 
 def test_two_gateways_route_the_same_prompt_to_the_same_node(redis_url):
     """Two routers, each with its own mirror of one Redis and the same registry, decide alike."""
-    from gateway.discovery import Discovery, DiscoveryConfig
-    from gateway.node_client import NodeClients
-    from gateway.policies import make_policy
-    from gateway.router import Router
-    from shared.hashing import prompt_block_hashes
+    from kvrelay.common.hashing import prompt_block_hashes
+    from kvrelay.gateway.discovery import Discovery, DiscoveryConfig
+    from kvrelay.gateway.node_client import NodeClients
+    from kvrelay.gateway.policies import make_policy
+    from kvrelay.gateway.router import Router
 
     rng = random.Random(3)
     model = f"m-{uuid.uuid4().hex[:6]}"

@@ -8,12 +8,12 @@ import uuid
 
 import pytest
 
-from shared.index import IndexPublisher, NodeRegistration, create_index, create_registry
-from shared.index.heartbeat import Heartbeat
-from shared.index.memory import drop_store
-from shared.index.redis_server import start_redis
-from shared.index.registry import Registry
-from shared.records import BlockEvent, BlockEventKind, NodeLoad
+from kvrelay.common.records import BlockEvent, BlockEventKind, NodeLoad
+from kvrelay.index import IndexPublisher, NodeRegistration, create_index, create_registry
+from kvrelay.index.heartbeat import Heartbeat
+from kvrelay.index.memory import drop_store
+from kvrelay.index.redis_server import start_redis
+from kvrelay.index.registry import Registry
 from tests.helpers.index import EngineSide
 
 MODEL = "test-model"

@@ -8,12 +8,12 @@ import itertools
 
 import pytest
 
-from kv_transfer import create_connector
-from kv_transfer.types import ConnectorConfig
-from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from shared.engine.core import EngineCore
-from shared.engine.request import KVSendSpec
-from shared.sampling_params import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.engine.core import EngineCore
+from kvrelay.engine.request import KVSendSpec
+from kvrelay.kv_transfer import create_connector
+from kvrelay.kv_transfer.types import ConnectorConfig
 from tests.helpers.models import make_tiny_checkpoint
 
 BLOCK = 16

@@ -12,17 +12,17 @@ import time
 import pytest
 import torch
 
-from kv_transfer import (
+from kvrelay.common.records import KVLayout
+from kvrelay.common.system import free_port
+from kvrelay.kv_transfer import (
     ConnectorConfig,
     LayoutMismatchError,
     TransferError,
     create_connector,
 )
-from kv_transfer._blocks import BOTH, Segment, block_runs, plan_segments
-from kv_transfer.harness import PeerProcess, make_caches
-from kv_transfer.types import layout_mismatch
-from shared.records import KVLayout
-from shared.system import free_port
+from kvrelay.kv_transfer._blocks import BOTH, Segment, block_runs, plan_segments
+from kvrelay.kv_transfer.harness import PeerProcess, make_caches
+from kvrelay.kv_transfer.types import layout_mismatch
 
 LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE = 4, 64, 16, 2, 32
 # Non-contiguous on both sides, in no particular order: exercises gather on send and scatter on receive.

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_transfer import ConnectorConfig, TransferError, create_connector
-from kv_transfer.harness import PeerProcess, make_caches
-from kv_transfer.shm import ShmConnector
-from shared.records import KVLayout
+from kvrelay.common.records import KVLayout
+from kvrelay.kv_transfer import ConnectorConfig, TransferError, create_connector
+from kvrelay.kv_transfer.harness import PeerProcess, make_caches
+from kvrelay.kv_transfer.shm import ShmConnector
 
 LAYOUT = KVLayout("smollm2-test", "bfloat16", 16, 4, 2, 32, 64)
 SRC, DST = [3, 9, 10, 11, 40], [50, 7, 8, 20, 21]
@@ -169,8 +169,8 @@ def test_auto_uses_shm_on_one_host_and_the_remote_connector_across(tmp_path):
 def test_copy_plan_merges_runs_and_both_copy_paths_move_the_same_bytes(monkeypatch):
     import numpy as np
 
-    from kv_transfer import _shm_io
-    from shared import native
+    from kvrelay.common import native
+    from kvrelay.kv_transfer import _shm_io
 
     plan = _shm_io.copy_plan([4, 5, 6, 9, 2], [10, 11, 12, 13, 0], src_blocks=16, dst_blocks=20, block_nbytes=8)
     dst_off, src_off, sizes = (a.tolist() for a in plan)
@@ -196,8 +196,8 @@ def test_a_segment_that_could_shrink_is_refused(tmp_path):
     mapping past a file's end would crash the receiver with SIGBUS when touched."""
     import socket
 
-    from kv_transfer._shm_io import Channel
-    from kv_transfer.shm import parse_address
+    from kvrelay.kv_transfer._shm_io import Channel
+    from kvrelay.kv_transfer.shm import parse_address
 
     receiver = ShmConnector(config(tmp_path))
     receiver.register_kv_caches(LAYOUT, make_caches(LAYOUT, None, allocator=receiver.kv_allocator()))

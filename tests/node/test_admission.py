@@ -8,10 +8,10 @@ import time
 import grpc
 import pytest
 
-from shared import wire
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.sampling_params import SamplingParams
-from shared.wire import sampling_to_proto
+from kvrelay.common import wire
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.wire import sampling_to_proto
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from tests.helpers.models import make_tiny_checkpoint
 from tests.helpers.nodes import (
     all_blocks_free,

@@ -17,11 +17,11 @@ import time
 import grpc
 import pytest
 
-from gateway.node_client import EngineRequest, NodeClient
-from gateway.node_errors import CallWatch, NodeRpcError
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.sampling_params import SamplingParams
-from shared.wire import sampling_to_proto
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.wire import sampling_to_proto
+from kvrelay.gateway.node_client import EngineRequest, NodeClient
+from kvrelay.gateway.node_errors import CallWatch, NodeRpcError
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from tests.helpers.models import make_tiny_checkpoint
 from tests.helpers.nodes import all_blocks_free, generate, start_nodes, stop_nodes, tiny_args, wait_for
 

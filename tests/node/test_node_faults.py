@@ -15,11 +15,11 @@ import time
 import grpc
 import pytest
 
-from shared.hashing import prompt_block_hashes
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.sampling_params import SamplingParams
-from shared.system import free_port
-from shared.wire import sampling_to_proto
+from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.system import free_port
+from kvrelay.common.wire import sampling_to_proto
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from tests.helpers.models import make_tiny_checkpoint
 from tests.helpers.nodes import (
     all_blocks_free,
@@ -43,7 +43,7 @@ PROMPT = [(5 * i + 1) % 500 for i in range(40)]
 
 @pytest.fixture(scope="module")
 def redis_url():
-    from shared.index.redis_server import start_redis
+    from kvrelay.index.redis_server import start_redis
 
     server = start_redis()
     yield server.url
@@ -86,8 +86,8 @@ def doomed_prefill(tiny_model, redis_url):
 
 @pytest.fixture(scope="module")
 def index(nodes, redis_url):
-    from shared.index.redis_index import RedisIndex
-    from shared.index.registry import Registry
+    from kvrelay.index.redis_index import RedisIndex
+    from kvrelay.index.registry import Registry
 
     model_id = nodes["D"].stub().GetNodeInfo(pb.NodeInfoRequest(), timeout=5).model_id
     registry, idx = Registry(redis_url), RedisIndex(redis_url, model_id)

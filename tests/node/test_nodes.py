@@ -14,9 +14,9 @@ import itertools
 
 import pytest
 
-from shared import wire
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.sampling_params import SamplingParams
+from kvrelay.common import wire
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from tests.helpers.models import make_tiny_checkpoint
 from tests.helpers.nodes import (
     BLOCK,
@@ -173,7 +173,7 @@ def test_async_engine_in_process(tiny_model, reference):
     """The engine thread behind the asyncio API: same tokens, n > 1, early exit aborts, draining refuses."""
     import asyncio
 
-    from shared.engine.async_engine import AsyncEngine, EngineDraining
+    from kvrelay.engine.async_engine import AsyncEngine, EngineDraining
 
     prompt = _prompt(9, 100)
     params = PARAMS["seeded"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shared.sampling_params import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
 from tests.helpers.models import make_tiny_checkpoint
 from tests.helpers.nodes import (
     all_blocks_free,

@@ -14,9 +14,9 @@ import json
 
 import pytest
 
-from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from shared.engine.core import EngineCore
-from shared.sampling_params import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kvrelay.engine.core import EngineCore
 from tests.helpers.models import make_tiny_checkpoint
 from tests.helpers.nodes import (
     BLOCK,

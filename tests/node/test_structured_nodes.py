@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shared.sampling_params import SamplingParams, StructuredOutputKind, StructuredOutputs
+from kvrelay.common.sampling_params import SamplingParams, StructuredOutputKind, StructuredOutputs
 from tests.helpers.models import make_tiny_with_tokenizer
 from tests.helpers.nodes import (
     all_blocks_free,

@@ -6,7 +6,7 @@ rows query_start_loc[r] : query_start_loc[r+1]. Requests are ordered with single
 attention covers its whole context: seq_lens[r] tokens, the last query_lens[r] of which are the new ones.
 
 The KV cache of one layer is one tensor of shape [2, num_blocks, block_size, num_kv_heads, head_size]
-(shared.records.kv_cache_shape; index 0 = keys, 1 = values). Token t of the batch writes its key/value
+(kvrelay.common.records.kv_cache_shape; index 0 = keys, 1 = values). Token t of the batch writes its key/value
 at flat slot slot_mapping[t] (= block_id * block_size + offset). Request r's context lives in blocks
 block_tables[r, :ceil(seq_len/bs)].
 """

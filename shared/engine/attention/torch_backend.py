@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache on CPU: the native kernels (shared.engine.kernels: one call per layer for
+"""Attention over the paged KV cache on CPU: the native kernels (kvrelay.engine.kernels: one call per layer for
 every decode and prefill chunk of the step, K/V read in place), else a portable path built on torch's
 scaled_dot_product_attention, described below (also the CUDA path when flash-attn is not installed).
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shared.engine import kernels as cpu_kernels
+from kvrelay.engine import kernels as cpu_kernels
 
 from .base import AttentionBackend, AttentionMetadata, write_kv
 
@@ -169,7 +169,7 @@ class TorchAttentionBackend(AttentionBackend):
         index = torch.cat([blocks, blocks + num_blocks])  # keys' blocks then values' blocks, one dim-0 gather
         raw = self._buffer(kv_cache.dtype, kv_cache.device, 0, index.numel() * per_block)
         raw = torch.index_select(kv_cache.view(two * num_blocks, per_block), 0, index, out=raw.view(-1, per_block))
-        if dtype != kv_cache.dtype:  # a narrow cache under wider compute (see shared.engine.models.loader)
+        if dtype != kv_cache.dtype:  # a narrow cache under wider compute (see kvrelay.engine.models.loader)
             raw = self._buffer(dtype, kv_cache.device, 1, raw.numel()).view_as(raw).copy_(raw)
         return raw.view(two, blocks.numel(), *block_shape)
 

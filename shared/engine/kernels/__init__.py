@@ -9,7 +9,7 @@
 The build happens on first use (about a minute on 2 cores) under torch's own file lock, so concurrent node
 processes wait for one build; the sources' content keys the build folder, so an edited kernel is rebuilt.
 Any failure leaves `load()` returning None and the portable torch path in use.
-`python -m shared.engine.kernels` builds them now (`make install` does, so no request waits for it).
+`python -m kvrelay.engine.kernels` builds them now (`make install` does, so no request waits for it).
 `KVRELAY_KERNEL_MARCH` (default `native`) builds for another CPU level, e.g. `x86-64-v3` (AVX2, no AVX512), so
 an AVX512 machine can test the code paths an AVX2-only machine runs. `KVRELAY_KV_PREFETCH` (`l1` or `l2`; default
 `l2` on AMD CPUs, `l1` elsewhere) says which cache the attention kernels ask KV rows into (csrc/common.h; AMD
@@ -84,7 +84,7 @@ def kv_prefetch_target() -> str:
         if chosen not in ("l1", "l2"):
             raise ValueError(f"KVRELAY_KV_PREFETCH={chosen!r}: choose l1 or l2")
         return chosen
-    from shared.engine.auto_dtype import cpu_vendor
+    from kvrelay.engine.auto_dtype import cpu_vendor
 
     return "l2" if cpu_vendor() == "AuthenticAMD" else "l1"
 

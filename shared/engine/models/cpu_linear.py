@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.engine import host_memory, kernels
-from shared.engine.models import gemm_plan
+from kvrelay.engine import host_memory, kernels
+from kvrelay.engine.models import gemm_plan
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class PackedWeight:
 class PackArena:
     """Packed weights copied side by side into buffers of `chunk_bytes`, in the order they are adopted.
 
-    A buffer is allocated when the last one is full, on huge pages (shared.engine.host_memory, as the KV caches);
+    A buffer is allocated when the last one is full, on huge pages (kvrelay.engine.host_memory, as the KV caches);
     at most the last buffer's unused tail (under `chunk_bytes`) is spent.
     """
 

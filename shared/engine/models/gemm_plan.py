@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.auto_dtype import cpu_model
-from shared.model_resolve import cache_dir
+from kvrelay.common.system import cache_dir
+from kvrelay.engine.auto_dtype import cpu_model
 
 logger = logging.getLogger(__name__)
 

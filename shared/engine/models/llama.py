@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shared.engine.attention.base import AttentionBackend, AttentionMetadata
-from shared.engine.models.ops import LayerOps
+from kvrelay.engine.attention.base import AttentionBackend, AttentionMetadata
+from kvrelay.engine.models.ops import LayerOps
 
 from . import cpu_linear
 

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from shared.engine.attention.base import AttentionBackend
+from kvrelay.engine.attention.base import AttentionBackend
 
 from .llama import FusedLinear
 from .ops import layer_ops
@@ -31,14 +31,14 @@ def load_model(
     device: torch.device | str,
     attn_backend: AttentionBackend | str,
 ) -> nn.Module:
-    """attn_backend: an AttentionBackend, or a name for shared.engine.attention.get_attention_backend."""
+    """attn_backend: an AttentionBackend, or a name for kvrelay.engine.attention.get_attention_backend."""
     from transformers import AutoConfig  # slow to import; only loading needs it
 
     from . import get_model_class
 
     device = torch.device(device)
     if isinstance(attn_backend, str):
-        from shared.engine.attention import get_attention_backend
+        from kvrelay.engine.attention import get_attention_backend
 
         attn_backend = get_attention_backend(attn_backend, device)
     hf_config = AutoConfig.from_pretrained(str(model_dir))

@@ -1,5 +1,5 @@
 """The elementwise work around a layer's GEMMs, done by fused native kernels on CPU when they are built
-(shared.engine.kernels), else by the equivalent torch ops. Both give the same results (see the kernels'
+(kvrelay.engine.kernels), else by the equivalent torch ops. Both give the same results (see the kernels'
 notes on rounding); the fused ones make one pass over memory instead of three to six.
 """
 
@@ -77,7 +77,7 @@ class NativeLayerOps(LayerOps):
 def layer_ops(device: torch.device) -> LayerOps:
     """The fused kernels on CPU when they can be built here, else the torch ops."""
     if torch.device(device).type == "cpu":
-        from shared.engine import kernels
+        from kvrelay.engine import kernels
 
         native = kernels.load()
         if native is not None and hasattr(native, "add_rms_norm"):

@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import torch
 
-from shared.config import EngineConfig
-from shared.engine.spec_decode.base import Draft, Proposer, ProposeRequest
-from shared.engine.spec_decode.verify import Verified, Verifier, VerifyGroup
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.spec_decode.base import Draft, Proposer, ProposeRequest
+from kvrelay.engine.spec_decode.verify import Verified, Verifier, VerifyGroup
 
 __all__ = ["Draft", "Proposer", "ProposeRequest", "Verified", "Verifier", "VerifyGroup", "create_proposer"]
 
 
 def _ngram(config: EngineConfig, vocab_size: int, dtype: torch.dtype, device: torch.device) -> Proposer:
-    from shared.engine.spec_decode.ngram import NgramProposer
+    from kvrelay.engine.spec_decode.ngram import NgramProposer
 
     return NgramProposer(config.speculative)
 
 
 def _draft_model(config: EngineConfig, vocab_size: int, dtype: torch.dtype, device: torch.device) -> Proposer:
-    from shared.engine.spec_decode.draft_model import DraftModelProposer
+    from kvrelay.engine.spec_decode.draft_model import DraftModelProposer
 
     return DraftModelProposer(config, vocab_size, dtype, device)
 

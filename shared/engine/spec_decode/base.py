@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.scheduler_output import SchedulerOutput
-from shared.sampling_params import SamplingParams
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.scheduler_output import SchedulerOutput
 
 
 @dataclass(frozen=True)

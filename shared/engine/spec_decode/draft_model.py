@@ -22,17 +22,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.config import EngineConfig, ModelConfig, dtype_name
-from shared.engine import host_memory
-from shared.engine.attention import get_attention_backend
-from shared.engine.attention.base import AttentionMetadata
-from shared.engine.model_info import load_model_info
-from shared.engine.models.loader import load_model
-from shared.engine.sampler import Sampler, SamplingRow
-from shared.engine.scheduler_output import SchedulerOutput
-from shared.engine.spec_decode.base import Draft, Proposer, ProposeRequest
-from shared.engine.spec_decode.sampling import DRAFT_STREAM, KeyedDraws, probs, race
-from shared.records import kv_cache_shape
+from kvrelay.common.records import kv_cache_shape
+from kvrelay.engine import host_memory
+from kvrelay.engine.attention import get_attention_backend
+from kvrelay.engine.attention.base import AttentionMetadata
+from kvrelay.engine.config import EngineConfig, ModelConfig, dtype_name
+from kvrelay.engine.model_info import load_model_info
+from kvrelay.engine.models.loader import load_model
+from kvrelay.engine.sampler import Sampler, SamplingRow
+from kvrelay.engine.scheduler_output import SchedulerOutput
+from kvrelay.engine.spec_decode.base import Draft, Proposer, ProposeRequest
+from kvrelay.engine.spec_decode.sampling import DRAFT_STREAM, KeyedDraws, probs, race
 
 
 @dataclass

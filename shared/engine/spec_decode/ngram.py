@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from shared.config import SpeculativeConfig
-from shared.engine.spec_decode.base import Draft, Proposer, ProposeRequest
+from kvrelay.engine.config import SpeculativeConfig
+from kvrelay.engine.spec_decode.base import Draft, Proposer, ProposeRequest
 
 
 def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:

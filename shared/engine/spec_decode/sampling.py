@@ -5,7 +5,7 @@ top-k with its ties, then top-p over the renormalised survivors), as a full [row
 sampling needs p(x) and q(x), not just a sample.
 
 Keyed draws: a seeded row's randomness at a position comes from a generator seeded by (seed, position) and a
-stream tag, as the sampler's own noise does (shared.engine.sampler.noise_seed, which the residual and bonus
+stream tag, as the sampler's own noise does (kvrelay.engine.sampler.noise_seed, which the residual and bonus
 samples share), so a seeded request's tokens never depend on its batch.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.engine.sampler import Sampler, SamplingRow, noise_seed
+from kvrelay.engine.sampler import Sampler, SamplingRow, noise_seed
 
 _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny

@@ -10,7 +10,7 @@ what happens to the blocks after verification. Mixed into `Scheduler` (it works 
 
 from __future__ import annotations
 
-from shared.engine.request import Request
+from kvrelay.engine.request import Request
 
 
 class SpecSchedulerMixin:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.sampler import Sampler, SamplingRow, TokenBitmask
-from shared.engine.spec_decode.sampling import ACCEPT_STREAM, KeyedDraws, probs, race
-from shared.records import TokenLogprobs
+from kvrelay.common.records import TokenLogprobs
+from kvrelay.engine.sampler import Sampler, SamplingRow, TokenBitmask
+from kvrelay.engine.spec_decode.sampling import ACCEPT_STREAM, KeyedDraws, probs, race
 
 
 @dataclass(frozen=True)

@@ -9,22 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shared.config import StructuredOutputsConfig
-from shared.engine.structured.base import (
+from kvrelay.engine.config import StructuredOutputsConfig
+from kvrelay.engine.structured.base import (
     CompiledGrammar,
     GrammarBackend,
     GrammarMatcher,
     GrammarVocab,
     bitmask_words,
 )
-from shared.engine.structured.compiler import GrammarCompiler
+from kvrelay.engine.structured.compiler import GrammarCompiler
 
 __all__ = ["CompiledGrammar", "GrammarBackend", "GrammarCompiler", "GrammarMatcher", "GrammarVocab",
            "bitmask_words", "create_grammar_backend", "create_grammar_compiler", "BACKENDS"]
 
 
 def _xgrammar(vocab: GrammarVocab) -> GrammarBackend:
-    from shared.engine.structured.xgrammar_backend import XGrammarBackend
+    from kvrelay.engine.structured.xgrammar_backend import XGrammarBackend
 
     return XGrammarBackend(vocab)
 

@@ -2,7 +2,7 @@
 
 A matcher follows the tokens a request generates and says, before each of its samples, which tokens may
 come next as a packed bitmask: int32 words, bit `t % 32` of word `t // 32` set when token `t` is allowed
-(the layout xgrammar, llguidance and vLLM share, applied by shared.engine.sampler).
+(the layout xgrammar, llguidance and vLLM share, applied by kvrelay.engine.sampler).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.sampling_params import StructuredOutputs
+from kvrelay.common.sampling_params import StructuredOutputs
 
 
 @dataclass(frozen=True)

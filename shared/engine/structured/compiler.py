@@ -22,9 +22,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from shared.config import StructuredOutputsConfig
-from shared.engine.structured.base import CompiledGrammar, GrammarBackend
-from shared.sampling_params import StructuredOutputs
+from kvrelay.common.sampling_params import StructuredOutputs
+from kvrelay.engine.config import StructuredOutputsConfig
+from kvrelay.engine.structured.base import CompiledGrammar, GrammarBackend
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import threading
 
 import torch
 
-from shared.engine.structured.base import CompiledGrammar, GrammarBackend, GrammarMatcher, GrammarVocab
-from shared.sampling_params import StructuredOutputKind, StructuredOutputs
+from kvrelay.common.sampling_params import StructuredOutputKind, StructuredOutputs
+from kvrelay.engine.structured.base import CompiledGrammar, GrammarBackend, GrammarMatcher, GrammarVocab
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class XGrammarBackend(GrammarBackend):
     def __init__(self, vocab: GrammarVocab) -> None:
         import xgrammar as xgr
 
-        from shared.tokenizer import Tokenizer
+        from kvrelay.common.tokenizer import Tokenizer
 
         self._xgr = xgr
         hf = Tokenizer(vocab.tokenizer_path).hf

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from shared.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as kvrelay_dot_gateway_dot_v1_dot_gateway__pb2
+from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as kvrelay_dot_gateway_dot_v1_dot_gateway__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

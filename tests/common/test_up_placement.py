@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from shared.cli import up
+from kvrelay.cli import up
 
 
 def _args(*argv: str) -> argparse.Namespace:

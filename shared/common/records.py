@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import TypeVar
 
-BlockHash = bytes  # 16 bytes of xxh3-128 (shared.hashing)
+BlockHash = bytes  # 16 bytes of xxh3-128 (kvrelay.common.hashing)
 
 _R = TypeVar("_R", bound="JsonRecord")
 

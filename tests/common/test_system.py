@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shared.system import TORCH_THP_ENV, _ephemeral_range, free_port, huge_pages_on_request, thp_mode
+from kvrelay.common.system import TORCH_THP_ENV, _ephemeral_range, free_port, huge_pages_on_request, thp_mode
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_are_never_repeated():
@@ -36,7 +36,7 @@ def test_a_free_port_can_be_bound_while_the_kernel_hands_out_its_own():
 
 _CHURN = """
 import resource, sys
-from shared.system import keep_freed_memory
+from kvrelay.common.system import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 def step():  # one forward pass's worth of activations: three 8 MiB buffers, written, then freed
@@ -63,7 +63,7 @@ def test_freed_activations_are_reused_rather_than_faulted_back_in():
 
 _THP_PROBE = """
 import sys
-from shared.system import huge_pages_for_tensors
+from kvrelay.common.system import huge_pages_for_tensors
 print(huge_pages_for_tensors())
 import torch
 t = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)  # a block far past torch's 2 MiB threshold

@@ -6,7 +6,7 @@
 H is xxh3-128, kept as 16 bytes. Only full blocks are hashed. The encoding of the root is fixed here:
 the UTF-8 of model_id, a NUL, block_size as little-endian uint32, a NUL, the UTF-8 of cache_salt.
 
-The chain runs in one native call when shared.native could be built (the gateway hashes every prompt: the
+The chain runs in one native call when kvrelay.common.native could be built (the gateway hashes every prompt: the
 Python loop and the list-to-int32 conversion took ~0.2 ms for 4,096 tokens); `_hash_blocks_py` is the
 portable path and the reference the native one is tested against.
 """
@@ -19,8 +19,11 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from shared import native
-from shared.records import BlockHash
+from kvrelay.common import native
+from kvrelay.common.records import BlockHash
+
+# Tokens per KV block: one fleet-wide number (nodes announce theirs; the gateway refuses a node that differs).
+DEFAULT_BLOCK_SIZE = 16
 
 _U32 = struct.Struct("<I")
 

@@ -11,10 +11,11 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvrelay.common.hashing import DEFAULT_BLOCK_SIZE
+
 if TYPE_CHECKING:  # torch is imported lazily: `kvrelay --help` should not pay for it
     import torch
 
-DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3  # bytes, CPU
 
 

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.gguf_convert import MANIFEST_NAME, ensure_converted, gguf_fingerprint, is_converted
+from kvrelay.common.system import cache_dir
+from kvrelay.model_files.gguf import MANIFEST_NAME, ensure_converted, gguf_fingerprint, is_converted
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +37,6 @@ class ResolvedModel:
     source: str  # "folder" | "gguf" | "default"
     gguf_path: Path | None = None
     converted: bool = False  # True when this call ran the GGUF conversion (False: cache hit)
-
-
-def cache_dir() -> Path:
-    """$KVRELAY_CACHE_DIR, else $XDG_CACHE_HOME/kvrelay, else ~/.cache/kvrelay."""
-    if explicit := os.environ.get("KVRELAY_CACHE_DIR"):
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "kvrelay"
 
 
 def default_gguf_path() -> Path:

@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import socket
+from pathlib import Path
 
 _handed_out: set[int] = set()
 
@@ -116,3 +117,12 @@ def huge_pages_for_tensors() -> bool:
         return False
     os.environ.setdefault(TORCH_THP_ENV, "1")
     return os.environ[TORCH_THP_ENV] == "1"
+
+
+def cache_dir() -> Path:
+    """$KVRELAY_CACHE_DIR, else $XDG_CACHE_HOME/kvrelay, else ~/.cache/kvrelay."""
+    if explicit := os.environ.get("KVRELAY_CACHE_DIR"):
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kvrelay"

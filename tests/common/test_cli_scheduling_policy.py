@@ -3,9 +3,9 @@ order, as vLLM does; `kvrelay up` passes an explicit policy to every engine it s
 
 import pytest
 
-from shared.args import engine_config
-from shared.cli import build_parser, up
-from shared.config import SchedulingPolicy
+from kvrelay.cli import build_parser, up
+from kvrelay.engine.args import engine_config
+from kvrelay.engine.config import SchedulingPolicy
 
 
 @pytest.mark.parametrize(("argv", "want"), [

@@ -1,8 +1,8 @@
 """Small native helpers, compiled once per machine with the system C compiler and cached.
 
-`shared/csrc/kvrelay_native.c` is a plain CPython extension (no torch headers, builds in about a second):
+`shared/common/csrc/kvrelay_native.c` is a plain CPython extension (no torch headers, builds in about a second):
 
-- `hash_chain`: a prompt's chained block hashes in one call (shared.hashing). The gateway hashes every
+- `hash_chain`: a prompt's chained block hashes in one call (kvrelay.common.hashing). The gateway hashes every
   prompt; in Python the per-block loop and the list-to-int32 conversion cost ~0.2 ms for 4,096 tokens.
   The hash itself stays the `xxhash` package's own XXH3_128bits, called through its exported symbol, so
   the bytes are the contract's by construction.
@@ -10,7 +10,7 @@
   same-host connector). numpy's fancy indexing makes two passes (gather into a temporary, then scatter).
 
 Build: on first use, under a file lock (concurrent processes wait for one build), into
-<kvrelay cache>/native/<source digest>/. `python -m shared.native` builds it ahead (make install does). Any
+<kvrelay cache>/native/<source digest>/. `python -m kvrelay.common.native` builds it ahead (make install does). Any
 failure (no compiler, no Python headers) leaves `load()` returning None and the callers on their portable
 Python/numpy paths, which compute the same results.
 """
@@ -41,7 +41,7 @@ _tried = False
 
 
 def _build_dir() -> Path:
-    from shared.model_resolve import cache_dir
+    from kvrelay.common.system import cache_dir
 
     digest = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:16]
     abi = sysconfig.get_config_var("SOABI") or "abi"
@@ -110,6 +110,6 @@ def load() -> ModuleType | None:
 
 
 if __name__ == "__main__":
-    # `python -m shared.native`: build now (make install does), so that no request waits for it.
+    # `python -m kvrelay.common.native`: build now (make install does), so that no request waits for it.
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     raise SystemExit(0 if load() is not None else 1)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from shared.hashing import hash_block, hash_blocks, prompt_block_hashes, root_hash
+from kvrelay.common.hashing import hash_block, hash_blocks, prompt_block_hashes, root_hash
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -184,7 +184,7 @@ def test_same_hashes_in_another_process():
     computes the same bytes."""
     tokens = [5, 17, 2**20, 0, 31999] * 13
     code = (
-        "import sys; from shared.hashing import prompt_block_hashes;"
+        "import sys; from kvrelay.common.hashing import prompt_block_hashes;"
         f"print(','.join(h.hex() for h in prompt_block_hashes({tokens!r}, 'org/m', 16, 'salt')))"
     )
     out = subprocess.run(
@@ -201,13 +201,13 @@ def test_same_hashes_in_another_process():
     assert out.split(",") == [h.hex() for h in here]
 
 
-# -- the native chain (shared/native.py) ------------------------------------------------------------------
+# -- the native chain (shared/common/native.py) ------------------------------------------------------------------
 
 
 def test_native_chain_builds_where_a_compiler_exists():
     import shutil
 
-    from shared import native
+    from kvrelay.common import native
 
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler: the portable path is in use (and is what the other tests check)")
@@ -220,8 +220,8 @@ def test_native_chain_equals_portable_path(bs):
 
     import numpy as np
 
-    from shared import native
-    from shared.hashing import _hash_blocks_py
+    from kvrelay.common import native
+    from kvrelay.common.hashing import _hash_blocks_py
 
     if native.load() is None:
         pytest.skip("native helpers not built here")
@@ -238,7 +238,7 @@ def test_native_chain_equals_portable_path(bs):
 
 
 def test_native_chain_rejects_what_numpy_rejects():
-    from shared import native
+    from kvrelay.common import native
 
     if native.load() is None:
         pytest.skip("native helpers not built here")

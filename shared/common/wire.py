@@ -15,9 +15,9 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
-from shared.records import BeamSequence, KVLayout, NodeLoad, TokenLogprobs
-from shared.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
+from kvrelay.common.records import BeamSequence, KVLayout, NodeLoad, TokenLogprobs
+from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 
 _INT32_MAX = 2**31 - 1
 

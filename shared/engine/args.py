@@ -1,31 +1,18 @@
-"""Command-line pieces every kvrelay command shares: the one help formatter and the engine flags.
-
-A leaf (it knows only shared.config), so the CLI, the node commands and the benchmarks all use the same
-flags with the same meanings, the vLLM names where vLLM has one.
+"""The engine's command-line flags (as vLLM's `EngineArgs`): the node commands, `kvrelay generate` and the
+benchmarks that build engines all take the same flags with the same meanings, vLLM's names where vLLM has one.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from shared.config import (
+from kvrelay.engine.config import (
     DEFAULT_BLOCK_SIZE,
     EngineConfig,
     SchedulingPolicy,
     SpeculativeConfig,
     engine_config_from_kwargs,
 )
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the description's layout (examples, numbered steps) and shows the defaults that are set (not
-    None, not on/off flags)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or isinstance(action.default, bool):
-            return action.help
-        return super()._get_help_string(action)
-
 
 SCHEDULING_POLICIES = [p.value for p in SchedulingPolicy]
 

@@ -1,4 +1,4 @@
-/* Small native helpers for kvrelay (see shared/native.py): the prompt's block-hash chain and a
+/* Small native helpers for kvrelay (see shared/common/native.py): the prompt's block-hash chain and a
  * gather/scatter copy of KV blocks. Python objects are touched only with the GIL held; the copy runs
  * without it. */
 #define PY_SSIZE_T_CLEAN
@@ -13,7 +13,7 @@ typedef struct {
 } xxh128_hash;
 typedef xxh128_hash (*xxh3_128_fn)(const void *, size_t);
 
-/* The xxhash package's own XXH3_128bits, handed over by shared/native.py: the hash is the contract's. */
+/* The xxhash package's own XXH3_128bits, handed over by shared/common/native.py: the hash is the contract's. */
 static xxh3_128_fn xxh3_128 = NULL;
 
 static void put_be64(unsigned char *p, uint64_t v) {
