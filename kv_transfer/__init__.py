@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 
 from kvrelay.kv_transfer._book import TransferBooks
-from kvrelay.kv_transfer.base import KVAllocator, KVConnector
+from kvrelay.kv_transfer.base import KVConnector
 from kvrelay.kv_transfer.types import (
     ConnectorConfig,
     ConnectorMetrics,
@@ -45,7 +45,6 @@ __all__ = [
     "CONNECTORS",
     "ConnectorConfig",
     "ConnectorMetrics",
-    "KVAllocator",
     "KVConnector",
     "LayoutMismatchError",
     "TransferError",

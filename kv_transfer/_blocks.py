@@ -2,7 +2,7 @@
 
 A layer cache is [2, num_blocks, block_size, kv_heads, head_size], so one run of consecutive block ids is one
 contiguous slab of keys and one of values: such runs go on the wire (and land) in place, without a copy. Many
-short runs are instead gathered into one staging tensor, because a memcpy at ~8 GB/s beats many small
+short runs are instead gathered into one staging tensor, because one memcpy beats many small
 messages. The receiver mirrors this from the segment list alone, so both sides may be fragmented differently.
 """
 
@@ -45,8 +45,8 @@ def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
 
 
 def plan_segments(src_block_ids: list[int], max_direct_runs: int, max_message_blocks: int) -> list[Segment]:
-    """Wire messages for one layer. max_message_blocks caps a message's size (in K or V blocks): UCX over
-    TCP or shared memory moved ~1 MiB messages at twice the rate of 2-8 MiB ones on the test machine."""
+    """Wire messages for one layer. max_message_blocks caps a message's size (in K or V blocks): over TCP
+    and shared memory, UCX moves messages of about 1 MiB faster than larger ones."""
     runs = block_runs(src_block_ids)
     if len(runs) > max_direct_runs:
         step = max(1, max_message_blocks // 2)  # a BOTH message carries keys and values
@@ -98,8 +98,8 @@ def scatter(cache: torch.Tensor, block_ids: list[int], kind: int, data: torch.Te
 
 
 # On CPU the copies go through numpy: single-threaded, so a transfer thread never fights the model's OpenMP
-# threads for cores. Measured on 2 busy cores, torch.index_copy_ stalled 12-18 ms per layer in that fight
-# against 0.1 ms for numpy, while numpy's row copies run near memcpy speed.
+# threads for cores (torch.index_copy_ stalls for milliseconds per layer in that fight on busy cores), while
+# numpy's row copies run near memcpy speed.
 def _part(cache: torch.Tensor, kind: int) -> torch.Tensor:
     return cache if kind == BOTH else cache[kind]
 

@@ -115,8 +115,9 @@ class Segment:
 
     def _populate(self) -> None:
         """Back every page now, as torch.zeros does for plain caches. Left to first touch, the kernel would
-        allocate and clear each page inside the engine's attention kernels as blocks are first written: 4.9% of
-        a served fp32 run's samples (docs/benchmarks.md). Memory that is not there fails here, at start-up."""
+        allocate and clear each page inside the engine's attention kernels as blocks are first written, a cost
+        that shows in served runs (docs/results/2026-11-25-zen5/NOTES.md). Memory that is not there fails
+        here, at start-up."""
         try:
             self._map.madvise(_MADV_POPULATE_WRITE)
         except OSError as e:

@@ -1,6 +1,11 @@
 """The two ends of one shm connection (kv_transfer/shm.py): the sender's Outbound (a writer thread posts the
-queued messages in order, an ack reader books the layers) and the receiver's Inbound (a thread that
-checks, copies and acks each layer). Their owner, the ShmConnector, keeps the books and does the copies."""
+queued messages in order, an ack reader books the layers) and the receiver's Inbound (a thread that checks,
+copies and acks each layer).
+
+A link gets what it works with at construction: an Outbound its connector's introduction (SegmentIntro),
+its book of sent transfers and a callback for when it breaks; an Inbound the receiving connector as a
+ShmReceiver, whose public methods copy a layer and let go of the link. Neither knows the connector's class.
+"""
 
 from __future__ import annotations
 
@@ -9,39 +14,76 @@ import os
 import queue
 import socket
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
 
 from kvrelay.common.records import KVLayout
+from kvrelay.kv_transfer import _handshake
+from kvrelay.kv_transfer._book import TransferBook, TransferBooks
 from kvrelay.kv_transfer._shm_io import Channel, PeerMapping, parse_address
-from kvrelay.kv_transfer.types import LayoutMismatchError, TransferError, layout_mismatch
-
-if TYPE_CHECKING:
-    from kvrelay.kv_transfer.shm import ShmConnector
+from kvrelay.kv_transfer.types import ConnectorConfig, TransferError
 
 logger = logging.getLogger(__name__)
 
 _MAX_SEEN = 4096  # transfer ids a connection remembers, to fail the unfinished ones if it breaks
 
 
+@dataclass(frozen=True)
+class SegmentIntro:
+    """What a sender shows a receiver when it connects: its layout, and where each layer's cache lies in its
+    shared segment, whose descriptor goes along with the message."""
+
+    layout: KVLayout
+    offsets: list[int]
+    size: int
+    fd: int
+
+    def message(self, transfer_id: str | None) -> dict:
+        return {"k": "hello", "layout": self.layout.to_dict(), "offsets": self.offsets, "size": self.size,
+                "t": transfer_id}
+
+
+class ShmReceiver(Protocol):
+    """The receiving connector, as the Inbound connections it accepted use it."""
+
+    config: ConnectorConfig
+    books: TransferBooks
+
+    @property
+    def registered_layout(self) -> KVLayout | None: ...
+
+    def copy_layer(self, layer: int, src: np.ndarray, src_blocks: list[int], dst_blocks: list[int],
+                   src_layout: KVLayout) -> int:
+        """Copy blocks of one layer from a sender's cache (flat bytes) into this node's cache; bytes copied."""
+        ...
+
+    def forget_inbound(self, inbound: Inbound) -> None: ...
+
+
 class Outbound:
     """One connection to a receiver, sending side: a writer thread posts the queued messages in order (the
     engine thread only enqueues), an ack reader books the layers."""
 
-    def __init__(self, owner: ShmConnector, peer: str, first_transfer_id: str | None) -> None:
-        self.owner, self.peer = owner, peer
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.connected = threading.Event()
+    def __init__(self, peer: str, first_transfer_id: str | None, *, intro: SegmentIntro, book: TransferBook,
+                 connect_timeout: float, on_broken: Callable[[Outbound], None]) -> None:
+        self.peer = peer
+        self._intro, self._book, self._connect_timeout, self._on_broken = intro, book, connect_timeout, on_broken
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._connected = threading.Event()
         self.error: TransferError | None = None
-        self.channel: Channel | None = None
-        self.threads = [threading.Thread(target=self._write, args=(first_transfer_id,), daemon=True,
-                                         name="kvrelay-shm-send")]
-        self.threads[0].start()
+        self._channel: Channel | None = None
+        self._threads = [threading.Thread(target=self._write, args=(first_transfer_id,), daemon=True,
+                                          name="kvrelay-shm-send")]
+        self._threads[0].start()
 
     def post(self, msg: dict) -> None:
-        self.queue.put(msg)
+        self._queue.put(msg)
 
     def wait_connected(self, timeout: float) -> None:
-        if not self.connected.wait(timeout):
+        if not self._connected.wait(timeout):
             raise TransferError(f"no handshake with shm peer {self.peer} within {timeout:.1f}s")
         if self.error is not None:
             raise self.error
@@ -53,50 +95,43 @@ class Outbound:
             self._break(e)
             return
         reader = threading.Thread(target=self._read_acks, daemon=True, name="kvrelay-shm-acks")
-        self.threads.append(reader)
+        self._threads.append(reader)
         reader.start()
-        self.connected.set()
+        self._connected.set()
         try:
             while True:
-                msg = self.queue.get()
+                msg = self._queue.get()
                 if msg is None:
                     return
-                self.channel.send(msg)
+                self._channel.send(msg)
         except OSError as e:
             self._break(TransferError(f"connection to shm peer {self.peer} lost: {e!r}"))
 
     def _handshake(self, transfer_id: str | None) -> None:
         _, path = parse_address(self.peer)
-        timeout = self.owner.config.connect_timeout
+        timeout = self._connect_timeout
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
             sock.connect(path)
-            self.channel = Channel(sock)
-            hello, fd = self.owner.hello(transfer_id)
-            self.channel.send(hello, fds=(fd,))
-            reply, _ = self.channel.recv()
+            self._channel = Channel(sock)
+            self._channel.send(self._intro.message(transfer_id), fds=(self._intro.fd,))
+            reply, _ = self._channel.recv()
             sock.settimeout(None)  # from now on a dead peer shows as EOF, an idle one is fine
         except (OSError, EOFError) as e:
             sock.close()
             raise TransferError(f"cannot connect to shm peer {self.peer} within {timeout:.1f}s: {e!r}") from None
-        if not reply["ok"]:
-            theirs = reply.get("layout")
-            layout = self.owner.layout
-            refusal = layout_mismatch(layout, KVLayout.from_dict(theirs), "sender", "receiver") if theirs else None
-            if refusal is not None:
-                raise LayoutMismatchError(f"refused by receiver {self.peer}: {refusal}", refusal.mismatches)
-            raise TransferError(f"refused by receiver {self.peer}: {reply['error']}")
+        _handshake.check_reply(reply, self._intro.layout, self.peer)
 
     def _read_acks(self) -> None:
-        book = self.owner._sent
         try:
             while True:
-                ack, _ = self.channel.recv()
+                ack, _ = self._channel.recv()
                 if ack["e"]:
-                    book.fail(ack["t"], TransferError(f"receiver {self.peer} refused layer {ack['l']}: {ack['e']}"))
+                    self._book.fail(ack["t"], TransferError(f"receiver {self.peer} refused layer {ack['l']}: "
+                                                            f"{ack['e']}"))
                 else:
-                    book.layer_done(ack["t"], ack["l"], ack["n"])
+                    self._book.layer_done(ack["t"], ack["l"], ack["n"])
         except EOFError as e:
             self._break(TransferError(f"connection to shm peer {self.peer} lost: {e}"))
 
@@ -105,37 +140,49 @@ class Outbound:
         if self.error is not None:
             return
         self.error = error
-        self.owner._drop_peer(self)
-        self.connected.set()
-        self.owner._sent.fail_peer(self.peer, error)
-        if self.channel is not None:
-            self.channel.close()
-        self.queue.put(None)  # ends the writer (its later messages belong to failed transfers)
+        self._on_broken(self)
+        self._connected.set()
+        self._book.fail_peer(self.peer, error)
+        if self._channel is not None:
+            self._channel.close()
+        self._queue.put(None)  # ends the writer (its later messages belong to failed transfers)
 
     def close(self) -> None:
-        if self.channel is not None and self.error is None:
-            self.queue.put({"k": "bye"})
-        self.queue.put(None)
-        self.threads[0].join(timeout=2)
+        if self._channel is not None and self.error is None:
+            self._queue.put({"k": "bye"})
+        self._queue.put(None)
+        self._threads[0].join(timeout=2)
         self.error = self.error or TransferError("shm connector closed")
-        if self.channel is not None:
-            self.channel.close()
+        if self._channel is not None:
+            self._channel.close()
+
+    def join(self, timeout: float) -> None:
+        for thread in self._threads:
+            thread.join(timeout)
 
 
 class Inbound:
     """One sender's connection, receiving side: a thread that checks, copies and acks each layer."""
 
-    def __init__(self, owner: ShmConnector, channel: Channel) -> None:
-        self.owner, self.channel = owner, channel
-        self.layout: KVLayout | None = None
-        self.mapping: PeerMapping | None = None
-        self.offsets: list[int] = []
-        self.layer_bytes = 0
-        self.seen: dict[str, None] = {}  # transfer ids that came this way, oldest first (bounded)
-        self.thread = threading.Thread(target=self._run, daemon=True, name="kvrelay-shm-recv")
+    def __init__(self, channel: Channel, receiver: ShmReceiver) -> None:
+        self._channel, self._receiver = channel, receiver
+        self._book = receiver.books.received
+        self._timeout = receiver.config.connect_timeout
+        self._layout: KVLayout | None = None  # the sender's
+        self._mapping: PeerMapping | None = None
+        self._offsets: list[int] = []
+        self._layer_bytes = 0
+        self._seen: dict[str, None] = {}  # transfer ids that came this way, oldest first (bounded)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvrelay-shm-recv")
 
     def start(self) -> None:
-        self.thread.start()
+        self._thread.start()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         error = None
@@ -148,54 +195,84 @@ class Inbound:
             logger.warning("shm connection from a sender failed: %r", e)
             error = TransferError(f"sender connection: {e!r}")
         # Unmapped before anyone hears of the failure: a failed transfer means the dead sender's memory is gone.
-        self.channel.close()
-        if self.mapping is not None:
-            self.mapping.close()
-        self.owner.forget_inbound(self)
+        self._channel.close()
+        if self._mapping is not None:
+            self._mapping.close()
+        self._receiver.forget_inbound(self)
         if error is not None:
-            for transfer_id in self.seen:
-                self.owner._received.fail_unfinished(transfer_id, error)
+            for transfer_id in self._seen:
+                self._book.fail_unfinished(transfer_id, error)
 
     def _accept(self) -> bool:
-        self.channel.sock.settimeout(self.owner.config.connect_timeout)
-        hello, fds = self.channel.recv()
-        self.channel.sock.settimeout(None)
+        self._channel.sock.settimeout(self._timeout)
+        hello, fds = self._channel.recv()
+        self._channel.sock.settimeout(None)
+        ours = self._receiver.registered_layout
         try:
-            self.layout, self.mapping = self.owner.accept_hello(hello, fds)
+            theirs = KVLayout.from_dict(hello["layout"])
+            refusal = _handshake.judge(ours, theirs)
+            if refusal is not None:
+                raise refusal
+            self._mapping = _map_segment(theirs, hello, fds)
         except TransferError as e:
             for fd in fds:
                 os.close(fd)
-            logger.error("refused shm sender: %s", e)
-            self.owner.metrics.add(refused_handshakes=1)
-            if hello.get("t") is not None:
-                mismatches = e.mismatches if isinstance(e, LayoutMismatchError) else {}
-                self.owner._received.fail(hello["t"], LayoutMismatchError(f"refused sender: {e}", mismatches))
-            layout = self.owner._layout.to_dict() if self.owner._layout else None
-            self.channel.send({"ok": False, "error": str(e), "layout": layout})
+            reply = _handshake.refuse(self._receiver.books, ours, e, hello.get("t"), "shm")
+            self._channel.send(reply)
             try:  # closing at once could drop the refusal in flight: let the sender hang up first
-                self.channel.sock.settimeout(self.owner.config.connect_timeout)
-                self.channel.recv()
+                self._channel.sock.settimeout(self._timeout)
+                self._channel.recv()
             except (EOFError, OSError):
                 pass
             return False
         if hello.get("t") is not None:  # its first transfer: fail it too if the sender dies before a layer
-            self.seen[hello["t"]] = None
-        self.offsets = list(hello["offsets"])
-        self.layer_bytes = self.layout.num_blocks * 2 * self.layout.block_nbytes
-        self.channel.send({"ok": True, "layout": self.owner.layout.to_dict()})
+            self._seen[hello["t"]] = None
+        self._layout, self._offsets = theirs, list(hello["offsets"])
+        self._layer_bytes = theirs.num_blocks * 2 * theirs.block_nbytes
+        self._channel.send(_handshake.accepted(ours))
         return True
 
     def _serve(self) -> None:
         while True:
-            msg, _ = self.channel.recv()
+            msg, _ = self._channel.recv()
             kind = msg["k"]
             if kind == "layer":
-                self.seen[msg["t"]] = None
-                if len(self.seen) > _MAX_SEEN:
-                    del self.seen[next(iter(self.seen))]
-                refusal, nbytes = self.owner.receive_layer(self, msg)
-                self.channel.send({"k": "ack", "t": msg["t"], "l": msg["l"], "n": nbytes, "e": refusal})
+                self._seen[msg["t"]] = None
+                if len(self._seen) > _MAX_SEEN:
+                    del self._seen[next(iter(self._seen))]
+                refusal, nbytes = self._receive_layer(msg["t"], msg["l"], msg["s"], msg["d"])
+                self._channel.send({"k": "ack", "t": msg["t"], "l": msg["l"], "n": nbytes, "e": refusal})
             elif kind == "abort":
-                self.owner._received.fail(msg["t"], TransferError(f"sender aborted: {msg['e']}"))
+                self._book.fail(msg["t"], TransferError(f"sender aborted: {msg['e']}"))
             elif kind == "bye":
                 return
+
+    def _receive_layer(self, transfer_id: str, layer: int, src: list[int], dst: list[int]) -> tuple[str | None, int]:
+        """Check and copy one layer; (why it was refused or None, bytes copied)."""
+        theirs = self._layout
+        if len(src) != len(dst) or any(not 0 <= b < theirs.num_blocks for b in src):
+            refusal = f"transfer {transfer_id!r}: src blocks outside the sender's cache"
+        else:
+            with self._book.admitting(transfer_id, layer, dst) as refusal:
+                if refusal is None:
+                    start = self._offsets[layer]
+                    src_bytes = self._mapping.bytes[start : start + self._layer_bytes]
+                    nbytes = self._receiver.copy_layer(layer, src_bytes, src, dst, theirs)
+                    self._book.layer_done(transfer_id, layer, nbytes)
+                    return None, nbytes
+        self._book.fail(transfer_id, TransferError(refusal))
+        return refusal, 0
+
+
+def _map_segment(theirs: KVLayout, hello: dict, fds: list[int]) -> PeerMapping:
+    """The sender's segment, mapped read-only, once it is seen to hold every layer's cache where it says."""
+    layer_bytes = theirs.num_blocks * 2 * theirs.block_nbytes
+    offsets, size = hello["offsets"], hello["size"]
+    if len(fds) != 1 or len(offsets) != theirs.num_layers or any(
+        not 0 <= o <= size - layer_bytes for o in offsets
+    ):
+        raise TransferError("sender's shared segment does not hold its caches")
+    try:
+        return PeerMapping(fds.pop(), size)
+    except (ValueError, OSError) as e:
+        raise TransferError(f"cannot map the sender's shared segment: {e}") from None

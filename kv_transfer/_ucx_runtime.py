@@ -81,7 +81,7 @@ class UcxRuntime:
         # Initialised on the loop thread: ucxx binds its progress machinery to the running loop.
         try:
             # Python futures: without them ucxx polls each pending request with sleep(0) under the GIL, which
-            # measured 0.5-1.6 s per transfer here (vs ~10 ms) and kept an idle node busy.
+            # slows a transfer by orders of magnitude and keeps an idle node busy.
             ucxx.init(options={"TLS": self.tls} if self.tls else {}, enable_python_future=True)
         except RuntimeError:
             logger.warning("UCX was initialised elsewhere in this process; UCX_TLS=%s not applied", self.tls)

@@ -1,41 +1,31 @@
-"""The sending half of a UCX connection: layers go out in order, up to max_inflight_layers on the wire."""
+"""The sending half of a UCX connection (kv_transfer/ucx.py): layers go out in order, up to
+max_inflight_layers on the wire. It gets its connector's caches (WireCaches), its book of sent transfers and a
+callback for when it breaks at construction, and runs on the UCX loop thread."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import torch
 
 from kvrelay.common.records import KVLayout
-from kvrelay.kv_transfer import _blocks
+from kvrelay.kv_transfer import _blocks, _handshake
+from kvrelay.kv_transfer._book import TransferBook
 from kvrelay.kv_transfer._ucx_runtime import parse_peer, recv_msg, send_msg, tag, ucxx
-from kvrelay.kv_transfer.types import LayoutMismatchError, TransferError, layout_mismatch
-
-if TYPE_CHECKING:
-    from kvrelay.kv_transfer.ucx import UcxConnector
+from kvrelay.kv_transfer._wire import Job, OutgoingLayer, WireCaches
+from kvrelay.kv_transfer.types import TransferError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Job:
-    transfer_id: str
-    layer: int
-    src: list[int]
-    dst: list[int]
-    ready: torch.cuda.Event | None
 
 
 class SenderPeer:
     """One connection to a receiver: layers sent in order, up to max_inflight_layers on the wire."""
 
-    def __init__(self, owner: UcxConnector, peer: str, first_transfer_id: str | None):
-        self.owner, self.peer = owner, peer
-        self.config = owner.config
+    def __init__(self, peer: str, first_transfer_id: str | None, *, caches: WireCaches, book: TransferBook,
+                 error_handling: bool, on_broken: Callable[[SenderPeer], None]):
+        self.peer = peer
+        self.config = caches.config
+        self._caches, self._book, self._error_handling, self._on_broken = caches, book, error_handling, on_broken
         self.queue: asyncio.Queue = asyncio.Queue()
         self.inflight = asyncio.Semaphore(self.config.max_inflight_layers)
         self.ctrl_lock = asyncio.Lock()
@@ -50,6 +40,13 @@ class SenderPeer:
 
     async def connected_or_raise(self) -> None:
         await asyncio.shield(self.connected)
+
+    def post(self, job: Job) -> None:
+        self.queue.put_nowait(job)
+
+    def post_abort(self, transfer_id: str, reason: str) -> None:
+        """Tell the receiver that a transfer failed on this side, after the layers already queued."""
+        self.queue.put_nowait(("abort", transfer_id, reason))
 
     def _spawn(self, coro: object) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -81,19 +78,12 @@ class SenderPeer:
             self._break(TransferError(f"connection to ucx peer {self.peer} lost: {e!r}"))
 
     async def _connect(self, transfer_id: str | None) -> None:
-        layout = self.owner.layout
+        layout = self._caches.layout
         reply = await self._hello(layout, transfer_id)
-        if not reply["ok"]:
-            theirs = reply.get("layout")
-            refusal = layout_mismatch(layout, KVLayout.from_dict(theirs), "sender", "receiver") if theirs else None
-            if refusal is not None:
-                raise LayoutMismatchError(f"refused by receiver {self.peer}: {refusal}", refusal.mismatches)
-            raise TransferError(f"refused by receiver {self.peer}: {reply['error']}")
+        _handshake.check_reply(reply, layout, self.peer)
         self.conn_id = reply["conn_id"]
         address = ucxx.get_ucx_address_from_buffer(bytes.fromhex(reply["worker_address"]))
-        create = ucxx.create_endpoint_from_worker_address(
-            address, endpoint_error_handling=self.owner._error_handling
-        )
+        create = ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=self._error_handling)
         self.data = await asyncio.wait_for(create, self.config.connect_timeout)
 
     async def _hello(self, layout: KVLayout, transfer_id: str | None) -> dict:
@@ -118,39 +108,32 @@ class SenderPeer:
             await send_msg(self.ctrl, msg)
 
     async def _send_layer(self, job: Job) -> None:
-        if self.owner._sent.error_of(job.transfer_id) is not None:
+        if self._book.error_of(job.transfer_id) is not None:
             return  # already failed (refused, aborted): spare the wire
         await self.inflight.acquire()
         try:
             while job.ready is not None and not job.ready.query():
                 await asyncio.sleep(2e-4)  # the layer's kernels are still running
-            cache = self.owner._caches[job.layer]
-            segments = _blocks.plan_segments(
-                job.src, self.config.max_direct_runs, self.config.max_message_blocks(self.owner.layout)
-            )
-            sources, release = _blocks.layer_sources(cache, job.src, segments, self.owner._staging)
-            seq, self.seq = self.seq, self.seq + len(segments)
-            self.pending[(job.transfer_id, job.layer)] = sum(s.numel() * s.element_size() for s in sources)
-            header = {"kind": "layer", "transfer_id": job.transfer_id, "layer": job.layer, "dst": job.dst}
-            await self._send_ctrl(header | {"seq": seq, "segments": [s.to_list() for s in segments]})
+            out = self._caches.outgoing(job)
+            seq, self.seq = self.seq, self.seq + len(out.sources)
+            self.pending[(job.transfer_id, job.layer)] = out.nbytes
+            await self._send_ctrl(out.header | {"seq": seq})
         except Exception as e:
             self.inflight.release()
             error = TransferError(f"sending layer {job.layer} to {self.peer} failed: {e!r}")
-            self.owner._sent.fail(job.transfer_id, error)
-            self.queue.put_nowait(("abort", job.transfer_id, str(error)))
+            self._book.fail(job.transfer_id, error)
+            self.post_abort(job.transfer_id, str(error))
             return
-        self._spawn(self._send_data(job, sources, release, seq))
+        self._spawn(self._send_data(job, out, seq))
 
-    async def _send_data(
-        self, job: Job, sources: list[torch.Tensor], release: Callable[[], None], seq: int
-    ) -> None:
+    async def _send_data(self, job: Job, out: OutgoingLayer, seq: int) -> None:
         sends = [
             self.data.send(_blocks.wire_buffer(src), tag=tag(self.conn_id, seq + i), force_tag=True)
-            for i, src in enumerate(sources)
+            for i, src in enumerate(out.sources)
         ]
         try:
             await asyncio.wait_for(asyncio.gather(*sends), self.config.transfer_timeout)
-            release()  # not on failure: UCX may still be reading the staging
+            out.release()  # not on failure: UCX may still be reading the staging
         except (Exception, asyncio.TimeoutError) as e:  # noqa: BLE001
             # The message stream is out of step with the receiver now: the connection cannot be reused.
             self._break(
@@ -168,9 +151,9 @@ class SenderPeer:
                     error = TransferError(
                         f"receiver {self.peer} refused layer {ack['layer']}: {ack['error']}"
                     )
-                    self.owner._sent.fail(ack["transfer_id"], error)
+                    self._book.fail(ack["transfer_id"], error)
                 else:
-                    self.owner._sent.layer_done(ack["transfer_id"], ack["layer"], nbytes)
+                    self._book.layer_done(ack["transfer_id"], ack["layer"], nbytes)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -178,17 +161,17 @@ class SenderPeer:
 
     def _break(self, error: TransferError) -> None:
         """Give up this connection: fail what went through it; the next transfer reconnects."""
-        self.owner._drop_peer(self)
+        self._on_broken(self)
         if not self.connected.done():
             self.connected.set_exception(error)
             self.connected.exception()  # mark retrieved: connect() may never be called
         if self.closing:
             return
-        self.owner._sent.fail_peer(self.peer, error)
+        self._book.fail_peer(self.peer, error)
         while not self.queue.empty():
             item = self.queue.get_nowait()
             if isinstance(item, Job):
-                self.owner._sent.fail(item.transfer_id, error)
+                self._book.fail(item.transfer_id, error)
         self._teardown()
 
     def _teardown(self) -> None:

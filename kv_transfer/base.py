@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Protocol
 
 import torch
 
+from kvrelay.common.kv_allocator import KVAllocator
 from kvrelay.common.records import KVLayout
 from kvrelay.kv_transfer._book import TransferBooks
 from kvrelay.kv_transfer.types import ConnectorConfig, TransferError, TransferResult, torch_dtype
@@ -23,14 +23,6 @@ logger = logging.getLogger(__name__)
 
 # How long past transfer_timeout a freed transfer waits for a layer still being written into its blocks.
 _SETTLE_GRACE_S = 5.0
-
-
-class KVAllocator(Protocol):
-    """Allocates a node's KV caches (kvrelay.engine.model_runner.KVAllocator has the same shape)."""
-
-    def allocate_kv_caches(
-        self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> list[torch.Tensor]: ...
 
 
 class KVConnector(ABC):
@@ -64,6 +56,11 @@ class KVConnector(ABC):
         return self._layout
 
     @property
+    def registered_layout(self) -> KVLayout | None:
+        """The layout once register_kv_caches() was called, else None (a receiver then refuses senders)."""
+        return self._layout
+
+    @property
     @abstractmethod
     def address(self) -> str:
         """What the receiver advertises (registry: KV transfer address) so that senders can reach it."""
@@ -84,7 +81,16 @@ class KVConnector(ABC):
 
     def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
         """Block until the receiver acknowledged every layer; raises TransferError on failure or timeout."""
-        return self._sent.wait(transfer_id, self._timeout(timeout))
+        peer = self._sent.peer_of(transfer_id)
+        try:
+            return self._sent.wait(transfer_id, self._timeout(timeout))
+        except TransferError as e:
+            if peer is not None:  # let the receiver give up now rather than at its own deadline
+                self._abort_remote(peer, transfer_id, str(e))
+            raise
+
+    def _abort_remote(self, peer: str, transfer_id: str, reason: str) -> None:  # noqa: B027 - optional hook
+        """Tell the receiver that a failed transfer is over (a wire connector posts an abort to its peer)."""
 
     # -- receiver side ---------------------------------------------------------------------------------
     def expect(self, transfer_id: str, dst_block_ids: list[int], num_layers: int | None = None) -> None:

@@ -19,23 +19,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from kvrelay.common.records import KVLayout
-from kvrelay.kv_transfer import _blocks
-from kvrelay.kv_transfer._book import TransferBooks
+from kvrelay.kv_transfer import _blocks, _handshake
+from kvrelay.kv_transfer._book import TransferBook, TransferBooks
+from kvrelay.kv_transfer._wire import Job, WireCaches
 from kvrelay.kv_transfer.base import KVConnector
-from kvrelay.kv_transfer.types import (
-    ConnectorConfig,
-    LayoutMismatchError,
-    TransferError,
-    TransferResult,
-    layout_mismatch,
-)
+from kvrelay.kv_transfer.types import ConnectorConfig, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +69,6 @@ def _finish_sends(works: list[dist.Work], release: Callable[[], None], timeout: 
     release()  # the staging may be reused only now
 
 
-@dataclass
-class _Job:
-    transfer_id: str
-    layer: int
-    src: list[int]
-    dst: list[int]
-    ready: torch.cuda.Event | None
-
-
 class NcclConnector(KVConnector):
     name = "nccl"
 
@@ -91,10 +76,12 @@ class NcclConnector(KVConnector):
         super().__init__(config, books)
         self._closed = threading.Event()
         self._store = dist.TCPStore(
-            config.host, config.port, is_master=True, wait_for_workers=False, timeout=self._connect_td
+            config.host, config.port, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=config.connect_timeout),
         )
         self._port: int = self._store.port
         self._staging = _blocks.StagingPool()
+        self._wire: WireCaches | None = None  # once the caches are registered
         self._peers: dict[str, _PairSender] = {}
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -108,9 +95,9 @@ class NcclConnector(KVConnector):
     def backend(self) -> str:
         return self.config.backend or ("nccl" if self._caches and self._caches[0].is_cuda else "gloo")
 
-    @property
-    def _connect_td(self) -> timedelta:
-        return timedelta(seconds=self.config.connect_timeout)
+    def register_kv_caches(self, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
+        super().register_kv_caches(layout, kv_caches)
+        self._wire = WireCaches(self.config, layout, tuple(kv_caches), self._staging, self._received)
 
     def connect(self, peer: str, timeout: float | None = None) -> None:
         sender = self._peer(peer, None)
@@ -128,22 +115,16 @@ class NcclConnector(KVConnector):
             raise TransferError("nccl connector is closed")
         if not self._sent.enqueue_layer(transfer_id, self.layout.num_layers, layer, peer):
             return
-        ready = _blocks.ready_event(self._caches[layer])
         sender = self._peer(peer, transfer_id)
-        sender.jobs.put(_Job(transfer_id, layer, src_block_ids, dst_block_ids, ready))
+        sender.jobs.put(self._wire.job(transfer_id, layer, src_block_ids, dst_block_ids))
         if sender.error is not None:  # it broke while we enqueued: nobody will take the job any more
             self._sent.fail(transfer_id, sender.error)
 
-    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
-        peer = self._sent.peer_of(transfer_id)
-        try:
-            return super().wait(transfer_id, timeout)
-        except TransferError as e:
-            with self._lock:
-                sender = self._peers.get(peer) if peer is not None else None
-            if sender is not None:  # let the receiver give up now rather than at its own deadline
-                sender.jobs.put(("abort", transfer_id, str(e)))
-            raise
+    def _abort_remote(self, peer: str, transfer_id: str, reason: str) -> None:
+        with self._lock:
+            sender = self._peers.get(peer)
+        if sender is not None:
+            sender.jobs.put(("abort", transfer_id, reason))
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -173,7 +154,11 @@ class NcclConnector(KVConnector):
         with self._lock:
             sender = self._peers.get(peer)
             if sender is None or sender.error is not None:
-                sender = self._peers[peer] = _PairSender(self, peer, first_transfer_id)
+                if self._wire is None:
+                    raise TransferError("nccl connector cannot send before register_kv_caches()")
+                sender = self._peers[peer] = _PairSender(
+                    peer, first_transfer_id, caches=self._wire, book=self._sent, process_group=self._process_group
+                )
             return sender
 
     def _process_group(self, store: dist.Store, rank: int) -> dist.ProcessGroup:
@@ -203,7 +188,7 @@ class NcclConnector(KVConnector):
         if root is None:  # closed meanwhile
             return
         store = dist.PrefixStore(f"kvrelay/{pair}/", root.clone())
-        store.set_timeout(self._connect_td)
+        store.set_timeout(timedelta(seconds=self.config.connect_timeout))
         seen: set[str] = set()
         try:
             pg = self._accept(store, pair)
@@ -219,23 +204,13 @@ class NcclConnector(KVConnector):
 
     def _accept(self, store: dist.Store, pair: int) -> dist.ProcessGroup | None:
         hello = json.loads(store.queue_pop("to_recv"))
-        if self._layout is None:
-            _push(
-                store,
-                "to_send",
-                {"ok": False, "error": "receiver has no KV caches registered", "layout": None},
-            )
-            return None
-        refusal = layout_mismatch(self.layout, KVLayout.from_dict(hello["layout"]), "receiver", "sender")
+        ours = self.registered_layout
+        refusal = _handshake.judge(ours, KVLayout.from_dict(hello["layout"]))
         if refusal is not None:
-            logger.error("refused nccl sender (pair %d): %s", pair, refusal)
-            self.metrics.add(refused_handshakes=1)
-            if hello.get("transfer_id") is not None:
-                error = LayoutMismatchError(f"refused sender: {refusal}", refusal.mismatches)
-                self._received.fail(hello["transfer_id"], error)
-            _push(store, "to_send", {"ok": False, "error": str(refusal), "layout": self.layout.to_dict()})
+            _push(store, "to_send", _handshake.refuse(self.books, ours, refusal, hello.get("transfer_id"),
+                                                      f"nccl (pair {pair})"))
             return None
-        _push(store, "to_send", {"ok": True, "layout": self.layout.to_dict()})
+        _push(store, "to_send", _handshake.accepted(ours))
         return self._process_group(dist.PrefixStore("pg/", store), rank=1)
 
     def _serve_layers(self, store: dist.Store, pg: dist.ProcessGroup, seen: set[str]) -> None:
@@ -254,28 +229,21 @@ class NcclConnector(KVConnector):
             )
 
     def _recv_layer(self, pg: dist.ProcessGroup, msg: dict, tags: Iterator[int]) -> str | None:
-        transfer_id, layer, dst = msg["transfer_id"], msg["layer"], msg["dst"]
-        segments = [_blocks.Segment.from_list(s) for s in msg["segments"]]
-        cache = self._caches[layer]
-        with self._received.admitting(transfer_id, layer, dst) as refusal:
-            buffers, complete = _blocks.layer_sinks(cache, dst, segments, self._staging, refusal is not None)
-            works = [pg.recv([_blocks.as_bytes(buf)], 0, next(tags)) for buf in buffers]
+        with self._wire.landing(msg) as landing:
+            works = [pg.recv([_blocks.as_bytes(buf)], 0, next(tags)) for buf in landing.buffers]
             for work in works:
                 work.wait(timedelta(seconds=self.config.transfer_timeout))
-            nbytes = complete()
-            if refusal is None:
-                self._received.layer_done(transfer_id, layer, nbytes)
-        if refusal is not None:
-            self._received.fail(transfer_id, TransferError(refusal))
-        return refusal
+        return landing.refusal
 
 
 class _PairSender:
     """The sender half of one pair: a thread posting layers in order, another collecting acks."""
 
-    def __init__(self, owner: NcclConnector, peer: str, first_transfer_id: str | None):
-        self.owner, self.peer, self.config = owner, peer, owner.config
-        self.jobs: queue.Queue[_Job | tuple[str, str, str] | None] = queue.Queue()
+    def __init__(self, peer: str, first_transfer_id: str | None, *, caches: WireCaches, book: TransferBook,
+                 process_group: Callable[[dist.Store, int], dist.ProcessGroup]):
+        self.peer, self.config = peer, caches.config
+        self._caches, self._book, self._process_group = caches, book, process_group
+        self.jobs: queue.Queue[Job | tuple[str, str, str] | None] = queue.Queue()
         self.acks: queue.Queue[tuple[str, int, int] | None] = queue.Queue()
         self.connected = threading.Event()
         self.error: TransferError | None = None
@@ -303,7 +271,7 @@ class _PairSender:
 
     def _connect(self, transfer_id: str | None) -> dist.ProcessGroup:
         host, port = parse_peer(self.peer)
-        layout, timeout = self.owner.layout, self.owner._connect_td
+        layout, timeout = self._caches.layout, timedelta(seconds=self.config.connect_timeout)
         try:
             root = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
             pair = root.add(_PAIRS, 1) - 1
@@ -317,14 +285,8 @@ class _PairSender:
             raise TransferError(
                 f"cannot connect to nccl peer {self.peer} within {timeout.total_seconds():.1f}s: {first_line}"
             ) from None
-        if not reply["ok"]:
-            theirs = reply["layout"]
-            refusal = layout_mismatch(layout, KVLayout.from_dict(theirs), "sender", "receiver") if theirs else None
-            mismatches = refusal.mismatches if refusal else {}
-            raise LayoutMismatchError(
-                f"refused by receiver {self.peer}: {refusal or reply['error']}", mismatches
-            )
-        return self.owner._process_group(dist.PrefixStore("pg/", self.store), rank=0)
+        _handshake.check_reply(reply, layout, self.peer)
+        return self._process_group(dist.PrefixStore("pg/", self.store), 0)
 
     def _send_loop(self, pg: dist.ProcessGroup) -> None:
         tags = _message_tags()
@@ -334,20 +296,15 @@ class _PairSender:
             if isinstance(job, tuple):
                 _push(self.store, "to_recv", {"kind": "abort", "transfer_id": job[1], "error": job[2]})
                 continue
-            if self.owner._sent.error_of(job.transfer_id) is not None:
+            if self._book.error_of(job.transfer_id) is not None:
                 continue  # already failed: spare the wire
             if job.ready is not None:
                 job.ready.synchronize()  # the layer's kernels were only enqueued when send_blocks ran
-            cache = self.owner._caches[job.layer]
-            segments = _blocks.plan_segments(
-                job.src, self.config.max_direct_runs, self.config.max_message_blocks(self.owner.layout)
-            )
-            sources, release = _blocks.layer_sources(cache, job.src, segments, self.owner._staging)
-            header = {"kind": "layer", "transfer_id": job.transfer_id, "layer": job.layer, "dst": job.dst}
-            _push(self.store, "to_recv", header | {"segments": [s.to_list() for s in segments]})
-            works = [pg.send([_blocks.as_bytes(src)], 1, next(tags)) for src in sources]
-            inflight.append((works, release))
-            self.acks.put((job.transfer_id, job.layer, sum(s.numel() * s.element_size() for s in sources)))
+            out = self._caches.outgoing(job)
+            _push(self.store, "to_recv", out.header)
+            works = [pg.send([_blocks.as_bytes(src)], 1, next(tags)) for src in out.sources]
+            inflight.append((works, out.release))
+            self.acks.put((job.transfer_id, job.layer, out.nbytes))
             while len(inflight) > self.config.max_inflight_layers:
                 _finish_sends(*inflight.popleft(), timeout)
         while inflight:
@@ -357,7 +314,7 @@ class _PairSender:
     def _read_acks(self) -> None:
         store = self.ack_store
         store.set_timeout(timedelta(seconds=self.config.transfer_timeout))
-        sent = self.owner._sent
+        sent = self._book
         while (item := self.acks.get()) is not None:
             transfer_id, layer, nbytes = item
             try:
@@ -377,8 +334,8 @@ class _PairSender:
 
     def _break(self, error: TransferError) -> None:
         self.error = error
-        self.owner._sent.fail_peer(self.peer, error)
+        self._book.fail_peer(self.peer, error)
         while not self.jobs.empty():
             job = self.jobs.get_nowait()
-            if isinstance(job, _Job):
-                self.owner._sent.fail(job.transfer_id, error)
+            if isinstance(job, Job):
+                self._book.fail(job.transfer_id, error)

@@ -44,7 +44,6 @@ from kvrelay.kv_transfer._book import TransferBooks
 from kvrelay.kv_transfer._shm_io import (
     SCHEME,  # noqa: F401 - re-exported: the auto connector and callers name shm addresses by it
     Channel,
-    PeerMapping,
     Segment,
     copy_blocks,
     copy_plan,
@@ -55,13 +54,14 @@ from kvrelay.kv_transfer._shm_io import (
     split_plan,
     sweep_stale_sockets,
 )
-from kvrelay.kv_transfer._shm_links import Inbound, Outbound
+from kvrelay.kv_transfer._shm_links import Inbound, Outbound, SegmentIntro
 from kvrelay.kv_transfer.base import KVConnector
-from kvrelay.kv_transfer.types import ConnectorConfig, TransferError, TransferResult, layout_mismatch
+from kvrelay.kv_transfer.types import ConnectorConfig, TransferError
 
 logger = logging.getLogger(__name__)
 
 _PARALLEL_COPY_BYTES = 1 << 20  # a layer at least this large is copied by copy_threads threads
+_NOT_SHARED = "this node's KV caches are not in shared memory (allocate them through kv_allocator())"
 
 
 class ShmConnector(KVConnector):
@@ -79,7 +79,7 @@ class ShmConnector(KVConnector):
         self._listener.listen(64)
         self._segment: Segment | None = None
         self._dst: list[np.ndarray] = []  # own caches as flat bytes: what received layers are copied into
-        self._sendable = False
+        self._intro: SegmentIntro | None = None  # set once the registered caches are in the segment
         self._peers: dict[str, Outbound] = {}
         self._inbound: set[Inbound] = set()
         self._lock = threading.Lock()
@@ -96,7 +96,7 @@ class ShmConnector(KVConnector):
     @property
     def can_send(self) -> bool:
         """Whether peers can map this node's caches (they live in the segment this connector allocated)."""
-        return self._sendable
+        return self._intro is not None
 
     # -- set-up ----------------------------------------------------------------------------------------
     def kv_allocator(self) -> ShmConnector:
@@ -122,11 +122,15 @@ class ShmConnector(KVConnector):
         super().register_kv_caches(layout, kv_caches)
         self._dst = [c.view(torch.uint8).reshape(-1).numpy() for c in kv_caches]
         segment = self._segment
-        self._sendable = segment is not None and all(segment.contains(c) for c in kv_caches)
+        if segment is not None and all(segment.contains(c) for c in kv_caches):
+            offsets = [c.data_ptr() - segment.base for c in kv_caches]
+            self._intro = SegmentIntro(layout, offsets, segment.nbytes, segment.fd)
 
     # -- sender side -----------------------------------------------------------------------------------
     def connect(self, peer: str, timeout: float | None = None) -> None:
         parse_address(peer)
+        if self._intro is None:
+            raise TransferError(f"shm connector cannot send: {_NOT_SHARED}")
         self._outbound(peer, None).wait_connected(self.config.connect_timeout + 1 if timeout is None else timeout)
 
     def send_blocks(
@@ -138,45 +142,34 @@ class ShmConnector(KVConnector):
             raise TransferError("shm connector is closed")
         if not self._sent.enqueue_layer(transfer_id, self.layout.num_layers, layer, peer):
             return
-        if host != self.host or not self._sendable:
+        if host != self.host or self._intro is None:
             why = (f"peer {peer} is on another host or sees another {self._path.parent} (use ucx, or auto)"
-                   if host != self.host else "this node's KV caches are not in shared memory (allocate them "
-                   "through kv_allocator())")
+                   if host != self.host else _NOT_SHARED)
             self._sent.fail(transfer_id, TransferError(f"shm transfer {transfer_id!r} impossible: {why}"))
             return
         msg = {"k": "layer", "t": transfer_id, "l": layer, "s": list(src_block_ids), "d": list(dst_block_ids)}
         self._outbound(peer, transfer_id).post(msg)
 
-    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
-        peer = self._sent.peer_of(transfer_id)
-        try:
-            return super().wait(transfer_id, timeout)
-        except TransferError as e:
-            with self._lock:
-                out = self._peers.get(peer) if peer is not None else None
-            if out is not None:  # let the receiver give up now rather than at its own deadline
-                out.post({"k": "abort", "t": transfer_id, "e": str(e)})
-            raise
+    def _abort_remote(self, peer: str, transfer_id: str, reason: str) -> None:
+        with self._lock:
+            out = self._peers.get(peer)
+        if out is not None:
+            out.post({"k": "abort", "t": transfer_id, "e": reason})
 
     def _outbound(self, peer: str, first_transfer_id: str | None) -> Outbound:
         with self._lock:
             out = self._peers.get(peer)
             if out is None:
-                out = self._peers[peer] = Outbound(self, peer, first_transfer_id)
+                out = self._peers[peer] = Outbound(
+                    peer, first_transfer_id, intro=self._intro, book=self._sent,
+                    connect_timeout=self.config.connect_timeout, on_broken=self._forget_outbound,
+                )
             return out
 
-    def _drop_peer(self, out: Outbound) -> None:
+    def _forget_outbound(self, out: Outbound) -> None:
         with self._lock:
             if self._peers.get(out.peer) is out:
                 del self._peers[out.peer]
-
-    def hello(self, transfer_id: str | None) -> tuple[dict, int]:
-        segment = self._segment
-        assert segment is not None
-        offsets = [c.data_ptr() - segment.base for c in self._caches]
-        msg = {"k": "hello", "layout": self.layout.to_dict(), "offsets": offsets, "size": segment.nbytes,
-               "t": transfer_id}
-        return msg, segment.fd
 
     # -- receiver side ---------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -185,52 +178,22 @@ class ShmConnector(KVConnector):
                 sock, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            inbound = Inbound(self, Channel(sock))
+            inbound = Inbound(Channel(sock), self)
             with self._lock:
                 if self._closed:
-                    inbound.channel.close()
+                    inbound.close()
                     return
                 self._inbound.add(inbound)
             inbound.start()
 
-    def accept_hello(self, hello: dict, fds: list[int]) -> tuple[KVLayout, PeerMapping]:
-        """The sender's layout and mapped segment; raises TransferError (LayoutMismatchError) to refuse."""
-        theirs = KVLayout.from_dict(hello["layout"])
-        if self._layout is None:
-            raise TransferError("receiver has no KV caches registered yet")
-        refusal = layout_mismatch(self.layout, theirs, "receiver", "sender")
-        if refusal is not None:
-            raise refusal
-        layer_bytes = theirs.num_blocks * 2 * theirs.block_nbytes
-        offsets, size = hello["offsets"], hello["size"]
-        if len(fds) != 1 or len(offsets) != theirs.num_layers or any(
-            not 0 <= o <= size - layer_bytes for o in offsets
-        ):
-            raise TransferError("sender's shared segment does not hold its caches")
-        try:
-            return theirs, PeerMapping(fds.pop(), size)
-        except (ValueError, OSError) as e:
-            raise TransferError(f"cannot map the sender's shared segment: {e}") from None
-
-    def receive_layer(self, sender: Inbound, msg: dict) -> tuple[str | None, int]:
-        """Check and copy one layer; (why it was refused or None, bytes copied)."""
-        transfer_id, layer, src, dst = msg["t"], msg["l"], msg["s"], msg["d"]
-        theirs = sender.layout
-        if len(src) != len(dst) or any(not 0 <= b < theirs.num_blocks for b in src):
-            refusal = f"transfer {transfer_id!r}: src blocks outside the sender's cache"
-        else:
-            with self._received.admitting(transfer_id, layer, dst) as refusal:
-                if refusal is None:
-                    # Every layer of a transfer moves the same blocks: plan once.
-                    plan = _plan(tuple(src), tuple(dst), theirs.num_blocks, self.layout.num_blocks,
-                                 theirs.block_nbytes)
-                    start = sender.offsets[layer]
-                    nbytes = self._copy(self._dst[layer], sender.mapping.bytes[start : start + sender.layer_bytes],
-                                        plan)
-                    self._received.layer_done(transfer_id, layer, nbytes)
-                    return None, nbytes
-        self._received.fail(transfer_id, TransferError(refusal))
-        return refusal, 0
+    def copy_layer(self, layer: int, src: np.ndarray, src_blocks: list[int], dst_blocks: list[int],
+                   src_layout: KVLayout) -> int:
+        """Copy blocks of one layer from a sender's mapped cache (flat bytes) into this node's; bytes copied.
+        Its Inbound has checked the blocks against the sender's layout and the transfer's reservation."""
+        # Every layer of a transfer moves the same blocks: plan once.
+        plan = _plan(tuple(src_blocks), tuple(dst_blocks), src_layout.num_blocks, self.layout.num_blocks,
+                     src_layout.block_nbytes)
+        return self._copy(self._dst[layer], src, plan)
 
     def _copy(self, dst: np.ndarray, src: np.ndarray, plan: tuple) -> int:
         parts = split_plan(plan, self.config.copy_threads) if plan[2].sum() >= _PARALLEL_COPY_BYTES else [plan]
@@ -258,10 +221,9 @@ class ShmConnector(KVConnector):
         for out in peers:
             out.close()
         for inb in inbound:
-            inb.channel.close()
-        for thread in [*(o.threads for o in peers), *([i.thread] for i in inbound)]:
-            for t in thread:
-                t.join(timeout=5)
+            inb.close()
+        for link in [*peers, *inbound]:
+            link.join(timeout=5)
         error = TransferError("shm connector closed")
         self._sent.fail_all(error)
         self._received.fail_all(error)

@@ -98,7 +98,7 @@ class ConnectorConfig:
     shm_dir: str | None = None
     remote: str = "ucx"  # auto: the connector to peers on other hosts ("ucx" or "nccl")
     # shm: threads that copy one received layer of 1 MiB or more (its pieces split between them). More than
-    # one helps only with idle cores: on the busy 2-core test machine two threads copied slower than one.
+    # one helps only with idle cores: on busy cores two threads copy slower than one.
     copy_threads: int = 1
 
     def max_message_blocks(self, layout: KVLayout) -> int:

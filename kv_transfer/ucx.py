@@ -17,20 +17,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Awaitable, Callable
+
+import torch
 
 from kvrelay.common.records import KVLayout
-from kvrelay.kv_transfer import _blocks
-from kvrelay.kv_transfer._book import TransferBooks
+from kvrelay.kv_transfer import _blocks, _handshake
+from kvrelay.kv_transfer._book import TransferBook, TransferBooks
 from kvrelay.kv_transfer._ucx_runtime import UcxRuntime, parse_peer, recv_msg, send_msg, tag, ucx_settings, ucxx
-from kvrelay.kv_transfer._ucx_sender import Job, SenderPeer
+from kvrelay.kv_transfer._ucx_sender import SenderPeer
+from kvrelay.kv_transfer._wire import WireCaches
 from kvrelay.kv_transfer.base import KVConnector
-from kvrelay.kv_transfer.types import (
-    ConnectorConfig,
-    LayoutMismatchError,
-    TransferError,
-    TransferResult,
-    layout_mismatch,
-)
+from kvrelay.kv_transfer.types import ConnectorConfig, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +45,7 @@ class UcxConnector(KVConnector):
         self._conn_ids: set[int] = set()
         self._closed = False
         self._staging = _blocks.StagingPool()
+        self._wire: WireCaches | None = None  # once the caches are registered
         try:
             self._listener = self._rt.run(self._listen(), timeout=max(config.connect_timeout, 10.0))
             self._port: int = self._listener.port
@@ -57,6 +56,10 @@ class UcxConnector(KVConnector):
     @property
     def address(self) -> str:
         return f"ucx://{self.config.host}:{self._port}"
+
+    def register_kv_caches(self, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
+        super().register_kv_caches(layout, kv_caches)
+        self._wire = WireCaches(self.config, layout, tuple(kv_caches), self._staging, self._received)
 
     def connect(self, peer: str, timeout: float | None = None) -> None:
         wait = self.config.connect_timeout + 1 if timeout is None else timeout
@@ -71,23 +74,11 @@ class UcxConnector(KVConnector):
             raise TransferError("ucx connector is closed")
         if not self._sent.enqueue_layer(transfer_id, self.layout.num_layers, layer, peer):
             return
-        job = Job(
-            transfer_id,
-            layer,
-            list(src_block_ids),
-            list(dst_block_ids),
-            _blocks.ready_event(self._caches[layer]),
-        )
-        self._rt.call_soon(lambda: self._peer(peer, transfer_id).queue.put_nowait(job))
+        job = self._wire.job(transfer_id, layer, src_block_ids, dst_block_ids)
+        self._rt.call_soon(lambda: self._peer(peer, transfer_id).post(job))
 
-    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
-        peer = self._sent.peer_of(transfer_id)
-        try:
-            return super().wait(transfer_id, timeout)
-        except TransferError as e:
-            if peer is not None:  # let the receiver give up now rather than at its own deadline
-                self._rt.call_soon(self._abort, peer, transfer_id, str(e))
-            raise
+    def _abort_remote(self, peer: str, transfer_id: str, reason: str) -> None:
+        self._rt.call_soon(self._abort, peer, transfer_id, reason)
 
     def close(self) -> None:
         if self._closed:
@@ -106,10 +97,15 @@ class UcxConnector(KVConnector):
     def _peer(self, peer: str, first_transfer_id: str | None) -> SenderPeer:
         sender = self._peers.get(peer)
         if sender is None:
-            sender = self._peers[peer] = SenderPeer(self, peer, first_transfer_id)
+            if self._wire is None:
+                raise TransferError("ucx connector cannot send before register_kv_caches()")
+            sender = self._peers[peer] = SenderPeer(
+                peer, first_transfer_id, caches=self._wire, book=self._sent,
+                error_handling=self._error_handling, on_broken=self._forget_peer,
+            )
         return sender
 
-    def _drop_peer(self, sender: SenderPeer) -> None:
+    def _forget_peer(self, sender: SenderPeer) -> None:
         if self._peers.get(sender.peer) is sender:
             del self._peers[sender.peer]
 
@@ -119,7 +115,7 @@ class UcxConnector(KVConnector):
     def _abort(self, peer: str, transfer_id: str, reason: str) -> None:
         sender = self._peers.get(peer)
         if sender is not None:
-            sender.queue.put_nowait(("abort", transfer_id, reason))
+            sender.post_abort(transfer_id, reason)
 
     async def _listen(self) -> object:
         return ucxx.create_listener(
@@ -143,7 +139,7 @@ class UcxConnector(KVConnector):
         try:
             conn_id = await self._accept(ep)
             if conn_id:
-                inbound = _Inbound(self, ep, conn_id)
+                inbound = _Inbound(ep, conn_id, self._received, self._recv_layer, self.config.max_inflight_layers)
                 await inbound.run()
         except asyncio.CancelledError:
             raise
@@ -161,19 +157,10 @@ class UcxConnector(KVConnector):
     async def _accept(self, ep: object) -> int:
         """Layout handshake; returns the new connection id, or 0 when the sender was refused."""
         hello = await asyncio.wait_for(recv_msg(ep), self.config.connect_timeout)
-        sender_layout = KVLayout.from_dict(hello["layout"])
-        refusal = layout_mismatch(self.layout, sender_layout, "receiver", "sender") if self._layout else None
-        if self._layout is None or refusal is not None:
-            reason = str(refusal) if refusal else "receiver has no KV caches registered yet"
-            logger.error("refused ucx sender: %s", reason)
-            self.metrics.add(refused_handshakes=1)
-            if hello.get("transfer_id") is not None:
-                mismatches = refusal.mismatches if refusal else {}
-                self._received.fail(
-                    hello["transfer_id"], LayoutMismatchError(f"refused sender: {reason}", mismatches)
-                )
-            layout = self._layout.to_dict() if self._layout else None
-            await send_msg(ep, {"ok": False, "error": reason, "layout": layout})
+        ours = self.registered_layout
+        refusal = _handshake.judge(ours, KVLayout.from_dict(hello["layout"]))
+        if refusal is not None:
+            await send_msg(ep, _handshake.refuse(self.books, ours, refusal, hello.get("transfer_id"), "ucx"))
             try:  # closing at once could drop the refusal in flight: let the sender hang up first
                 await asyncio.wait_for(recv_msg(ep), self.config.connect_timeout)
             except (Exception, asyncio.TimeoutError):  # noqa: BLE001
@@ -183,40 +170,33 @@ class UcxConnector(KVConnector):
         while conn_id in self._conn_ids:
             conn_id = random.randrange(1, 1 << 31)
         self._conn_ids.add(conn_id)
-        reply = {"ok": True, "layout": self.layout.to_dict(), "conn_id": conn_id}
+        reply = _handshake.accepted(ours) | {"conn_id": conn_id}
         await send_msg(ep, reply | {"worker_address": self._rt.worker_address.hex()})
         return conn_id
 
     async def _recv_layer(self, conn_id: int, msg: dict) -> str | None:
         """Receive one layer into the cache; returns why it was refused, or None."""
-        transfer_id, layer, dst = msg["transfer_id"], msg["layer"], msg["dst"]
-        segments = [_blocks.Segment.from_list(s) for s in msg["segments"]]
-        cache = self._caches[layer]
         # On a timeout the caller drops the connection, so nothing lands after the block exits.
-        with self._received.admitting(transfer_id, layer, dst) as refusal:
-            buffers, complete = _blocks.layer_sinks(cache, dst, segments, self._staging, refusal is not None)
+        with self._wire.landing(msg) as landing:
             recvs = [
                 ucxx.recv(_blocks.wire_buffer(buf), tag=tag(conn_id, msg["seq"] + i))
-                for i, buf in enumerate(buffers)
+                for i, buf in enumerate(landing.buffers)
             ]
             await asyncio.wait_for(asyncio.gather(*recvs), self.config.transfer_timeout)
-            nbytes = complete()
-            if refusal is None:
-                self._received.layer_done(transfer_id, layer, nbytes)
-        if refusal is not None:
-            self._received.fail(transfer_id, TransferError(refusal))
-        return refusal
+        return landing.refusal
 
 
 class _Inbound:
     """One sender's connection, receiving side. Layers are received concurrently (up to max_inflight_layers)
     so that the next header is read and its receives posted while earlier bytes are still arriving."""
 
-    def __init__(self, owner: UcxConnector, ep: object, conn_id: int):
-        self.owner, self.ep, self.conn_id = owner, ep, conn_id
+    def __init__(self, ep: object, conn_id: int, book: TransferBook,
+                 receive: Callable[[int, dict], Awaitable[str | None]], max_inflight_layers: int):
+        self.ep, self.conn_id = ep, conn_id
+        self._book, self._receive = book, receive
         self.seen: set[str] = set()
         self.ack_lock = asyncio.Lock()
-        self.slots = asyncio.Semaphore(owner.config.max_inflight_layers)
+        self.slots = asyncio.Semaphore(max_inflight_layers)
         self.tasks: set[asyncio.Task] = set()
 
     async def run(self) -> None:
@@ -230,14 +210,14 @@ class _Inbound:
                 task.add_done_callback(self.tasks.discard)
             elif msg["kind"] == "abort":
                 error = TransferError(f"sender aborted: {msg['error']}")
-                self.owner._received.fail(msg["transfer_id"], error)
+                self._book.fail(msg["transfer_id"], error)
             elif msg["kind"] == "bye":
                 await asyncio.gather(*self.tasks)
                 return
 
     async def _layer(self, msg: dict) -> None:
         try:
-            refusal = await self.owner._recv_layer(self.conn_id, msg)
+            refusal = await self._receive(self.conn_id, msg)
             ack = {"kind": "ack", "transfer_id": msg["transfer_id"], "layer": msg["layer"], "error": refusal}
             async with self.ack_lock:  # send_obj is two messages: keep concurrent acks from interleaving
                 await send_msg(self.ep, ack)
@@ -253,7 +233,7 @@ class _Inbound:
 
     def fail(self, error: TransferError) -> None:
         for transfer_id in self.seen:
-            self.owner._received.fail_unfinished(transfer_id, error)
+            self._book.fail_unfinished(transfer_id, error)
 
     def cancel(self) -> None:
         for task in list(self.tasks):

@@ -5,6 +5,10 @@ between two processes, layer by layer as a prefill node does, and times each tra
 send_blocks() to the acknowledged wait(). Each connector allocates its caches where it wants them
 (kv_allocator(): shared memory for shm and auto), as a node's engine does. Prints JSON, each connector's
 ratio to a memcpy of the same bytes timed in the same invocation, and writes it to --output.
+
+The two sides of a wire transfer are two peer processes (`python -m kvrelay.bench.kv_transfer <folder>`,
+started with ChildProcess) that share nothing but the machine, as two nodes would. Each hosts connectors and
+answers calls (`PeerHost.op_<name>`) from this process over a unix socket in its private folder.
 """
 
 from __future__ import annotations
@@ -12,19 +16,28 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pickle
 import platform
 import random
+import shutil
+import socket
 import statistics
+import struct
+import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from kvrelay.bench.report import emit
+from kvrelay.common.kv_allocator import KVAllocator
+from kvrelay.common.process import ChildProcess
 from kvrelay.common.records import KVLayout
-from kvrelay.kv_transfer.harness import PeerProcess, make_caches
-from kvrelay.kv_transfer.local import LocalConnector
-from kvrelay.kv_transfer.types import ConnectorConfig
+from kvrelay.kv_transfer import KVConnector, create_connector
+from kvrelay.kv_transfer.types import ConnectorConfig, TransferResult, torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +82,193 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="bench/results/kv_transfer.json", help="where to write the JSON")
 
 
+# -- the peer processes ------------------------------------------------------------------------------------
+
+_LEN = struct.Struct("<Q")
+_SOCKET, _READY = "peer.sock", "ready"
+_CONNECT_WAIT_S = 120.0  # how long a peer process waits for its parent to connect (and the parent for it)
+
+
+def make_caches(
+    layout: KVLayout, seed: int | None, device: str = "cpu", allocator: KVAllocator | None = None
+) -> list[torch.Tensor]:
+    """Deterministic caches: random from seed (the same values in any process), or zeros when seed is None;
+    in memory from `allocator` when given (a connector's shared memory), else plain tensors."""
+    shape, dtype = layout.cache_shape(), torch_dtype(layout)
+    if allocator is not None:
+        caches = allocator.allocate_kv_caches(layout.num_layers, shape, dtype, torch.device(device))
+    else:
+        caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        for cache in caches:
+            cache.copy_(torch.randn(shape, generator=gen).to(dtype))
+    return caches
+
+
+def _send(sock: socket.socket, obj: object) -> None:
+    data = pickle.dumps(obj)
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv(sock: socket.socket) -> Any:
+    (size,) = _LEN.unpack(_read(sock, _LEN.size))
+    return pickle.loads(_read(sock, size))
+
+
+def _read(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise EOFError("the other side closed the peer connection")
+        data += chunk
+    return bytes(data)
+
+
+class PeerHost:
+    """The connectors of a peer process, each under a key; `op_<name>` answers the parent's call `name`."""
+
+    def __init__(self) -> None:
+        self.connectors: dict[str, KVConnector] = {}
+        self.caches: dict[str, list[torch.Tensor]] = {}
+
+    def op_create(
+        self, key: str, name: str, config: ConnectorConfig, layout: KVLayout, seed: int | None, device: str
+    ) -> str:
+        """A connector with caches from seed, allocated where it wants them; returns its address."""
+        connector = create_connector(name, config)
+        caches = make_caches(layout, seed, device, connector.kv_allocator())
+        connector.register_kv_caches(layout, caches)
+        self.connectors[key], self.caches[key] = connector, caches
+        return connector.address
+
+    def op_expect(self, key: str, transfer_id: str, dst: list[int], num_layers: int | None = None) -> None:
+        self.connectors[key].expect(transfer_id, dst, num_layers)
+
+    def op_send(
+        self, key: str, peer: str, transfer_id: str, src: list[int], dst: list[int], layers: list[int] | None = None
+    ) -> None:
+        connector = self.connectors[key]
+        for layer in range(connector.layout.num_layers) if layers is None else layers:
+            connector.send_blocks(peer, transfer_id, layer, src, dst)
+
+    def op_wait_received(self, key: str, transfer_id: str, timeout: float) -> TransferResult:
+        return self.connectors[key].wait_received(transfer_id, timeout)
+
+    def op_timed_sends(
+        self, key: str, peer: str, transfer_ids: list[str], src: list[int], dst: list[int], timeout: float
+    ) -> list[float]:
+        """Seconds per transfer, first send_blocks to acknowledged wait(), one transfer after another."""
+        seconds = []
+        for transfer_id in transfer_ids:
+            start = time.perf_counter()
+            self.op_send(key, peer, transfer_id, src, dst)
+            self.connectors[key].wait(transfer_id, timeout)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
+    def op_close(self, key: str) -> None:
+        self.caches.pop(key)
+        self.connectors.pop(key).close()
+
+    def op_exit(self) -> None:
+        for key in list(self.connectors):
+            self.op_close(key)
+
+
+def serve_peer(host: PeerHost, folder: str) -> None:
+    """A peer process's main: listen in `folder`, take its parent's connection, answer calls until "exit" (or
+    the parent is gone)."""
+    logging.basicConfig(level=logging.WARNING, format="peer %(process)d %(name)s %(levelname)s: %(message)s")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(Path(folder) / _SOCKET))
+        listener.listen(1)
+        listener.settimeout(_CONNECT_WAIT_S)
+        (Path(folder) / _READY).touch()
+        conn, _ = listener.accept()
+    with conn:
+        conn.settimeout(None)
+        while True:
+            try:
+                op, args = _recv(conn)
+            except EOFError:
+                op, args = "exit", ()
+            try:
+                reply = (True, getattr(host, f"op_{op}")(*args))
+            except Exception as e:  # noqa: BLE001 - every failure goes back to the parent, which raises it
+                reply = (False, e)
+            try:
+                _send(conn, reply)
+            except pickle.PicklingError:
+                _send(conn, (False, RuntimeError(repr(reply[1]))))
+            except OSError:
+                pass  # the parent is gone
+            if op == "exit":
+                return
+
+
+class Peer:
+    """A peer process (`python -m <module> <folder>`, whose main runs serve_peer) and this process's handle
+    on it: `call(op, *args)` returns what its host's op_<op> returned, or raises what it raised."""
+
+    def __init__(self, module: str = "kvrelay.bench.kv_transfer", cwd: str | None = None) -> None:
+        self._folder = Path(tempfile.mkdtemp(prefix="kvrelay-peer-"))  # private (0700): only we can connect
+        self.process = ChildProcess.start("kv-peer", [sys.executable, "-m", module, str(self._folder)],
+                                          log_dir=self._folder, cwd=cwd)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.process.wait_ready((self._folder / _READY).exists, timeout_s=_CONNECT_WAIT_S)
+            self._sock.connect(str(self._folder / _SOCKET))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def call(self, op: str, *args: Any, timeout: float = 60.0) -> Any:
+        self._sock.settimeout(timeout)
+        try:
+            _send(self._sock, (op, args))
+            ok, value = _recv(self._sock)
+        except TimeoutError:
+            raise TimeoutError(f"peer process gave no answer to {op!r} within {timeout:.0f}s") from None
+        if not ok:
+            raise value
+        return value
+
+    def create(
+        self, key: str, name: str, config: ConnectorConfig, layout: KVLayout, seed: int | None, device: str = "cpu"
+    ) -> str:
+        """Start a connector with caches from seed in the peer; returns its address."""
+        return self.call("create", key, name, config, layout, seed, device, timeout=120)
+
+    def kill(self) -> None:
+        """Die abruptly, as a crashed node would."""
+        self.process.kill()
+
+    def close(self) -> None:
+        if self.process.alive():
+            try:
+                self.call("exit", timeout=15)
+            except (OSError, EOFError, TimeoutError) as e:
+                logger.warning("peer process did not exit cleanly: %r\n%s", e, self.process.log_tail())
+        self.process.stop(grace_s=10)
+        self._sock.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- the benchmark ------------------------------------------------------------------------------------------
+
+
 def pick_blocks(pattern: str, blocks: int, cache_blocks: int, seed: int = 0) -> tuple[list[int], list[int]]:
     if pattern == "contiguous":
         return list(range(blocks)), list(range(cache_blocks - blocks, cache_blocks))
@@ -91,7 +291,7 @@ def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
 def local_seconds(
     layout: KVLayout, src: list[int], dst: list[int], args: argparse.Namespace, bar
 ) -> list[float]:
-    sender, receiver = LocalConnector(ConnectorConfig()), LocalConnector(ConnectorConfig())
+    sender, receiver = create_connector("local"), create_connector("local")
     sender.register_kv_caches(layout, make_caches(layout, 1))
     receiver.register_kv_caches(layout, make_caches(layout, None))
     seconds = []
@@ -110,13 +310,7 @@ def local_seconds(
 
 
 def wire_seconds(
-    hosts: tuple[PeerProcess, PeerProcess],
-    case: str,
-    layout: KVLayout,
-    src: list[int],
-    dst: list[int],
-    args,
-    bar,
+    hosts: tuple[Peer, Peer], case: str, layout: KVLayout, src: list[int], dst: list[int], args, bar
 ) -> list[float]:
     sender_host, receiver_host = hosts
     name, overrides = CASES[case]
@@ -166,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
     memcpy_best = nbytes / min(memcpy) / 1e9
     rows = []
     total = len(cases) * len(patterns) * args.repeats
-    hosts: tuple[PeerProcess, PeerProcess] | None = None
+    hosts: tuple[Peer, Peer] | None = None
     with tqdm(total=total, desc="kv transfer", unit="transfer") as bar:
         try:
             for case in cases:
@@ -177,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
                         seconds = local_seconds(layout, src, dst, args, bar)
                     else:
                         # Started on first use: two processes importing torch would skew the local case.
-                        hosts = hosts or (PeerProcess(), PeerProcess())
+                        hosts = hosts or (Peer(), Peer())
                         seconds = wire_seconds(hosts, case, layout, src, dst, args, bar)
                     rows.append(summarize(case, pattern, nbytes, seconds, memcpy_best))
         finally:
@@ -196,3 +390,6 @@ def run(args: argparse.Namespace) -> int:
     emit(report, args.output)
     return 0
 
+
+if __name__ == "__main__":
+    serve_peer(PeerHost(), sys.argv[1])

@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kvrelay.common.kv_allocator import KVAllocator
 from kvrelay.common.records import KVLayout, TokenLogprobs, kv_cache_shape
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine import host_memory
@@ -54,15 +55,6 @@ class KVSender(Protocol):
     def register_kv_caches(self, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None: ...
 
     def send_blocks(self, peer: str, transfer_id: str, layer: int, src: list[int], dst: list[int]) -> None: ...
-
-
-class KVAllocator(Protocol):
-    """Where the KV caches live, when not in plain tensors: a connector that lets peers map them (shared
-    memory) allocates them itself. The engine takes it at construction, like its KV sender."""
-
-    def allocate_kv_caches(
-        self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> list[torch.Tensor]: ...
 
 
 @dataclass

@@ -21,8 +21,8 @@ from kvrelay.kv_transfer import (
     create_connector,
 )
 from kvrelay.kv_transfer._blocks import BOTH, Segment, block_runs, plan_segments
-from kvrelay.kv_transfer.harness import PeerProcess, make_caches
 from kvrelay.kv_transfer.types import layout_mismatch
+from tests.helpers.transfer import PeerProcess, make_caches
 
 LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE = 4, 64, 16, 2, 32
 # Non-contiguous on both sides, in no particular order: exercises gather on send and scatter on receive.

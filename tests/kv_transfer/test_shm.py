@@ -1,6 +1,6 @@
 """The same-host connector (kv_transfer/shm.py) and the auto connector that picks it.
 
-Real processes (kv_transfer.harness.PeerProcess), real shared memory, real SIGKILL / SIGSTOP: a receiver
+Real processes (tests.helpers.transfer.PeerProcess), real shared memory, real SIGKILL / SIGSTOP: a receiver
 never writes outside what it reserved, refuses layers of a closed transfer, and a crash of either side
 fails the survivor's transfers at once and leaves no mapping of the dead side's memory behind. Each test
 keeps its control sockets in its own folder (shm_dir), so nothing else on the machine interferes.
@@ -18,8 +18,8 @@ import torch
 
 from kvrelay.common.records import KVLayout
 from kvrelay.kv_transfer import ConnectorConfig, TransferError, create_connector
-from kvrelay.kv_transfer.harness import PeerProcess, make_caches
 from kvrelay.kv_transfer.shm import ShmConnector
+from tests.helpers.transfer import PeerProcess, make_caches
 
 LAYOUT = KVLayout("smollm2-test", "bfloat16", 16, 4, 2, 32, 64)
 SRC, DST = [3, 9, 10, 11, 40], [50, 7, 8, 20, 21]
