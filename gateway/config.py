@@ -1,10 +1,19 @@
-"""The gateway's settings: one record, built from `kvrelay gateway` flags or by tests directly."""
+"""The gateway's settings: one record, built from `kvrelay gateway` flags or by tests directly.
+
+This is the one place the gateway's defaults live: the flags take theirs from these fields, and so do the
+parts' own configs (discovery, liveness, dispatch, admission, node calls), so that a part built alone (a test,
+a benchmark) behaves as it does inside the gateway.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvrelay.common.hashing import DEFAULT_BLOCK_SIZE
+
+ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")  # kvrelay.gateway.policies implements them
+INDEX_BACKENDS = ("mirror", "redis")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 @dataclass(frozen=True)
@@ -37,10 +46,10 @@ class GatewayConfig:
     allow_credentials: bool = False
     # Resilience and admission (docs/architecture.md, "Failures and overload").
     migration_limit: int = 3  # re-dispatches of one sequence after node failures
-    max_concurrent_requests: int = 1024  # generations in progress at once; past it: 429
+    max_concurrent_requests: int = 1024  # generations in progress at once; past it: 429 (0: no bound)
     request_timeout: float = 0.0  # seconds; past it a request is aborted everywhere (0: no deadline)
     queue_timeout: float = 600.0  # how long a reservation may wait in a decode node's queue for blocks
     capacity_wait: float = 10.0  # how long a request waits for a decode node to be up before 503
     stall_timeout: float = 5.0  # a node whose calls are this quiet gets a health probe
-    probe_timeout: float = 2.0  # ... which it must answer within this
+    probe_timeout: float = 2.0  # ... which it must answer within this (every health probe: liveness, discovery)
     lookup_timeout: float = 0.5  # an index lookup slower than this routes without prefix information

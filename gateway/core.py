@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
 from kvrelay.common.tokenizer import Tokenizer
 from kvrelay.common.wire import TokenChunk
+from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.dispatch import Dispatcher
 from kvrelay.gateway.errors import BadRequest, Overloaded, ShuttingDown
 from kvrelay.gateway.node_client import EngineRequest
@@ -62,8 +63,8 @@ def new_request_id(prefix: str) -> str:
 
 @dataclass(frozen=True)
 class Admission:
-    max_concurrent_requests: int = 0  # 0: no bound
-    request_timeout_s: float = 0.0  # 0: no deadline
+    max_concurrent_requests: int = GatewayConfig.max_concurrent_requests  # 0: no bound
+    request_timeout_s: float = GatewayConfig.request_timeout  # 0: no deadline
 
 
 class GatewayCore:

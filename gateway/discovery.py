@@ -9,6 +9,10 @@ gateway probe that node right away (`suspect`), so a crashed or hung node leaves
 timeout, while a failure a live node reported (a transfer between two nodes, say) ejects nobody. The probe
 loop runs on its own, Redis or not, and brings a node back (half-open) once it answers.
 
+`probe` is the gateway's one health prober: the breakers' probes, the liveness monitor's (gateway/liveness.py)
+and the check of nodes gone from the registry all go through it, with one timeout, and a node has at most one
+probe in flight: whoever asks while one is under way gets its answer.
+
 Redis down: the last node list stays, probes go on. A node that drops out of a successful registry read is
 kept for `unlisted_grace_s` while it answers its probe and is not draining: after a Redis restart the nodes
 re-register within a heartbeat, and the fleet must not look empty meanwhile.
@@ -21,12 +25,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from kvrelay.common.records import NodeLoad
 from kvrelay.common.wire import NodeInfo
 from kvrelay.gateway.breaker import BreakerConfig, CircuitBreaker
+from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.node_client import NodeClients, NodeRpcError
 
 logger = logging.getLogger(__name__)
@@ -75,15 +80,24 @@ class _Static:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class Probe:
+    """A node's answer to a health probe."""
+
+    healthy: bool  # answered, and healthy
+    draining: bool = False
+    reason: str | None = None  # why not healthy (no answer, or what the node said)
+
+
 @dataclass
 class DiscoveryConfig:
     model_id: str
     block_size: int
     static_prefill: tuple[str, ...] = ()
     static_decode: tuple[str, ...] = ()
-    refresh_s: float = 0.5
-    health_s: float = 2.0
-    probe_timeout_s: float = 1.0
+    refresh_s: float = GatewayConfig.refresh_interval
+    health_s: float = GatewayConfig.health_interval
+    probe_timeout_s: float = GatewayConfig.probe_timeout
     probe_s: float = 0.5  # how often open breakers whose period is over are probed
     unlisted_grace_s: float = 3.0
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
@@ -102,7 +116,8 @@ class Discovery:
         self._infos: dict[str, NodeInfo] = {}  # by address: what GetNodeInfo said
         self._fetching: set[str] = set()
         self._breakers: dict[str, CircuitBreaker] = {}
-        self._probing: set[str] = set()
+        self._probes: dict[str, asyncio.Task[Probe]] = {}  # node_id -> the probe in flight
+        self._probe_listeners: list[Callable[[Node, Probe], None]] = []
         self._view: tuple[list[Node], dict[str, list[Node]]] | None = None  # (all, routable by role)
         self._warned: set[str] = set()
         self._tasks: list[asyncio.Task] = []
@@ -118,7 +133,7 @@ class Discovery:
                        asyncio.create_task(self._loop(self.probe_open, self.config.probe_s))]
 
     async def stop(self) -> None:
-        tasks, self._tasks = self._tasks + list(self._background), []
+        tasks, self._tasks = self._tasks + list(self._background) + list(self._probes.values()), []
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -159,9 +174,6 @@ class Discovery:
 
     def _changed(self) -> None:
         self._view = None
-
-    def unreachable_static(self) -> list[_Static]:
-        return [s for s in self._static.values() if s.node is None]
 
     def max_model_len(self) -> int | None:
         """The smallest context any routable node accepts (a request must fit wherever it lands)."""
@@ -212,39 +224,52 @@ class Discovery:
         self._changed()
 
     def suspect(self, node: Node) -> None:
-        """Probe the node now (once at a time); no answer opens its breaker."""
-        if node.node_id in self._probing:
-            return
-        self._probing.add(node.node_id)
-        task = asyncio.ensure_future(self.probe(node))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        """Probe the node now, in the background; no answer opens its breaker."""
+        self._probe_task(node)
 
     async def probe_open(self) -> None:
         """Probe the nodes whose open period is over: an answer brings them back half-open."""
         now = time.monotonic()
-        due = [n for n in self.nodes() if self._breaker(n.node_id).probe_due(now) and n.node_id not in self._probing]
-        for node in due:
-            self._probing.add(node.node_id)
+        due = [n for n in self.nodes() if self._breaker(n.node_id).probe_due(now)]
         if due:
             await asyncio.gather(*(self.probe(n) for n in due))
 
-    async def probe(self, node: Node) -> bool:
-        """Health-check a node; True when it answered healthy. Updates its breaker either way."""
+    def on_probe(self, listener: Callable[[Node, Probe], None]) -> None:
+        """Call `listener(node, answer)` after every health probe (the liveness monitor acts on each)."""
+        self._probe_listeners.append(listener)
+
+    async def probe(self, node: Node) -> Probe:
+        """Health-check a node within the probe timeout, and update its breaker: no answer or an unhealthy
+        one opens it, an answer lets an open one back half-open. Joins the node's probe in flight, if any."""
+        return await asyncio.shield(self._probe_task(node))
+
+    def _probe_task(self, node: Node) -> asyncio.Task[Probe]:
+        task = self._probes.get(node.node_id)
+        if task is None or task.done():
+            task = self._probes[node.node_id] = asyncio.ensure_future(self._probe(node))
+            task.add_done_callback(self._probe_done)
+        return task
+
+    def _probe_done(self, task: asyncio.Task[Probe]) -> None:
+        for node_id, t in list(self._probes.items()):
+            if t is task:
+                del self._probes[node_id]
+
+    async def _probe(self, node: Node) -> Probe:
         try:
             health = await self.clients.get(node.address).health(timeout=self.config.probe_timeout_s)
         except NodeRpcError as e:
-            self.trip(node.node_id, f"health probe: {e.details or e.code.name}")
-            return False
-        finally:
-            self._probing.discard(node.node_id)
-        if not health.healthy:
-            self.trip(node.node_id, f"health probe: {health.message}")
-            return False
-        if self._breaker(node.node_id).probe_passed():
+            result = Probe(False, reason=f"no answer ({e.details or e.code.name})")
+        else:
+            result = Probe(health.healthy, health.draining, None if health.healthy else f"unhealthy: {health.message}")
+        if not result.healthy:
+            self.trip(node.node_id, f"health probe: {result.reason}")
+        elif self._breaker(node.node_id).probe_passed():
             logger.info("node %s answered its health probe, back in rotation (half-open)", node.node_id)
             self._changed()
-        return True
+        for listener in self._probe_listeners:
+            listener(node, result)
+        return result
 
     # ------------------------------------------------------------------------------------- registry
 
@@ -285,19 +310,12 @@ class Discovery:
         now = time.monotonic()
         grace = self.config.unlisted_grace_s
         candidates = [n for n in missing if now - self._unlisted.setdefault(n.node_id, now) < grace and not n.draining]
-        answers = await asyncio.gather(*(self._answers(n) for n in candidates))
-        kept = [n for n, ok in zip(candidates, answers) if ok]
+        answers = await asyncio.gather(*(self.probe(n) for n in candidates))
+        kept = [n for n, answer in zip(candidates, answers) if answer.healthy and not answer.draining]
         for n in missing:
             if n not in kept:
                 self._unlisted.pop(n.node_id, None)
         return kept
-
-    async def _answers(self, node: Node) -> bool:
-        try:
-            health = await self.clients.get(node.address).health(timeout=self.config.probe_timeout_s)
-        except NodeRpcError:
-            return False
-        return health.healthy and not health.draining
 
     def _from_registration(self, reg, load) -> Node:
         info = self._infos.get(reg.grpc_address)
@@ -331,20 +349,18 @@ class Discovery:
             if s.node is None:
                 s.node = self._from_info(await client.info(), s)
                 logger.info("static %s node %s at %s", s.node.role, s.node.node_id, s.address)
-            health, load = await asyncio.gather(client.health(), client.load())
+            answer, load = await asyncio.gather(self.probe(s.node), client.load())
         except NodeRpcError as e:
-            if s.node is not None and s.node.healthy:
-                logger.warning("static node %s at %s failed its health check: %s", s.node.node_id, s.address, e)
-            s.error = str(e)
-            if s.node is not None:
-                s.node = replace(s.node, healthy=False)
-                self._changed()
+            answer, load = Probe(False, reason=str(e)), None
+        if s.node is None:
+            s.error = answer.reason
             return
-        s.error = None
-        s.node = replace(s.node, healthy=health.healthy, draining=health.draining, load=load)
+        if not answer.healthy and s.node.healthy:
+            logger.warning("static node %s at %s failed its health check: %s", s.node.node_id, s.address,
+                           answer.reason)
+        s.error = answer.reason
+        s.node = replace(s.node, healthy=answer.healthy, draining=answer.draining, load=load or s.node.load)
         self._changed()
-        if health.healthy:
-            self._breaker(s.node.node_id).probe_passed()
 
     def _from_info(self, info: NodeInfo, s: _Static) -> Node:
         role = info.role or s.role

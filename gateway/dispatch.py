@@ -34,6 +34,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from kvrelay.common.wire import PrefillResult, ReserveResult, TokenChunk
+from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.discovery import Discovery, Node
 from kvrelay.gateway.errors import BadRequest, NoCapacity, NodeFailure, Overloaded, RequestTimeout
 from kvrelay.gateway.liveness import Liveness
@@ -45,10 +46,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DispatchConfig:
-    lease_ms: int = 0  # reservation lease asked of decode nodes (0: theirs)
-    migration_limit: int = 3  # re-dispatches of one sequence after node failures
-    queue_timeout_s: float = 600.0  # how long a reservation may wait in a decode node's queue for blocks
-    capacity_wait_s: float = 10.0  # how long a request waits for any decode node to be up
+    lease_ms: int = GatewayConfig.kv_lease_ms  # reservation lease asked of decode nodes (0: theirs)
+    migration_limit: int = GatewayConfig.migration_limit  # re-dispatches of one sequence after node failures
+    queue_timeout_s: float = GatewayConfig.queue_timeout  # how long a reservation may wait in a decode node's queue
+    capacity_wait_s: float = GatewayConfig.capacity_wait  # how long a request waits for any decode node to be up
 
 
 @dataclass

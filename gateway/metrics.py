@@ -10,13 +10,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvrelay.common.prometheus import TTFT_BUCKETS, latency_histograms
+
 _ROUTE_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0, 1920.0, 7680.0)
 _RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
@@ -64,13 +60,9 @@ class GatewayMetrics:
                                      registry=r)
         self.transfer_bytes = Counter("kvrelay:kv_transfer_bytes", "KV bytes moved prefill -> decode", registry=r)
         self.transfer_seconds = Histogram("kvrelay:kv_transfer_seconds", "KV transfer time per hand-off",
-                                          buckets=_TTFT_BUCKETS, registry=r)
-        self.ttft = Histogram("kvrelay:time_to_first_token_seconds", "Time to first token at the gateway", m,
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("kvrelay:inter_token_latency_seconds", "Time between tokens at the gateway", m,
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("kvrelay:e2e_request_latency_seconds", "Request latency at the gateway", m,
-                             buckets=_E2E_BUCKETS, registry=r)
+                                          buckets=TTFT_BUCKETS, registry=r)
+        latency = latency_histograms("kvrelay", m, r, where=" at the gateway")
+        self.ttft, self.itl, self.e2e = latency.ttft, latency.itl, latency.e2e
         self.request_prompt_tokens = Histogram("kvrelay:request_prompt_tokens", "Prompt tokens per request", m,
                                                buckets=_TOKEN_BUCKETS, registry=r)
         self.request_generation_tokens = Histogram("kvrelay:request_generation_tokens",

@@ -24,6 +24,7 @@ from kvrelay.common import wire
 from kvrelay.common.records import NodeLoad
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
 from kvrelay.common.wire import Health, NodeInfo, PrefillResult, ReserveResult, TokenChunk
+from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.node_errors import CallWatch, NodeRpcError
 from kvrelay.gateway.node_streams import SequenceStream
 from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
@@ -48,7 +49,7 @@ _CHANNEL_OPTIONS = [
 class Timeouts:
     info_s: float = 3.0
     reserve_s: float = 10.0
-    prefill_s: float = 300.0
+    prefill_s: float = GatewayConfig.prefill_timeout
     abort_s: float = 2.0
 
 

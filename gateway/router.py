@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.discovery import Discovery, Node
 from kvrelay.gateway.errors import NoCapacity
 from kvrelay.gateway.policies import Candidate, Policy, Prompt, decode_is_local
@@ -84,7 +85,7 @@ _SKIP_MIN_S, _SKIP_MAX_S = 1.0, 10.0
 
 class Router:
     def __init__(self, discovery: Discovery, policy: Policy, index=None, local_prefill_threshold: int = 0,
-                 metrics=None, lookup_timeout_s: float = 0.5) -> None:
+                 metrics=None, lookup_timeout_s: float = GatewayConfig.lookup_timeout) -> None:
         self.discovery = discovery
         self.policy = policy
         self.index = index

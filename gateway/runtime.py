@@ -1,4 +1,5 @@
-"""The gateway's parts wired together, with start, drain and stop; the HTTP and gRPC servers sit on top."""
+"""The gateway's parts wired together, with start and stop; the HTTP and gRPC servers sit on top (the HTTP
+server drains on SIGTERM: gateway/server.py)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ class Gateway:
         self.discovery = Discovery(DiscoveryConfig(
             model_id=self.model_id, block_size=config.block_size, static_prefill=tuple(config.prefill),
             static_decode=tuple(config.decode), refresh_s=config.refresh_interval, health_s=config.health_interval,
+            probe_timeout_s=config.probe_timeout,
         ), self.clients, self.registry, self.metrics)
-        self.liveness = Liveness(self.discovery, self.clients, config.stall_timeout, config.probe_timeout)
+        self.liveness = Liveness(self.discovery, config.stall_timeout)
         policy = make_policy(config.routing_policy)
         self.router = Router(self.discovery, policy, self.index, config.local_prefill_threshold, self.metrics,
                              config.lookup_timeout)
@@ -96,17 +98,6 @@ class Gateway:
         logger.info("gateway for %s: %d prefill and %d decode nodes routable, policy %s", self.model_id,
                     sum(n.routable and n.role == "prefill" for n in nodes),
                     sum(n.routable and n.role == "decode" for n in nodes), self.config.routing_policy)
-
-    async def drain(self, timeout_s: float) -> bool:
-        """Refuse new requests and wait for the running ones; True when all finished in time."""
-        self.core.draining = True
-        deadline = time.monotonic() + timeout_s
-        while self.core.active and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.core.active:
-            logger.warning("%d generations still running after %.0f s; cutting them off", self.core.active,
-                           timeout_s)
-        return self.core.active == 0
 
     async def stop(self) -> None:
         await self.liveness.stop()

@@ -35,7 +35,7 @@ def default_tokenizer(default_model_dir):
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    """A real redis-server on a unix socket for the whole run (shared/redis_server.py)."""
+    """A real redis-server on a unix socket for the whole run (shared/index/redis_server.py)."""
     from kvrelay.index.redis_server import start_redis
 
     sock = tmp_path_factory.mktemp("redis") / "redis.sock"

@@ -13,3 +13,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         if action.default is None or isinstance(action.default, bool):
             return action.help
         return super()._get_help_string(action)
+
+
+def add_field_flags(group: argparse.ArgumentParser | argparse._ArgumentGroup, defaults: object,
+                    helps: dict[str, str]) -> None:
+    """A flag for each field named in `helps` (`refresh_interval` -> `--refresh-interval`), with the help given;
+    its default is the field's value in `defaults` (a config record), its type that value's type."""
+    for name, text in helps.items():
+        value = getattr(defaults, name)
+        group.add_argument("--" + name.replace("_", "-"), type=type(value), default=value, help=text)

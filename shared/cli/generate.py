@@ -5,43 +5,52 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvrelay.cli.args import HelpFormatter
+from kvrelay.cli.args import HelpFormatter, add_field_flags
+from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.args import add_engine_args, engine_kwargs
+
+# The flags' defaults: SamplingParams' own, but greedy and longer (an offline look at what the model says).
+DEFAULTS = SamplingParams(temperature=0.0, max_tokens=64)
+_SAMPLING_HELP = {
+    "max_tokens": "tokens to generate at most",
+    "min_tokens": "tokens to generate before stop tokens count",
+    "temperature": "0 is greedy",
+    "top_p": "sample from the most likely tokens whose probabilities add up to this (1: all)",
+    "top_k": "sample from this many most likely tokens (0: all)",
+    "min_p": "drop tokens less likely than this fraction of the most likely one (0: none)",
+    "repetition_penalty": "above 1, tokens already in the prompt or output get less likely (1: off)",
+    "presence_penalty": "subtract this from the logits of tokens already generated (0: off)",
+    "frequency_penalty": "subtract this times its count from the logit of each token already generated (0: off)",
+    "n": "completions per prompt",
+}
+_SAMPLING_FLAGS = (*_SAMPLING_HELP, "seed", "logprobs", "ignore_eos")  # each sets the SamplingParams field
 
 
 def register(sub) -> None:
+    d = DEFAULTS
     p = sub.add_parser("generate", help="generate text offline", description="Generate a completion offline.",
                        formatter_class=HelpFormatter)
     add_engine_args(p)
     s = p.add_argument_group("sampling")
     s.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
     s.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
-    s.add_argument("--min-tokens", type=int, default=0, help="tokens to generate before stop tokens count")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0, help="0 disables")
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--repetition-penalty", type=float, default=1.0)
-    s.add_argument("--presence-penalty", type=float, default=0.0)
-    s.add_argument("--frequency-penalty", type=float, default=0.0)
-    s.add_argument("--seed", type=int, default=None, help="the same seed gives the same tokens anywhere")
-    s.add_argument("--n", type=int, default=1, help="completions per prompt")
-    s.add_argument("--logprobs", type=int, default=None, help="also return the top-N logprobs of each token")
-    s.add_argument("--ignore-eos", action="store_true")
+    add_field_flags(s, d, _SAMPLING_HELP)
+    s.add_argument("--seed", type=int, default=d.seed, help="the same seed gives the same tokens anywhere")
+    s.add_argument("--logprobs", type=int, default=d.logprobs, help="also return the top-N logprobs of each token")
+    s.add_argument("--ignore-eos", action="store_true", default=d.ignore_eos,
+                   help="keep generating past the end-of-sequence token")
     s.add_argument("--json", action="store_true", help="print JSON with token ids instead of plain text")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvrelay.engine.llm import LLM, SamplingParams
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
 
-    params = SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
-        min_tokens=args.min_tokens, logprobs=args.logprobs, ignore_eos=args.ignore_eos,
-    )
+
+def run(args: argparse.Namespace) -> int:
+    from kvrelay.engine.llm import LLM
+
+    params = sampling_params(args)
     llm = LLM(model=args.model, dtype=args.dtype, **engine_kwargs(args))
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompt]

@@ -1,5 +1,6 @@
-"""`kvrelay prefill` and `kvrelay decode`: run a node. Flags mirror vLLM's where they exist; each flag can
-also come from the environment as KVRELAY_<FLAG> (e.g. KVRELAY_PORT=50061, KVRELAY_ENABLE_PREFIX_CACHING=0);
+"""`kvrelay prefill` and `kvrelay decode`: run a node. Flags mirror vLLM's where they exist; their defaults are
+NodeConfig's (kvrelay.node.config: the engine a node serves with, its connector, registry and ports). Each flag
+can also come from the environment as KVRELAY_<FLAG> (e.g. KVRELAY_PORT=50061, KVRELAY_ENABLE_PREFIX_CACHING=0);
 a flag on the command line wins over the environment.
 
     kvrelay prefill --model default --port 50061 --num-threads 1      # --connector auto: shm on one host
@@ -11,9 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvrelay.cli.args import HelpFormatter
+from kvrelay.cli.args import HelpFormatter, add_field_flags
 from kvrelay.engine.args import add_engine_args, engine_config
-from kvrelay.kv_transfer import ConnectorConfig
+from kvrelay.kv_transfer import CONNECTORS, ConnectorConfig
 from kvrelay.node.config import NodeConfig, RegistryConfig
 
 ROLES = {
@@ -33,50 +34,56 @@ def register(subparsers) -> None:
 
 
 def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
-    add_engine_args(p, serving=True)
-    p.set_defaults(dtype="auto", max_waiting_requests=1024)  # a node's queues are bounded
+    d = NodeConfig()
+    add_engine_args(p, d.engine)
     g = p.add_argument_group("node")
-    g.add_argument("--served-model-name", default=None, help="model name in metrics labels (default: the model id)")
-    g.add_argument("--host", default="127.0.0.1", help="interface of the gRPC server and metrics endpoint")
+    g.add_argument("--served-model-name", default=d.served_model_name,
+                   help="model name in metrics labels (default: the model id)")
     g.add_argument("--port", type=int, default=ROLES[role][1], help="gRPC port; 0 picks a free one")
-    g.add_argument("--node-id", default=None, help="name in the registry (default: <role>-<host>-<port>)")
-    g.add_argument("--metrics-port", type=int, default=0,
-                   help="HTTP port of /metrics and /health; 0 picks a free one (logged, and in GetNodeInfo)")
-    g.add_argument("--num-threads", type=int, default=None,
+    g.add_argument("--node-id", default=d.node_id, help="name in the registry (default: <role>-<host>-<port>)")
+    add_field_flags(g, d, {
+        "host": "interface of the gRPC server and metrics endpoint",
+        "metrics_port": "HTTP port of /metrics and /health; 0 picks a free one (logged, and in GetNodeInfo)",
+        "local_nodes": "nodes sharing this machine's cores",
+    })
+    g.add_argument("--num-threads", type=int, default=d.num_threads,
                    help="torch CPU threads (default: the cores divided by --local-nodes; oversubscribed OpenMP "
                         "threads slow every node down many times)")
-    g.add_argument("--local-nodes", type=int, default=1, help="nodes sharing this machine's cores")
-    g.add_argument("--seed", type=int, default=0, help="sampler seed for requests that bring none")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+    g.add_argument("--seed", type=int, default=d.engine.model.seed, help="sampler seed for requests that bring none")
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
                    help="seconds in-flight requests get to finish after SIGTERM")
-    g.add_argument("--ready-file", default=None,
+    g.add_argument("--ready-file", default=d.ready_file,
                    help="write a JSON file with the node's addresses once it serves (for launchers and tests)")
     k = p.add_argument_group("KV transfer")
-    k.add_argument("--connector", choices=["auto", "shm", "ucx", "nccl", "local"], default="auto",
+    c = d.connector
+    k.add_argument("--connector", choices=sorted(CONNECTORS), default=c.name,
                    help="auto (shared memory to nodes on this host, else --remote-connector), shm (same host "
                         "only, CPU), ucx (ucxx), nccl (torch.distributed; gloo on CPU), local (in-process only: "
                         "no KV to or from other processes, no transfer threads; `kvrelay up` gives it to a "
                         "colocated engine)")
-    k.add_argument("--remote-connector", choices=["ucx", "nccl"], default="ucx",
+    k.add_argument("--remote-connector", choices=["ucx", "nccl"], default=c.remote,
                    help="auto: the connector to nodes on other hosts")
-    k.add_argument("--shm-dir", default=None,
+    k.add_argument("--shm-dir", default=c.shm_dir,
                    help="shm/auto: folder of the control sockets (default /dev/shm); nodes use shared memory "
                         "only when they see the same folder on the same boot")
     k.add_argument("--kv-host", default=None, help="interface the connector listens on (default: --host)")
-    k.add_argument("--kv-port", type=int, default=0, help="connector port; 0 picks a free one")
-    k.add_argument("--ucx-transport", choices=["tcp", "shm", "auto"], default="tcp",
+    k.add_argument("--kv-port", type=int, default=c.port, help="connector port; 0 picks a free one")
+    k.add_argument("--ucx-transport", choices=["tcp", "shm", "auto"], default=c.transport,
                    help="ucx: tcp, shm (shared memory, same machine) or auto (UCX picks, CUDA included)")
-    k.add_argument("--kv-lease-seconds", type=float, default=120.0,
+    k.add_argument("--kv-lease-seconds", type=float, default=d.engine.scheduler.kv_lease_s,
                    help="reserved or held KV blocks nobody claims within this time are freed; must outlast the "
                         "longest prefill (tens of seconds for a 2k-token prompt on one CPU thread)")
-    k.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds one KV transfer may take")
-    k.add_argument("--kv-connect-timeout", type=float, default=5.0, help="seconds to reach a peer connector")
+    add_field_flags(k, c, {"transfer_timeout": "seconds one KV transfer may take"})
+    k.add_argument("--kv-connect-timeout", type=float, default=c.connect_timeout,
+                   help="seconds to reach a peer connector")
     r = p.add_argument_group("registry")
-    r.add_argument("--redis-url", default=None,
+    r.add_argument("--redis-url", default=d.registry.redis_url,
                    help="Redis of the block index and node registry (e.g. redis://host:6379/0, unix:///path); "
                         "without it the node runs unregistered")
-    r.add_argument("--heartbeat-seconds", type=float, default=1.0, help="registry heartbeat (load) interval")
-    r.add_argument("--registry-ttl", type=float, default=5.0, help="seconds a registration outlives its last heartbeat")
+    r.add_argument("--heartbeat-seconds", type=float, default=d.registry.heartbeat_s,
+                   help="registry heartbeat (load) interval")
+    r.add_argument("--registry-ttl", type=float, default=d.registry.ttl_s,
+                   help="seconds a registration outlives its last heartbeat")
     apply_env_defaults(p)
 
 
@@ -117,18 +124,17 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
     """The node's config record from its flags (a bad environment variable is reported here)."""
     if getattr(args, "env_errors", None):
         raise ValueError("bad environment: " + "; ".join(args.env_errors))
-    from kvrelay.node.runtime import default_num_threads
-
+    d = NodeConfig()
     connector = ConnectorConfig(
         name=args.connector, host=args.kv_host or args.host, port=args.kv_port, transport=args.ucx_transport,
         remote=args.remote_connector, shm_dir=args.shm_dir,
         connect_timeout=args.kv_connect_timeout, transfer_timeout=args.transfer_timeout,
     )
     return NodeConfig(
-        engine=engine_config(args, kv_lease_s=args.kv_lease_seconds, seed=args.seed), connector=connector,
+        engine=engine_config(args, d.engine, kv_lease_s=args.kv_lease_seconds, seed=args.seed), connector=connector,
         registry=RegistryConfig(args.redis_url, args.heartbeat_seconds, args.registry_ttl),
         host=args.host, port=args.port, metrics_port=args.metrics_port, node_id=args.node_id,
-        served_model_name=args.served_model_name, num_threads=args.num_threads or default_num_threads(args.local_nodes),
+        served_model_name=args.served_model_name, num_threads=args.num_threads, local_nodes=args.local_nodes,
         shutdown_timeout_s=args.shutdown_timeout, ready_file=args.ready_file,
     )
 

@@ -6,9 +6,9 @@
 H is xxh3-128, kept as 16 bytes. Only full blocks are hashed. The encoding of the root is fixed here:
 the UTF-8 of model_id, a NUL, block_size as little-endian uint32, a NUL, the UTF-8 of cache_salt.
 
-The chain runs in one native call when kvrelay.common.native could be built (the gateway hashes every prompt: the
-Python loop and the list-to-int32 conversion took ~0.2 ms for 4,096 tokens); `_hash_blocks_py` is the
-portable path and the reference the native one is tested against.
+The chain runs in one native call when kvrelay.common.native could be built (the gateway hashes every prompt,
+and the Python loop with its list-to-int32 conversion is the slow part of a routing decision); `_hash_blocks_py`
+is the portable path and the reference the native one is tested against.
 """
 
 from __future__ import annotations

@@ -14,22 +14,41 @@ whole process group, so no grandchild outlives it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from kvrelay.common.system import die_with_parent as _die_with_parent
+
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 def kvrelay_command(*args: str) -> list[str]:
     """The `kvrelay` command line run by this interpreter (the same install as the caller)."""
     return [sys.executable, "-m", "kvrelay", *args]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs (a zombie, exited but not reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 class ProcessStartError(RuntimeError):
@@ -45,21 +64,29 @@ class ChildProcess:
 
     @classmethod
     def start(cls, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
-              log_dir: str | os.PathLike | None = None, cwd: str | os.PathLike | None = None) -> ChildProcess:
-        """Start argv in a new session, stdout and stderr into `<log_dir>/<name>.log` (a fresh temporary folder
-        when log_dir is None). `env` is added to this process's environment."""
+              log_dir: str | os.PathLike | None = None, cwd: str | os.PathLike | None = None,
+              die_with_parent: bool = False) -> ChildProcess:
+        """Start argv in a new session, stdout and stderr appended to `<log_dir>/<name>.log` (a fresh temporary
+        folder when log_dir is None). `env` is added to this process's environment. `die_with_parent`: the
+        child gets SIGTERM if this process dies without stopping it (Linux; set in a preexec_fn, which is not
+        safe to fork from a process whose other threads hold locks, e.g. gRPC's, so only launchers ask)."""
         folder = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="kvrelay-"))
         folder.mkdir(parents=True, exist_ok=True)
         log_path = folder / f"{name}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        preexec = _die_with_parent if die_with_parent and sys.platform.startswith("linux") else None
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     env=full_env, cwd=cwd, start_new_session=True)
+                                     env=full_env, cwd=cwd, start_new_session=True, preexec_fn=preexec)
         return cls(name, popen, log_path)
 
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    @property
+    def argv(self) -> list[str]:
+        return [str(a) for a in self.popen.args]
 
     @property
     def returncode(self) -> int | None:
@@ -72,7 +99,7 @@ class ChildProcess:
     def wait_ready(self, probe: Callable[[], T | None], timeout_s: float, interval_s: float = 0.05) -> T:
         """Poll `probe` until it returns something other than None or False, and return that. Raises
         ProcessStartError (with the log's tail) if the child exits first or `timeout_s` passes; on a timeout the
-        child is stopped."""
+        child is stopped. An exception from `probe` propagates."""
         deadline = time.monotonic() + timeout_s
         while True:
             result = probe()
@@ -98,8 +125,7 @@ class ChildProcess:
 
     def kill(self) -> int:
         """SIGKILL to the whole process group, as a crash would: no draining, no goodbye to peers."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
+        self._kill_group()
         return self.popen.wait()
 
     def wait(self, timeout_s: float | None = None) -> int | None:
@@ -115,10 +141,14 @@ class ChildProcess:
         self.terminate()
         code = self.wait(grace_s)
         if code is None:
+            logger.warning("%s did not exit within %.1f s of SIGTERM; killing its process group", self.name, grace_s)
             return self.kill()
+        self._kill_group()
+        return code
+
+    def _kill_group(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
-        return code
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -131,3 +161,13 @@ class ChildProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stop_all(children: Iterable[ChildProcess], grace_s: float = 20.0) -> list[int]:
+    """SIGTERM every child at once (their drains overlap), then stop each by one common deadline; returns the
+    exit codes in order."""
+    children = list(children)
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + grace_s
+    return [child.stop(max(0.1, deadline - time.monotonic())) for child in children]

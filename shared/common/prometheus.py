@@ -1,12 +1,45 @@
-"""The one reader of Prometheus text (/metrics of the gateway and the nodes): for `kvrelay up`'s fleet-wide
-endpoint, the benchmarks and the tests. Parsing is prometheus_client's own."""
+"""Prometheus in kvrelay: the one reader of Prometheus text (/metrics of the gateway and the nodes: for `kvrelay
+up`'s fleet-wide endpoint, the benchmarks and the tests; parsing is prometheus_client's own), and vLLM's three
+request-latency histograms, which the nodes export as vllm:* and the gateway as kvrelay:* for the same requests.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
+
+# vLLM's buckets for time to first token, inter-token latency and end-to-end request latency (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+
+
+@dataclass(frozen=True)
+class LatencyHistograms:
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+
+
+def latency_histograms(prefix: str, labels: Sequence[str], registry: CollectorRegistry,
+                       where: str = "") -> LatencyHistograms:
+    """vLLM's request-latency histograms as `<prefix>:time_to_first_token_seconds`,
+    `<prefix>:inter_token_latency_seconds` and `<prefix>:e2e_request_latency_seconds`, with vLLM's buckets;
+    `where` ends each help text (" at the gateway")."""
+    return LatencyHistograms(
+        Histogram(f"{prefix}:time_to_first_token_seconds", f"Time to first token{where}", labels,
+                  buckets=TTFT_BUCKETS, registry=registry),
+        Histogram(f"{prefix}:inter_token_latency_seconds", f"Time between output tokens{where}", labels,
+                  buckets=ITL_BUCKETS, registry=registry),
+        Histogram(f"{prefix}:e2e_request_latency_seconds", f"Request latency, arrival to finish{where}", labels,
+                  buckets=E2E_BUCKETS, registry=registry),
+    )
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,8 @@
   emulated there and run many times slower.
 - CPU with AMX: bfloat16 (its tile units only speed up bf16/int8).
 - CPU with AVX512-BF16 but no AMX: measured. Such machines go either way: fp32 GEMMs ran faster than bf16
-  on one 2-core Xeon (191-226 vs 153-163 GFLOP/s), bf16 twice as fast on a 2-core AMD EPYC (412-446 vs
-  167-205). So the engine times both at its own shapes, picks the faster, and caches the verdict per CPU
-  model, torch version and thread count.
+  on one Xeon, bf16 faster on AMD EPYCs (docs/results/2026-11-24-zen4/NOTES.md). So the engine times both at
+  its own shapes, picks the faster, and caches the verdict per CPU model, torch version and thread count.
 """
 
 from __future__ import annotations

@@ -178,21 +178,25 @@ class EngineConfig:
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig | None = None
 
+    def with_kwargs(self, **kwargs) -> EngineConfig:
+        """This config with vLLM-style keyword arguments (a field of any group by its name, `speculative_config`
+        as vLLM takes it) set over it; an unknown name is an error."""
+        groups = {name: getattr(self, name) for name in _GROUPS}
+        values: dict[str, dict] = {name: {} for name in _GROUPS}
+        speculative = (SpeculativeConfig.from_dict(kwargs.pop("speculative_config"))
+                       if "speculative_config" in kwargs else self.speculative)
+        for key, value in kwargs.items():
+            group = next((g for g, cfg in groups.items() if key in {f.name for f in dataclasses.fields(cfg)}), None)
+            if group is None:
+                raise TypeError(f"LLM: unknown argument {key!r}")
+            values[group][key] = SchedulingPolicy(value) if key == "policy" else value
+        return EngineConfig(**{g: dataclasses.replace(cfg, **values[g]) for g, cfg in groups.items()},
+                            speculative=speculative)
+
+
+_GROUPS = ("model", "cache", "scheduler", "structured")
+
 
 def engine_config_from_kwargs(model: str, dtype: str, **kwargs) -> EngineConfig:
     """Map vLLM-style keyword arguments onto the config records; unknown names are an error."""
-    groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-              "structured": StructuredOutputsConfig}
-    values: dict[str, dict] = {"model": {"model": model, "dtype": dtype}, "cache": {}, "scheduler": {},
-                               "structured": {}}
-    speculative = SpeculativeConfig.from_dict(kwargs.pop("speculative_config", None))
-    for key, value in kwargs.items():
-        for group, cls in groups.items():
-            if key in {f.name for f in dataclasses.fields(cls)}:
-                values[group][key] = value
-                break
-        else:
-            raise TypeError(f"LLM: unknown argument {key!r}")
-    if "policy" in values["scheduler"]:
-        values["scheduler"]["policy"] = SchedulingPolicy(values["scheduler"]["policy"])
-    return EngineConfig(**{g: cls(**values[g]) for g, cls in groups.items()}, speculative=speculative)
+    return EngineConfig().with_kwargs(model=model, dtype=dtype, **kwargs)

@@ -3,9 +3,8 @@
 Decode attention reads each request's blocks in a random order across gigabytes of cache, so on 4 KiB pages
 nearly every block read misses the TLB. Where the kernel leaves huge pages to `madvise` (the common default),
 torch's allocations never get them: those tensors are mapped here privately, advised MADV_HUGEPAGE, aligned to
-2 MiB and touched once up front. AMX Xeon, 2 vCPUs, back to back: decode attention over 128 x 600 tokens
-16.6-16.8 -> 17.6-17.8 GB/s, offline bf16 +4.8% (docs/benchmarks.md, session 16). Off Linux or off the CPU this
-is plain `torch.zeros`; with THP off the advice is a no-op.
+2 MiB and touched once up front (measured in docs/results/2026-11-26-xeon-amx/NOTES.md). Off Linux or off the
+CPU this is plain `torch.zeros`; with THP off the advice is a no-op.
 """
 
 from __future__ import annotations

@@ -20,9 +20,8 @@ and a gap in the numbers tells it that it missed something (the stream is capped
 The block key is the set of nodes holding the block, stored as a bitmap over small per-model node slots
 rather than a Redis SET of ids: the lookup walks up to 256 blocks for 100 nodes, and a bitmap makes that an
 MGET plus byte ANDs, with consecutive blocks held by the same nodes compared as one interned Lua string.
-A SET walk (SMISMEMBER of the still-matching nodes per block) measured 3-10x slower (`kvrelay bench
-index-lookup --compare-set`).
-A bitmap of 100 nodes is 13 bytes, against ~100+ bytes of a small SET.
+A SET walk (SMISMEMBER of the still-matching nodes per block) is several times slower (`kvrelay bench
+index-lookup --compare-set` times both), and a bitmap of 100 nodes is 13 bytes, against ~100+ of a small SET.
 
 Slots are assigned and freed only inside scripts, atomically with the bits: a bit is set for slot s only
 while s belongs to a node whose per-node SET lists the hash, and a slot is freed only when that SET is

@@ -14,15 +14,13 @@ import importlib.util
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import redis
 
-from kvrelay.common.system import die_with_parent, free_port
+from kvrelay.common.process import ChildProcess
+from kvrelay.common.system import free_port
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +42,10 @@ def find_redis_server() -> str:
 
 
 class RedisServer:
-    """A running redis-server child process. `url` is what `redis.Redis.from_url` and `create_index` take."""
+    """A running redis-server child process (kvrelay.common.process). `url` is what `redis.Redis.from_url` and
+    `create_index` take; its log is `<workdir>/redis.log`."""
 
-    def __init__(self, process: subprocess.Popen, url: str, workdir: Path, owns_workdir: bool) -> None:
+    def __init__(self, process: ChildProcess, url: str, workdir: Path, owns_workdir: bool) -> None:
         self.process = process
         self.url = url
         self.workdir = workdir
@@ -57,16 +56,22 @@ class RedisServer:
         return self.process.pid
 
     def is_running(self) -> bool:
-        return self.process.poll() is None
+        return self.process.alive()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (the tests' Redis outage)."""
+        self.process.kill()
+
+    def restart(self, startup_timeout_s: float = 10.0) -> None:
+        """The same command line again (socket, port, workdir), with an empty DB: what a crashed Redis comes
+        back as. Without die_with_parent: this may run in a process whose gRPC threads are running."""
+        if self.is_running():
+            self.process.kill()
+        self.process = ChildProcess.start("redis", self.process.argv, log_dir=self.workdir)
+        _wait_ready(self.process, self.url, startup_timeout_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        if self.is_running():
-            self.process.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        self.process.stop(timeout_s)
         if self._owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -83,30 +88,22 @@ class RedisServer:
 def _server_args(binary: str, workdir: Path, unix_socket_path: str | None, port: int) -> list[str]:
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir)]
     args += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"]
-    args += ["--logfile", str(workdir / "redis.log")]
     if unix_socket_path:
         args += ["--unixsocket", unix_socket_path, "--unixsocketperm", "700"]
     return args
 
 
-def _wait_ready(process: subprocess.Popen, url: str, workdir: Path, timeout_s: float) -> None:
+def _wait_ready(process: ChildProcess, url: str, timeout_s: float) -> None:
     client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
-    deadline = time.monotonic() + timeout_s
+
+    def pings() -> bool:
+        try:
+            return bool(client.ping())
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            return False
+
     try:
-        while True:
-            if process.poll() is not None:
-                logfile = workdir / "redis.log"
-                tail = logfile.read_text()[-2000:] if logfile.exists() else ""
-                raise RuntimeError(f"redis-server exited with {process.returncode}: {tail}")
-            try:
-                if client.ping():
-                    return
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-                pass
-            if time.monotonic() > deadline:
-                process.kill()
-                raise TimeoutError(f"redis-server not ready at {url} after {timeout_s} s")
-            time.sleep(0.01)
+        process.wait_ready(pings, timeout_s, interval_s=0.01)
     finally:
         client.close()
 
@@ -119,7 +116,8 @@ def start_redis(
     startup_timeout_s: float = 10.0,
 ) -> RedisServer:
     """Start redis-server on a unix socket (TCP off), or on 127.0.0.1:`port` (a free one if None) when no
-    socket is given. Returns once it answers PING. A stale socket file at the path is replaced."""
+    socket is given. Returns once it answers PING; raises ProcessStartError (with its log) if it does not.
+    A stale socket file at the path is replaced."""
     binary = find_redis_server()
     owns_workdir = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="kvrelay-redis-")) if workdir is None else Path(workdir)
@@ -132,19 +130,11 @@ def start_redis(
         sock = None
         tcp_port = port or free_port()
         url = f"redis://127.0.0.1:{tcp_port}/0"
-    preexec = die_with_parent if sys.platform.startswith("linux") else None
-    process = subprocess.Popen(
-        _server_args(binary, wd, sock, tcp_port),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=preexec,
-    )
+    process = ChildProcess.start("redis", _server_args(binary, wd, sock, tcp_port), log_dir=wd, die_with_parent=True)
     try:
-        _wait_ready(process, url, wd, startup_timeout_s)
+        _wait_ready(process, url, startup_timeout_s)
     except BaseException:
-        if process.poll() is None:
-            process.kill()
+        process.kill()
         if owns_workdir:
             shutil.rmtree(wd, ignore_errors=True)
         raise

@@ -22,12 +22,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvrelay.common.prometheus import latency_histograms
+
 logger = logging.getLogger(__name__)
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -42,12 +40,8 @@ class NodeMetrics:
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", m, registry=reg)
         self.queued_prefill = Gauge("kvrelay:queued_prefill_tokens", "Prompt tokens not computed yet", m,
                                     registry=reg)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", m,
-                              buckets=_LATENCY_BUCKETS, registry=reg)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens", m,
-                             buckets=_ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish", m,
-                             buckets=_E2E_BUCKETS, registry=reg)
+        latency = latency_histograms("vllm", m, reg)
+        self.ttft, self.itl, self.e2e = latency.ttft, latency.itl, latency.e2e
         self.cache_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens", m, registry=reg)
         self.cache_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens", m,
                                      registry=reg)

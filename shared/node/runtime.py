@@ -94,7 +94,8 @@ def _build_core(config: NodeConfig, connector: KVConnector) -> EngineCore:
     thread, which then runs the event loop for good, the model would leave an idle team behind; libgomp, then
     managing more threads than cores, stops spinning between the engine thread's regions and wakes its
     worker through the kernel for each one (some 150 per step). The finished thread takes its team with it,
-    leaving the engine thread's as the only one: +5% served fp32 tokens/s on 2 cores (docs/benchmarks.md).
+    leaving the engine thread's as the only one: +5% served fp32 tokens/s on 2 cores
+    (docs/results/2026-11-25-zen5/NOTES.md).
     """
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrelay-engine-build") as pool:
         return pool.submit(EngineCore, config.engine, record_block_events=bool(config.registry.redis_url),
@@ -104,9 +105,9 @@ def _build_core(config: NodeConfig, connector: KVConnector) -> EngineCore:
 async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
     # The engine thread and the event loop (gRPC streams) share the GIL. When a kernel returns while the loop
     # runs Python, the engine waits for the GIL, and the engine's other core with it, up to the switch
-    # interval: 1 ms instead of Python's 5 measured +6% served tokens/s (docs/benchmarks.md).
+    # interval: 1 ms instead of Python's 5 measured +6% served tokens/s (docs/results/2026-11-25-zen5/NOTES.md).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    torch.set_num_threads(config.num_threads)
+    torch.set_num_threads(config.num_threads or default_num_threads(config.local_nodes))
     connector = build_connector(config)
     try:
         core = _build_core(config, connector)

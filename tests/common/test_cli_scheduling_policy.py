@@ -22,8 +22,8 @@ def test_default_waiting_order(argv, want):
 
 def test_up_forwards_an_explicit_policy_to_every_engine():
     def policies(*argv: str) -> list[str | None]:
-        args = build_parser().parse_args(["up", "--prefill", "1", "--decode", "1", *argv])
-        children = up.plan_children(args, "redis://127.0.0.1:1/0", up.placement(args))
+        config = up.config_from_args(build_parser().parse_args(["up", "--prefill", "1", "--decode", "1", *argv]))
+        children = up.plan_children(config, "redis://127.0.0.1:1/0", up.placement(config))
         engines = [c for c in children if c.name != "gateway"]
         assert len(engines) == 2
         return [c.argv[c.argv.index("--scheduling-policy") + 1] if "--scheduling-policy" in c.argv else None

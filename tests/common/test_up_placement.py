@@ -9,10 +9,10 @@ import pytest
 from kvrelay.cli import up
 
 
-def _args(*argv: str) -> argparse.Namespace:
+def _args(*argv: str) -> up.UpConfig:
     parser = argparse.ArgumentParser()
     up.register(parser.add_subparsers())
-    return parser.parse_args(["up", *argv])
+    return up.config_from_args(parser.parse_args(["up", *argv]))
 
 
 def _flag(children: list[up.Child], flag: str) -> dict[str, str]:

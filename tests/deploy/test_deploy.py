@@ -586,7 +586,7 @@ def kustomize(folder: Path) -> list[dict]:
     k = yaml.safe_load((folder / "kustomization.yaml").read_text())
     assert k["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and k["kind"] == "Kustomization"
     unsupported = set(k) - {"apiVersion", "kind", "resources", "patches", "images"}
-    assert not unsupported, f"{folder}: teach tests/test_deploy.py's kustomize() {sorted(unsupported)}"
+    assert not unsupported, f"{folder}: teach tests/deploy/test_deploy.py's kustomize() {sorted(unsupported)}"
     resources: list[dict] = []
     for entry in k.get("resources", []):
         path = (folder / entry).resolve()

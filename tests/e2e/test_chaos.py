@@ -23,10 +23,11 @@ import httpx
 import pytest
 
 from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.common.prometheus import Metrics
 from kvrelay.index.redis_server import start_redis
-from kvrelay.node.launch import NodeProcess
 from tests.e2e.test_gateway import GatewayThread, make_tiny_with_tokenizer
 from tests.helpers.nodes import all_blocks_free, in_thread, start_nodes, stop_nodes, tiny_args, wait_for
+from tests.helpers.procs import NodeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -151,11 +152,7 @@ class _Stream:
 
 
 def _metric(chaos: Chaos, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(chaos.gw.url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rpartition(" ")[2])
-    return total
+    return Metrics.scrape(chaos.gw.url + "/metrics").value(name) or 0.0
 
 
 # ------------------------------------------------------------------------------------ no crash first
@@ -233,9 +230,7 @@ def test_redis_killed_and_restarted_under_load(chaos):
         w.start()
     try:
         time.sleep(1.5)
-        argv = chaos.redis.process.args
-        chaos.redis.process.kill()
-        chaos.redis.process.wait()
+        chaos.redis.kill()
         killed_at = time.monotonic()
         health = wait_for(lambda: (h := httpx.get(chaos.gw.url + "/health").json())["status"] == "degraded" and h,
                           10, "/health to report the outage")
@@ -243,7 +238,7 @@ def test_redis_killed_and_restarted_under_load(chaos):
         served_during = len(done)
         time.sleep(max(0.0, 30 - (time.monotonic() - killed_at)))  # Redis stays down 30 s, as an outage would
         assert len(done) > served_during  # still serving, to the last known nodes
-        _restart_redis(chaos, argv)  # same socket, empty: the nodes re-register and republish
+        chaos.redis.restart()  # same socket, empty: the nodes re-register and republish
         wait_for(lambda: gw.discovery.registry_error is None and len(gw.discovery.routable("decode")) == 2, 15,
                  "the registry to answer again with every node")
     finally:
@@ -272,29 +267,6 @@ def _lookup(index, hashes) -> dict:
         return index.lookup(hashes)
     except IndexUnavailable:  # it pauses a moment after a failure
         return {}
-
-
-def _restart_redis(chaos, argv) -> None:
-    """The same redis-server command line (socket, workdir). Not start_redis: its preexec_fn is not safe to
-    fork from a process whose gRPC threads are running."""
-    import subprocess
-
-    import redis as redis_py
-
-    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    chaos.redis.process = process
-    client = redis_py.Redis.from_url(chaos.redis.url, socket_timeout=0.5, socket_connect_timeout=0.5)
-    wait_for(lambda: _pings(client), 10, "redis-server to answer")
-    client.close()
-
-
-def _pings(client) -> bool:
-    import redis as redis_py
-
-    try:
-        return bool(client.ping())
-    except redis_py.RedisError:
-        return False
 
 
 # ------------------------------------------------------------------------- crashes (nodes stay dead)

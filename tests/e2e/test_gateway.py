@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.common.prometheus import Metrics
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.server import make_server
 from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as gpb
@@ -322,10 +323,7 @@ def test_replicas_route_alike(fleet):
 
 
 def _metric(gw: GatewayThread, name: str) -> float:
-    for line in httpx.get(gw.url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rpartition(" ")[2])
-    return 0.0
+    return Metrics.scrape(gw.url + "/metrics").value(name) or 0.0
 
 
 # ------------------------------------------------------------------------------------------- schemathesis
@@ -370,18 +368,18 @@ def test_sigterm_drains_streams(fleet):
     """`kvrelay gateway` as a process: SIGTERM lets the open stream finish, refuses new work, exits 0."""
     import signal
 
-    from kvrelay.gateway.launch import GatewayProcess
+    from tests.helpers.procs import GatewayProcess
 
     nodes = [a for n in fleet.nodes for a in (f"--{n.role}", n.address)]
-    with GatewayProcess(["--model", fleet.model, "--shutdown-timeout", "20", *nodes], num_nodes=5) as gw:
+    with GatewayProcess.launch(["--model", fleet.model, "--shutdown-timeout", "20", *nodes], num_nodes=5) as gw:
         body = {"model": MODEL, "prompt": "Drain me", "max_tokens": 200, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data:"))
-            gw.proc.send_signal(signal.SIGTERM)
+            gw.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2], gw.log_tail()
-        assert gw.proc.wait(30) == 0, gw.log_tail()
+        assert gw.wait(30) == 0, gw.log_tail()
         with pytest.raises(httpx.ConnectError):
             httpx.get(gw.url + "/health")
 

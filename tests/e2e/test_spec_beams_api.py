@@ -20,7 +20,7 @@ import pytest
 
 from kvrelay.engine.llm import LLM, BeamSearchParams, SamplingParams
 from tests.e2e.test_gateway import GatewayThread, make_tiny_with_tokenizer
-from tests.helpers.nodes import scrape, start_nodes, stop_nodes, tiny_args, wait_for
+from tests.helpers.nodes import start_nodes, stop_nodes, tiny_args, wait_for
 
 MODEL = "tiny-spec"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -105,10 +105,9 @@ def test_speculating_decode_node_is_exact(client, fleet, offline):
     cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop=[stop],
                                     extra_body={"ignore_eos": True})
     assert cut.choices[0].text == want.text[: want.text.index(stop)] and cut.choices[0].finish_reason == "stop"
-    metrics = scrape(decode)
-    drafts = sum(v for k, v in metrics.items() if k.startswith("vllm:spec_decode_num_draft_tokens_total"))
-    assert drafts > 0
-    assert any(k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total") for k in metrics)
+    metrics = decode.metrics()
+    assert metrics.value("vllm:spec_decode_num_draft_tokens_total") > 0
+    assert metrics.select("vllm:spec_decode_num_accepted_tokens_per_pos_total")
 
 
 def test_up_passes_the_speculative_config_to_decode_nodes_only():
@@ -116,8 +115,9 @@ def test_up_passes_the_speculative_config_to_decode_nodes_only():
 
     parser = argparse.ArgumentParser()
     up.register(parser.add_subparsers())
-    args = parser.parse_args(["up", "--prefill", "1", "--decode", "2", "--speculative-config", json.dumps(SPEC)])
-    children = up.plan_children(args, "redis://127.0.0.1:1/0", up.placement(args))
+    config = up.config_from_args(parser.parse_args(["up", "--prefill", "1", "--decode", "2", "--speculative-config",
+                                                    json.dumps(SPEC)]))
+    children = up.plan_children(config, "redis://127.0.0.1:1/0", up.placement(config))
     argvs = {c.name: c.argv for c in children}
     for name in ("decode-0", "decode-1"):
         i = argvs[name].index("--speculative-config")

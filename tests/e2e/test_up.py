@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
+from kvrelay.common.process import ChildProcess, kvrelay_command
 from kvrelay.common.system import free_port
 from tests.helpers.procs import alive, descendants
 
@@ -20,15 +19,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 def test_up_serves_chat_and_stops_cleanly(default_model_dir, tmp_path):
     port, grpc_port = free_port(), free_port()
     # Disaggregated explicitly: on a machine under 4 cores the default is one colocated engine.
-    cmd = [sys.executable, "-m", "kvrelay.cli", "up", "--model", "default", "--prefill", "1", "--decode", "1",
-           "--port", str(port), "--grpc-port", str(grpc_port), "--kv-cache-memory", str(256 * 2**20),
-           "--shutdown-timeout", "5"]
-    log = open(tmp_path / "up.log", "w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    cmd = kvrelay_command("up", "--model", "default", "--prefill", "1", "--decode", "1", "--port", str(port),
+                          "--grpc-port", str(grpc_port), "--kv-cache-memory", str(256 * 2**20),
+                          "--shutdown-timeout", "5")
+    up = ChildProcess.start("up", cmd, log_dir=tmp_path)
     try:
-        url = _wait_for_banner(proc, log, timeout=360)
+        url = up.wait_ready(lambda: _banner_url(up), timeout_s=360, interval_s=0.5)
         assert url == f"http://127.0.0.1:{port}/v1"
-        children = descendants(proc.pid)
+        children = descendants(up.pid)
         assert len(children) >= 4  # redis, prefill, decode, gateway
         import httpx
 
@@ -47,27 +45,17 @@ def test_up_serves_chat_and_stops_cleanly(default_model_dir, tmp_path):
         assert text and re.search(r"[A-Za-z]{3}", text)
         assert reply.usage.completion_tokens > 0
     finally:
-        children = descendants(proc.pid)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
-        log.close()
+        children = descendants(up.pid)
+        up.send_signal(signal.SIGINT)  # Ctrl-C: `up` stops its fleet in order
+        code = up.wait(60)
+        up.stop(grace_s=5)  # (a no-op once it has exited, but for its process group)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(alive(p) for p in children):
         time.sleep(0.2)
     assert not [p for p in children if alive(p)], "processes left behind"
-    assert proc.returncode == 0
+    assert code == 0, up.log_tail()
 
 
-def _wait_for_banner(proc: subprocess.Popen, log, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        log.seek(0)
-        text = log.read()
-        m = re.search(r"OpenAI base URL : (\S+)", text)
-        if m:
-            return m.group(1)
-        if proc.poll() is not None:
-            raise AssertionError(f"kvrelay up exited with {proc.returncode}:\n{text[-4000:]}")
-        time.sleep(0.5)
-    log.seek(0)
-    raise AssertionError(f"no banner within {timeout}s:\n{log.read()[-4000:]}")
+def _banner_url(up: ChildProcess) -> str | None:
+    found = re.search(r"OpenAI base URL : (\S+)", up.log_path.read_text(errors="replace"))
+    return found.group(1) if found else None

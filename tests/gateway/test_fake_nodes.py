@@ -1,5 +1,5 @@
 """Gateway behaviour against scripted stand-in nodes (fast, no model): the OpenAI surface, stop strings,
-n > 1, disconnect aborts, fallbacks and errors. The real-process tests are in test_gateway_e2e.py.
+n > 1, disconnect aborts, fallbacks and errors. The real-process tests are in tests/e2e/test_gateway.py.
 
 The stand-ins implement Generate but not GenerateMany, as a node from before it: every stream here goes
 through the gateway's fallback to a Generate call per sequence (GenerateMany itself: tests/node)."""
@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.common.prometheus import Metrics
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.server import make_server
 from kvrelay.model_files.resolve import DEFAULT_MODEL_ID
@@ -74,6 +75,7 @@ class FakeNode(pb_grpc.EngineServicer):
                            kv_address=f"local://{self.node_id}")
 
     async def Health(self, request, context):  # noqa: N802
+        self.script.calls.append((self.node_id, "Health", ""))
         if self.script.hang and self.script.die_node == self.node_id:
             await asyncio.sleep(3600)
         return pb.HealthResponse(healthy=True)
@@ -321,8 +323,8 @@ def test_models_health_metrics(fleet):
     assert fleet.client().models.list().data[0].id == DEFAULT_MODEL_ID
     health = httpx.get(fleet.url + "/health").json()
     assert health["status"] == "ok" and health["decode_nodes"] == 2
-    text = httpx.get(fleet.url + "/metrics").text
-    assert "kvrelay:routing_decision_seconds" in text and "kvrelay:requests_total" in text
+    metrics = Metrics.scrape(fleet.url + "/metrics")
+    assert metrics.select("kvrelay:routing_decision_seconds_count") and metrics.select("kvrelay:requests_total")
 
 
 def test_a_node_without_generate_many_gets_a_generate_per_sequence(fleet):
@@ -351,8 +353,7 @@ def test_disconnect_aborts_unary_request(fleet):
     while not fleet.script.aborted and time.monotonic() < deadline:
         time.sleep(0.02)
     assert fleet.script.aborted
-    text = httpx.get(fleet.url + "/metrics").text
-    assert 'kvrelay:requests_total{outcome="cancelled"} 1.0' in text
+    assert Metrics.scrape(fleet.url + "/metrics").value("kvrelay:requests_total", outcome="cancelled") == 1
 
 
 # ----------------------------------------------------------------------------- registry + index (memory)

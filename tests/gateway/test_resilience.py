@@ -8,13 +8,20 @@ import asyncio
 import json
 import time
 
+import grpc
 import httpx
 import pytest
 
+from kvrelay.common.prometheus import Metrics
 from kvrelay.gateway.breaker import BreakerConfig, BreakerState, CircuitBreaker
+from kvrelay.gateway.discovery import Discovery, DiscoveryConfig, Node, Probe
+from kvrelay.gateway.liveness import Liveness
+from kvrelay.gateway.node_client import NodeClients
 from kvrelay.gateway.policies import make_policy
 from kvrelay.gateway.router import Router
-from tests.gateway.test_fake_nodes import Fleet
+from kvrelay.model_files.resolve import DEFAULT_MODEL_ID
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
+from tests.gateway.test_fake_nodes import FakeNode, Fleet, Script
 from tests.gateway.test_unit import FakeDiscovery, prompt
 from tests.gateway.test_unit import fleet as node_fleet
 
@@ -28,12 +35,8 @@ def fleet(default_tokenizer, request):
     f.close()
 
 
-def _metric(f: Fleet, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(f.url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rpartition(" ")[2])
-    return total
+def _metric(f: Fleet, name: str, **labels: str) -> float:
+    return Metrics.scrape(f.url + "/metrics").value(name, **labels) or 0.0
 
 
 def _body(stream: bool, max_tokens: int = 12) -> dict:
@@ -66,7 +69,7 @@ def test_decode_failure_mid_stream_migrates_without_loss(fleet, stream):
     generates = [(n, rid) for n, m, rid in fleet.script.calls if m in ("Generate", "Reserve")]
     moved = [n for n, rid in generates if rid.endswith(".m1")]
     assert moved and decision.decode.node_id not in moved, generates
-    assert _metric(fleet, 'kvrelay:migrations_total{stage="mid_stream"}') == 1
+    assert _metric(fleet, "kvrelay:migrations_total", stage="mid_stream") == 1
 
 
 def test_hung_decode_node_is_detected_and_left(fleet):
@@ -115,7 +118,7 @@ def test_past_the_concurrency_bound_429_with_retry_after(fleet):
     assert second.status_code == 429 and second.headers["retry-after"] == "1"
     err = second.json()["error"]
     assert err["type"] == "rate_limit_error" and "max-concurrent-requests" in err["message"]
-    assert _metric(fleet, 'kvrelay:rejected_requests_total{reason="overloaded"}') == 1
+    assert _metric(fleet, "kvrelay:rejected_requests_total", reason="overloaded") == 1
 
 
 @pytest.mark.parametrize("fleet", [{"request_timeout": 0.6}], indirect=True)
@@ -178,6 +181,75 @@ def test_breaker_error_rate():
     for i in range(5):  # 5 failed of 9: too few calls to judge
         assert not b.record_failure("x", now=30 + i * 0.1)
     assert b.record_failure("x", now=31) and b.state == BreakerState.OPEN  # 6 failed of 10
+
+
+# ------------------------------------------------------------------------------------ health probes
+
+
+async def _probed_node(script: Script, probe_timeout_s: float = 0.3):
+    """A scripted node on a real gRPC server, and a discovery (with its liveness monitor) that probes it."""
+    fake = FakeNode("d0", "decode", script, [1, 2, 3], 100)
+    server = grpc.aio.server()
+    pb_grpc.add_EngineServicer_to_server(fake, server)
+    fake.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    discovery = Discovery(DiscoveryConfig(DEFAULT_MODEL_ID, 16, probe_timeout_s=probe_timeout_s), NodeClients())
+    node = Node("d0", "decode", fake.address, DEFAULT_MODEL_ID, 16, "static")
+    return server, discovery, Liveness(discovery, stall_s=60), node
+
+
+def _health_calls(script: Script) -> int:
+    return sum(1 for _, method, _ in script.calls if method == "Health")
+
+
+def test_one_health_probe_per_node_at_a_time_within_the_probe_timeout():
+    script = Script(die_node="d0", hang=True)
+
+    async def go():
+        server, discovery, _, node = await _probed_node(script)
+        try:
+            t0 = time.monotonic()
+            discovery.suspect(node)  # a failed call's probe, the liveness monitor's and the breaker's at once
+            answers = await asyncio.gather(discovery.probe(node), discovery.probe(node))
+            elapsed = time.monotonic() - t0
+            calls = _health_calls(script)
+            script.hang = False
+            again = await discovery.probe(node)  # over: the next question is a new probe
+            return answers, elapsed, calls, again, discovery.breaker_state("d0")
+        finally:
+            await discovery.stop()
+            await server.stop(None)
+
+    answers, elapsed, calls, again, state = asyncio.run(go())
+    assert calls == 1 and answers[0] == answers[1] and not answers[0].healthy
+    assert answers[0].reason.startswith("no answer (") and 0.3 <= elapsed < 2.0
+    assert again == Probe(True) and _health_calls(script) == 2
+    assert state == "half_open"  # the unanswered probe opened the breaker, the answered one let it back
+
+
+def test_every_probe_answer_reaches_the_watched_calls():
+    script = Script(die_node="d0", hang=False)
+
+    async def go():
+        server, discovery, liveness, node = await _probed_node(script)
+        try:
+            with liveness.watch(node) as slow:
+                slow.last -= 30
+                await discovery.probe(node)  # answered (asked by anyone): alive, just slow
+                touched = time.monotonic() - slow.last < 5
+            script.hang = True
+            with liveness.watch(node) as watch:
+                discovery.suspect(node)  # e.g. after a call that got no answer: long before the stall timeout
+                await asyncio.sleep(0.6)
+                return touched, watch.error
+        finally:
+            await discovery.stop()
+            await server.stop(None)
+
+    touched, error = asyncio.run(go())
+    assert touched
+    assert error is not None and error.startswith("node d0 stopped answering: no answer (")
+    assert "without output" in error
 
 
 # ----------------------------------------------------------------------------------------- index

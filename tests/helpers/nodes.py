@@ -1,7 +1,7 @@
 """Node processes and a small engine-service client for the node tests.
 
-Nodes run as real processes on loopback (kvrelay.node.launch), one torch thread each: the tests share two
-cores. The client drives the disaggregated flow the way the gateway does: Reserve -> Prefill -> Generate.
+Nodes run as real processes on loopback (tests.helpers.procs.NodeProcess), one torch thread each: the tests
+share two cores. The client drives the disaggregated flow the way the gateway does: Reserve -> Prefill -> Generate.
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvrelay.common.process import stop_all
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.common.wire import sampling_to_proto
 from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvrelay.engine.core import EngineCore
-from kvrelay.node.launch import NodeProcess
 from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+from tests.helpers.procs import NodeProcess
 
 BLOCK = 16
 CHUNK = 64  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks
@@ -38,11 +39,8 @@ def start_nodes(specs: list[tuple[str, list[str]]], timeout: float = 150.0) -> l
 
 
 def stop_nodes(nodes: Iterable[NodeProcess], grace: float = 20.0) -> list[int]:
-    """SIGTERM all at once (their shutdowns overlap), then reap each."""
-    nodes = list(nodes)
-    for node in nodes:
-        node.terminate()
-    return [node.stop(grace) for node in nodes]
+    """SIGTERM all at once (their shutdowns overlap), then reap each; the exit codes."""
+    return stop_all(nodes, grace)
 
 
 def colocated_engine(model: str, blocks: int = TINY_BLOCKS) -> EngineCore:
@@ -147,17 +145,3 @@ def in_thread(fn, *args) -> tuple[threading.Thread, dict]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, box
-
-
-def scrape(node: NodeProcess) -> dict[str, float]:
-    """The node's /metrics as {sample line name with labels: value}."""
-    import urllib.request
-
-    with urllib.request.urlopen(node.metrics_url, timeout=5) as resp:
-        text = resp.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples

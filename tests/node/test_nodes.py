@@ -25,7 +25,6 @@ from tests.helpers.nodes import (
     disaggregated,
     generate,
     run_colocated,
-    scrape,
     start_nodes,
     stop_nodes,
     tiny_args,
@@ -127,25 +126,25 @@ def test_logprobs_and_first_token_stop(pair, reference):
 @pytest.mark.timeout(30)
 def test_metrics(pair):
     prefill, decode = pair
-    p, d = scrape(prefill), scrape(decode)
+    p, d = prefill.metrics(), decode.metrics()
     connector = prefill.info["kv_address"].split("://")[0]
-    label = f'{{connector="{connector}",direction="send"}}'
-    assert p[f"kvrelay:kv_transfer_bytes_total{label}"] > 0
-    assert p[f"kvrelay:kv_transfer_seconds_count{label}"] >= 6
-    assert d[f'kvrelay:kv_transfer_bytes_total{{connector="{connector}",direction="recv"}}'] == \
-        p[f"kvrelay:kv_transfer_bytes_total{label}"]
+    sent = p.value("kvrelay:kv_transfer_bytes_total", connector=connector, direction="send")
+    assert sent > 0
+    assert p.value("kvrelay:kv_transfer_seconds_count", connector=connector, direction="send") >= 6
+    assert d.value("kvrelay:kv_transfer_bytes_total", connector=connector, direction="recv") == sent
     name = prefill.stub().GetNodeInfo(pb.NodeInfoRequest(), timeout=5).model_id
-    model = f'{{model_name="{name}"}}'
-    assert p[f"vllm:time_to_first_token_seconds_count{model}"] >= 6
-    assert p[f"vllm:prefix_cache_hits_total{model}"] >= 144
-    assert d[f"vllm:prefix_cache_queries_total{model}"] > d[f"vllm:prefix_cache_hits_total{model}"] > 0
-    assert d[f"vllm:generation_tokens_total{model}"] > 0
-    assert d[f"vllm:inter_token_latency_seconds_count{model}"] > 0
-    assert d[f'vllm:request_success_total{{finished_reason="length",model_name="{name}"}}'] >= 6
-    assert d[f"vllm:num_requests_running{model}"] == 0
-    assert d[f"vllm:kv_cache_usage_perc{model}"] == 0
-    assert f"kvrelay:queued_prefill_tokens{model}" in d and f"vllm:num_preemptions_total{model}" in d
-    assert f"vllm:e2e_request_latency_seconds_count{model}" in d and f"vllm:prompt_tokens_total{model}" in d
+    assert p.value("vllm:time_to_first_token_seconds_count", model_name=name) >= 6
+    assert p.value("vllm:prefix_cache_hits_total", model_name=name) >= 144
+    assert d.value("vllm:prefix_cache_queries_total", model_name=name) > \
+        d.value("vllm:prefix_cache_hits_total", model_name=name) > 0
+    assert d.value("vllm:generation_tokens_total", model_name=name) > 0
+    assert d.value("vllm:inter_token_latency_seconds_count", model_name=name) > 0
+    assert d.value("vllm:request_success_total", finished_reason="length", model_name=name) >= 6
+    assert d.value("vllm:num_requests_running", model_name=name) == 0
+    assert d.value("vllm:kv_cache_usage_perc", model_name=name) == 0
+    for exported in ("kvrelay:queued_prefill_tokens", "vllm:num_preemptions_total",
+                     "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total"):
+        assert d.value(exported, model_name=name) is not None, exported
 
 
 @pytest.mark.timeout(240)

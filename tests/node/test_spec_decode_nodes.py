@@ -25,7 +25,6 @@ from tests.helpers.nodes import (
     disaggregated,
     in_thread,
     run_colocated,
-    scrape,
     start_nodes,
     stop_nodes,
     wait_for,
@@ -114,12 +113,10 @@ def test_speculative_decode_node_matches_colocated(fleet, specs, plain, prompts,
     if method == "ngram":  # certain drafts verified as plain samples: the tokens without speculation
         assert got == plain["seeded"][0]
 
-    metrics = scrape(decode)
-    drafts = sum(v for k, v in metrics.items() if k.startswith("vllm:spec_decode_num_drafts_total"))
-    tokens = sum(v for k, v in metrics.items() if k.startswith("vllm:spec_decode_num_draft_tokens_total"))
-    accepted = sum(v for k, v in metrics.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total"))
-    per_pos = sum(v for k, v in metrics.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total"))
-    assert drafts > 0 and tokens >= drafts and per_pos == accepted, metrics
+    metrics = decode.metrics()
+    drafts, tokens, accepted, per_pos = (metrics.value(f"vllm:spec_decode_num_{name}_total") or 0 for name in
+                                         ("drafts", "draft_tokens", "accepted_tokens", "accepted_tokens_per_pos"))
+    assert drafts > 0 and tokens >= drafts and per_pos == accepted, metrics.samples
     if method != "tiny_draft":
         assert accepted > 0
     for node in (prefill, decode):

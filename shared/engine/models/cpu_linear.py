@@ -2,28 +2,27 @@
 
 - Up to `small_rows` rows (a decode step's batch, drafts being verified): the native small GEMM
   (shared/engine/kernels/csrc/small_gemm.cpp). It streams the weight in panels, fetching the next while it
-  computes, where oneDNN waits on DRAM for the weights (which do not fit in cache at these row counts) and costs
-  ~12 us of dispatch per call. With AVX512: 1.2-1.4x oneDNN at 16-64 rows, level at 256; with AVX2 (8 lanes):
-  1.1-1.5x at 4-32 rows, level at 64, behind from 128 (docs/benchmarks.md). A row's result does not depend on
-  the rows beside it, so a decode's logits are bit-identical alone, batched, or verified with drafts beside it.
-  With AMX, bf16 runs on the tile units (SMALL_ROWS_AMX_BF16).
+  computes, where oneDNN waits on DRAM for the weights (which do not fit in cache at these row counts) and pays
+  a dispatch cost per call; `small_rows` is where oneDNN catches up (SMALL_ROWS below). A row's result does not
+  depend on the rows beside it, so a decode's logits are bit-identical alone, batched, or verified with drafts
+  beside it. With AMX, bf16 runs on the tile units (SMALL_ROWS_AMX_BF16).
 - Without the small GEMM (no compiler, or a CPU without AVX2), up to SKINNY_ROWS fp32 rows: the skinny kernel
   (skinny_linear.cpp; same row independence).
 - With AMX, bf16 past SMALL_ROWS_AMX_BF16: whichever of the two was measured faster at that weight shape and row
   count on this machine (gemm_plan).
-- With AMX, an MLP's gate|up projection and SiLU * up run as one kernel at every row count (pack_silu_mul):
-  2048 rows of SmolLM2 2.98 ms against 3.62 for oneDNN then silu_mul, 128 rows 0.24 against 0.34 (AMX Xeon,
-  2 vCPUs).
+- With AMX, an MLP's gate|up projection and SiLU * up run as one kernel at every row count (pack_silu_mul),
+  which beat oneDNN followed by silu_mul at every row count measured.
 - Otherwise: oneDNN's matmul on the weight reordered once into its blocked layout. `F.linear` hands the plain
   weight to the GEMM, which reorders (oneDNN, bf16) or packs (MKL, fp32) it again on every call; for the 8..64-
   row GEMMs of decode steps that costs as much as the multiply itself.
 - Anything none takes (other devices or dtypes, torch without oneDNN, no compiler): `F.linear`.
 
 The small GEMM's packed weights of a model sit side by side in a few large buffers (PackArena), in the order
-the layers use them: each is 0.7-1.8 MB for SmolLM2, too small for a 2 MiB huge page of its own, and a decode
-step streams all of them from DRAM. One buffer puts them on huge pages and makes the walk sequential: 30 layers'
-linear layers, weights flushed from cache first, 16 rows 11.6-12.8 -> 10.7-11.1 ms, 128 rows 25.0-26.6 ->
-23.0-23.4 (AMX Xeon, 2 vCPUs).
+the layers use them: each is too small for a 2 MiB huge page of its own, and a decode step streams all of them
+from DRAM, so one buffer puts them on huge pages and makes the walk sequential.
+
+The measurements behind these choices are in docs/results/ (2026-11-25-zen5, 2026-11-26-zen5-avx2emu and
+2026-11-26-xeon-amx, NOTES.md).
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ logger = logging.getLogger(__name__)
 # 30 layers (AMD EPYC Zen 5, 2 threads; AVX2 with the kernels built for x86-64-v3 and oneDNN held to AVX2).
 SMALL_ROWS = {"avx512-bf16": 256, "avx512": 256, "avx2": 64}
 # With AMX the small GEMM runs bf16 on the tile units too (the packed blocks are its B tiles), and stays ahead
-# of oneDNN's AMX GEMM to 128 rows: 10.4 vs 16.6 ms at 32 rows, 22.4 vs 23.5 at 128 (30 layers; AMX Xeon, 2 vCPUs).
+# of oneDNN's AMX GEMM to 128 rows (30 SmolLM2 layers on an AMX Xeon).
 # Past 128 neither wins throughout, by weight shape and row count: gemm_plan measures which does, once per machine.
 SMALL_ROWS_AMX_BF16 = 128
 SKINNY_ROWS = 8  # at one row the skinny kernel is ~2x oneDNN; by 8-16 rows oneDNN's blocking catches up

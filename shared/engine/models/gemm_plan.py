@@ -1,19 +1,15 @@
 """Which kernel runs a bf16 linear layer on AMX past the small GEMM's fixed row limit: measured once per machine
 and weight shape, and kept on disk.
 
-Why measure: oneDNN's AMX GEMM runs some shapes on one thread, and which ones depends on the row count in ways
-no rule we found predicts. SmolLM2's projections on an AMX Xeon (2 vCPUs), oneDNN's GFLOP/s by rows:
-
-    down  [576 x 1536]  1,100-1,300 from 256 to 1,280 rows, 2,100-2,300 from 1,344
-    qkv   [960 x 576]   1,300-1,400 from 768 to 1,024 rows, 2,200-2,500 on either side
-    o     [576 x 576]   1,100-1,300 from 384 to 832 rows, 2,300-2,600 from 896
-
-The small GEMM (small_gemm.cpp) runs 2,080-2,600 at every row count, a multiple of 16 or not. So both kernels
+Why measure: oneDNN's AMX GEMM runs some shapes on one thread, at half its rate, and which ones depends on the
+row count in ways no rule we found predicts (the figures for SmolLM2 on an AMX Xeon are in
+docs/results/2026-11-26-xeon-amx/NOTES.md). The small GEMM (small_gemm.cpp) keeps an even rate at every row
+count, a multiple of 16 or not. So both kernels
 are timed on the weight's shape for every bucket of BUCKET rows up to MAX_ROWS, at the bucket's top and at an
 odd row count inside it (a step's token count rarely is a multiple of anything; best of a few calls each), and
 oneDNN takes the bucket only where it is ODNN_MARGIN faster. The margin is what the timing leaves out: oneDNN
-builds a primitive on its first call at each new row count, which in serving is nearly every mixed step (timed
-alone on the AMX Xeon, such a first call ran the qkv projection at 81-99 GFLOP/s against ~2,000 after it).
+builds a primitive on its first call at each new row count, which in serving is nearly every mixed step, and
+such a first call runs many times slower than the next.
 The verdict is cached per CPU model, torch version, thread count and shape under a file lock (as auto_dtype
 caches its verdict), so every process on a machine (a fleet's nodes, the colocated engine they are checked
 against) runs the same kernel at the same row count and computes the same numbers.

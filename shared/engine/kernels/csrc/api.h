@@ -3,7 +3,7 @@
 // They run without the GIL, so tensors come in by const reference: pybind moves a by-value tensor out of its
 // caster, and dropping it when the call returns (C++ refcount 2 -> 1) releases the Python object, which takes
 // the GIL back. In a node that waited on the event loop's Python for up to a switch interval, with the other
-// core idle: ~10% of the engine thread's time in a served run (py-spy, docs/benchmarks.md).
+// core idle: ~10% of the engine thread's time in a served run (py-spy, docs/results/2026-11-25-zen5/NOTES.md).
 #pragma once
 
 #include <ATen/core/Tensor.h>

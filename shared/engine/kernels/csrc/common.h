@@ -230,7 +230,7 @@ inline void softmax_inplace(float* s, int64_t n) {
 //   is new with Zen 4), so there the L2 build behaves as the L1 one; `KVRELAY_KV_PREFETCH=l1` on a Zen 4 stands in
 //   for them. Measured natively on a Zen 3 EPYC (2 vCPUs): L1, L2 and no prefetch within the noise, 32 decodes x
 //   600 tokens fp32 2.1-2.4 ms per layer each.
-// (docs/benchmarks.md)
+// (docs/results/2026-11-26-xeon-amx, 2026-11-27-zen4 and 2026-11-28-zen3, NOTES.md)
 inline void prefetch(const void* p, int64_t bytes) {
 #ifdef KVRELAY_PREFETCH_L2
   constexpr int locality = 2;

@@ -208,7 +208,7 @@ class WalkAhead {
 // Decode for kv heads [h0, h0 + nh) of one request, W lanes at a time. Pairs mode (bf16 cache and queries on a CPU
 // with AVX512-BF16): the queries stay bf16, and p . v takes each weight as hi + lo, two bf16 numbers (16 bits of
 // it, not 8). Rounding p to bf16 alone, as GPU flash attention does, made the output's error 1.3-1.4x that of
-// rounding the exact result to bf16; the split makes it equal, and whole runs measured level (docs/benchmarks.md).
+// rounding the exact result to bf16; the split makes it equal, and whole runs measured level (docs/results/2026-11-27-zen4/NOTES.md).
 // Each kv head walks its keys, then its values, on its own; one WalkAhead prefetches KV_PF_DIST rows ahead
 // across all of the item's walks (32 x 600 tokens fp32: 5% faster than restarting at each walk). (Walking a chunk
 // of 16 tokens for all the item's heads at once, reading each block's rows front to back, measured 20-25%
@@ -254,7 +254,7 @@ void decode_heads_w(const AttnView<T, Q>& a, const int32_t* table, int64_t token
   // in registers (32 of them with AVX512; AVX2's 16 hold one row of 64). AVX2 holding 3 rows x half a head
   // instead (a third of the loads) was 10% faster with prefetches into L2, but 8-14% slower in fp32 where they
   // fill L1, as on every AVX2-only machine (csrc/common.h): AVX2-held Zen 4, 32 and 64 decodes x 600 tokens,
-  // builds alternated in one process (docs/benchmarks.md, session 25).
+  // builds alternated in one process (docs/results/2026-11-28-zen4-avx2emu-t0/NOTES.md).
   constexpr int GT = W == 16 ? (D <= 64 ? 3 : 2) : 1;
   constexpr int C = D / W;
   [[maybe_unused]] const uint32_t* pw = nullptr;

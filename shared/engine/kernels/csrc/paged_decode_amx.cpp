@@ -2,7 +2,7 @@
 // stays in cache the AVX512 kernel is bound by its instructions: per 16 keys and kv head it gathers row pointers,
 // reloads each key once per query head and reduces 16 dot products horizontally. On the tiles, one load takes
 // 16 keys straight from their block (block size a multiple of 16), and the group's query heads are one B tile
-// (64 decodes x 600 tokens in L3: 1.47 -> 1.10 ms per layer; from DRAM both read ~14 GB/s, docs/benchmarks.md).
+// (64 decodes x 600 tokens in L3: 1.47 -> 1.10 ms per layer; from DRAM both read ~14 GB/s, docs/results/2026-11-26-xeon-amx/NOTES.md).
 //   1. stage the group's queries as B tiles (Q^T, bf16 pairs); per kv head and 16 keys from a block:
 //      S^T [16 keys][group] = K Q^T on the tiles, stored key-major;
 //   2. mask positions outside [first, seq_len) with -inf; softmax per query row over the key-major scores,
