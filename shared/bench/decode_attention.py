@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
+import statistics
 
 import torch
 
-from kvrelay.bench.report import emit
+from kvrelay.bench.report import emit, machine
+from kvrelay.bench.stats import timings
 
 
 def _metadata(tables: torch.Tensor, lens: torch.Tensor, block_size: int):
@@ -33,15 +34,6 @@ def _metadata(tables: torch.Tensor, lens: torch.Tensor, block_size: int):
         query_start_loc=torch.arange(nd + 1, dtype=torch.int32), seq_lens=lens,
         query_lens_cpu=[1] * nd, seq_lens_cpu=lens.tolist(), max_query_len=1, max_seq_len=int(lens.max()),
         block_tables=tables, slot_mapping=slots, block_size=block_size)
-
-
-def _time(fn, seconds: float) -> float:
-    fn()
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds or runs < 3:
-        fn()
-        runs += 1
-    return (time.perf_counter() - start) / runs
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -73,10 +65,10 @@ def measure(args: argparse.Namespace) -> dict:
     run_native = lambda: native.forward(q, k, v, kv, meta, scale)  # noqa: E731
     run_portable = lambda: portable.forward(q, k, v, kv, meta, scale)  # noqa: E731
     diff = (run_native().float() - run_portable().float()).abs().max().item()
-    t_native, t_portable = _time(run_native, args.seconds), _time(run_portable, args.seconds)
+    t_native, t_portable = (statistics.fmean(timings(fn, args.seconds)) for fn in (run_native, run_portable))
     kv_bytes = args.decodes * args.context * kvh * d * 2 * kv.element_size()
     return {
-        "benchmark": "decode_attention", "threads": torch.get_num_threads(),
+        "benchmark": "decode_attention", "machine": machine(),
         "shape": {"decodes": args.decodes, "context": args.context, "heads": heads, "kv_heads": kvh,
                   "head_size": d, "block_size": bs, "num_blocks": num_blocks, "dtype": args.dtype},
         "kv_prefetch": cpu_kernels.kv_prefetch_target(),

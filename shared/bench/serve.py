@@ -1,10 +1,10 @@
 """`kvrelay bench serve`: a load generator for any OpenAI-compatible endpoint (kvrelay's gateway, vLLM, ...).
 
-Every request streams (SSE). Per request: TTFT (send -> first content chunk), ITL (gaps between content chunks),
-E2E, prompt/completion tokens (`usage` via stream_options.include_usage; without it the content chunks are
-counted and the prompt length is estimated), success or the error text. The report has p50/p90/p99 of TTFT,
-ITL, E2E and TPOT, request/output/total token throughput, goodput under the given SLOs, latency CDF plots and
-output tokens/s over time. Only --base-url is contacted (proxy environment variables are ignored).
+Every request streams. Per request: TTFT (send -> first content chunk), ITL (gaps between content chunks), E2E,
+prompt/completion tokens (`usage` via stream_options.include_usage; without it the content chunks are counted
+and the prompt length is estimated), success or the error text. The report (kvrelay.bench.report) has
+p50/p90/p99 of TTFT, ITL, E2E and TPOT, request/output/total token throughput, goodput under the given SLOs,
+output tokens/s over time, and latency CDF plots.
 
 Load shapes: --concurrency N keeps N requests in flight; --request-rate R sends sessions at Poisson arrivals
 (seeded by --seed; --concurrency then caps requests in flight). The turns of a multi-turn conversation are sent
@@ -27,41 +27,32 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import httpx
 from tqdm.auto import tqdm
 
-from kvrelay.bench import serve_report
-from kvrelay.bench.serve_datasets import (
+from kvrelay.bench import report
+from kvrelay.bench.client import Client
+from kvrelay.bench.report import RequestRecord
+from kvrelay.bench.workload import (
     DATASETS,
     Conversation,
     DatasetSpec,
     Session,
     TextSource,
-    Turn,
     completion_prompt,
     iter_arrivals,
     iter_sessions,
-    load_tokenizer,
 )
-from kvrelay.bench.serve_report import RequestRecord
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 DEFAULT_NUM_REQUESTS = 100
 DEFAULT_CONCURRENCY = 8
-WARMUP_SEED_OFFSET = 1
-
-
-# -- arguments ----------------------------------------------------------------------------------------
-
-
 HELP = "load-test an OpenAI-compatible endpoint (TTFT, ITL, goodput)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("endpoint")
-    e.add_argument("--base-url", default=DEFAULT_BASE_URL, help="OpenAI-compatible API root (ends in /v1)")
+    e.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible API root (ends in /v1)")
     e.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (none if not given)")
     e.add_argument("--model", default=None, help="model name (default: the first from GET /models)")
     e.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
@@ -81,21 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--duration", type=float, default=None, help="send new requests for this many seconds")
     load.add_argument("--max-duration", type=float, default=3600.0,
                       help="hard cap in seconds on the whole run (warmup included); requests still running fail")
-    _add_dataset_arguments(p)
-    s = p.add_argument_group("SLOs (goodput: requests meeting all given SLOs)")
-    s.add_argument("--slo-ttft-ms", type=float, default=None, help="time to first token")
-    s.add_argument("--slo-itl-ms", type=float, default=None, help="the request's mean inter-token latency")
-    s.add_argument("--slo-e2e-ms", type=float, default=None, help="end-to-end latency")
-    o = p.add_argument_group("output")
-    o.add_argument("--label", default=None, help="run name (default: <dataset>-c<N> or <dataset>-r<R>)")
-    o.add_argument("--output", default=None, help="JSON file (default bench/results/serve-<label>.json); PNGs beside")
-    o.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
-    o.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    o.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
-                   help="no load: print B/A ratios of two saved runs, write compare JSON (--output) and a CDF plot")
-
-
-def _add_dataset_arguments(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("dataset (lengths in tokens with --tokenizer, else in words)")
     d.add_argument("--dataset", choices=DATASETS, default="random",
                    help="random: mixed lengths; multi-tenant: shared system prompts; multi-turn: growing chats")
@@ -109,6 +85,17 @@ def _add_dataset_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--tenants", type=int, default=4, help="multi-tenant: distinct shared system prompts")
     d.add_argument("--system-len", type=int, default=1024, help="multi-tenant: system prompt length")
     d.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    s = p.add_argument_group("SLOs (goodput: requests meeting all given SLOs)")
+    s.add_argument("--slo-ttft-ms", type=float, default=None, help="time to first token")
+    s.add_argument("--slo-itl-ms", type=float, default=None, help="the request's mean inter-token latency")
+    s.add_argument("--slo-e2e-ms", type=float, default=None, help="end-to-end latency")
+    o = p.add_argument_group("output")
+    o.add_argument("--label", default=None, help="run name (default: <dataset>-c<N> or <dataset>-r<R>)")
+    o.add_argument("--output", default=None, help="JSON file (default bench/results/serve-<label>.json); PNGs beside")
+    o.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+    o.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    o.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
+                   help="no load: print B/A ratios of two saved runs, write compare JSON (--output) and a CDF plot")
 
 
 def dataset_spec(args: argparse.Namespace, seed: int | None = None) -> DatasetSpec:
@@ -137,111 +124,52 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--extra-body: must be a JSON object")
 
 
-# -- one request --------------------------------------------------------------------------------------
+@dataclass
+class Sender:
+    """Sends one turn through the client and fills its record."""
 
+    client: Client
+    args: argparse.Namespace
+    model: str
+    source: TextSource
 
-class Client:
-    """Streams one request to the endpoint and fills its RequestRecord."""
-
-    def __init__(self, http: httpx.AsyncClient, args: argparse.Namespace, model: str, source: TextSource):
-        self.http, self.args, self.model, self.source = http, args, model, source
-        self.path = "chat/completions" if args.endpoint == "chat" else "completions"
-        self.extra = json.loads(args.extra_body) if args.extra_body else {}
-
-    def payload(self, messages: list[dict], max_tokens: int) -> dict:
-        body = {"model": self.model, "max_tokens": max_tokens, "temperature": self.args.temperature,
-                "stream": True, "stream_options": {"include_usage": True}}
-        if self.args.endpoint == "chat":
+    async def send(self, rec: RequestRecord, messages: list[dict], max_tokens: int, t0: float) -> None:
+        args = self.args
+        body = {"model": self.model, "max_tokens": max_tokens, "temperature": args.temperature, "stream": True,
+                "stream_options": {"include_usage": True}, **({"ignore_eos": True} if args.ignore_eos else {})}
+        if args.endpoint == "chat":
             body["messages"] = messages
         else:
             body["prompt"] = completion_prompt(messages)
-        if self.args.ignore_eos:
-            body["ignore_eos"] = True
-        return {**body, **self.extra}
-
-    async def send(self, rec: RequestRecord, messages: list[dict], max_tokens: int, t0: float) -> None:
-        body = self.payload(messages, max_tokens)
-        start = time.perf_counter()
-        rec.start_s = start - t0
-        try:
-            await asyncio.wait_for(self._stream(rec, body, start, t0), self.args.request_timeout)
-        except asyncio.TimeoutError:
-            rec.error = f"timeout after {self.args.request_timeout:g} s"
-        except Exception as e:  # a misbehaving endpoint fails the request, not the run
-            rec.error = f"{type(e).__name__}: {e}"[:500]
-        end = time.perf_counter()
-        rec.end_s, rec.e2e_s = end - t0, end - start
-        if rec.error:
-            rec.success = False
-            return
-        rec.success = True
-        if not rec.usage_from_server:
-            rec.completion_tokens = len(rec.chunk_times_s)
-            prompt = messages if self.args.endpoint == "chat" else [{"content": body["prompt"]}]
-            rec.prompt_tokens = sum(self.source.measure(m["content"]) for m in prompt)
-
-    async def _stream(self, rec: RequestRecord, body: dict, start: float, t0: float) -> None:
-        async with self.http.stream("POST", self.path, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                rec.error = f"HTTP {resp.status_code}: {text}"[:500]
-                return
-            pieces: list[str] = []
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                error = self._on_event(rec, json.loads(data), start, t0, pieces)
-                if error:
-                    rec.error = error[:500]
-                    return
-            rec.text = "".join(pieces)
-            rec.error = "" if pieces else "stream ended without content"
-
-    def _on_event(self, rec: RequestRecord, event: dict, start: float, t0: float, pieces: list[str]) -> str:
-        now = time.perf_counter()
-        if event.get("error"):
-            return f"stream error: {json.dumps(event['error'])}"
-        usage = event.get("usage")
-        if usage:
-            rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            rec.completion_tokens = int(usage.get("completion_tokens") or 0)
-            rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        reply = await self.client.post(args.endpoint, {**body, **json.loads(args.extra_body or "{}")})
+        rec.start_s, rec.end_s, rec.e2e_s = reply.start - t0, reply.end - t0, reply.end - reply.start
+        rec.ttft_s, rec.itl_s, rec.text = reply.ttft_s, reply.itl_s, reply.text
+        rec.chunk_times_s = [t - t0 for t in reply.chunk_times]
+        rec.error = reply.error or ("" if reply.chunk_times else "stream ended without content")
+        rec.success = reply.status == 200 and not rec.error
+        if usage := reply.usage:
+            rec.prompt_tokens = usage.get("prompt_tokens") or 0
+            rec.completion_tokens = usage.get("completion_tokens") or 0
+            rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             rec.usage_from_server = True
-        text = "".join(_content(c, self.args.endpoint) for c in event.get("choices") or [])
-        if not text:
-            return ""
-        if rec.ttft_s is None:
-            rec.ttft_s = now - start
-        else:
-            rec.itl_s.append(now - t0 - rec.chunk_times_s[-1])
-        rec.chunk_times_s.append(now - t0)
-        pieces.append(text)
-        return ""
-
-
-def _content(choice: dict, endpoint: str) -> str:
-    if endpoint == "completions":
-        return choice.get("text") or ""
-    delta = choice.get("delta") or {}
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-
-
-# -- load shapes --------------------------------------------------------------------------------------
+        elif rec.success:
+            rec.completion_tokens = len(reply.chunk_times)
+            prompt = messages if args.endpoint == "chat" else [{"content": body["prompt"]}]
+            rec.prompt_tokens = sum(self.source.measure(m["content"]) for m in prompt)
 
 
 class Budget:
     """Hands out request indices until the request count or the deadline is reached."""
 
-    def __init__(self, limit: int | None, deadline: float | None):
+    def __init__(self, limit: int | None, deadline: float | None) -> None:
         self.limit, self.deadline, self.taken = limit, deadline, 0
 
+    def exhausted(self) -> bool:
+        return (self.limit is not None and self.taken >= self.limit) or (
+            self.deadline is not None and time.perf_counter() >= self.deadline)
+
     def take(self) -> int | None:
-        if self.limit is not None and self.taken >= self.limit:
-            return None
-        if self.deadline is not None and time.perf_counter() >= self.deadline:
+        if self.exhausted():
             return None
         self.taken += 1
         return self.taken - 1
@@ -251,7 +179,7 @@ class Budget:
 class Phase:
     """One phase (warmup or measured): its sessions, request budget and collected records."""
 
-    client: Client
+    sender: Sender
     sessions: Iterator[Session]
     budget: Budget
     limit: asyncio.Semaphore
@@ -265,24 +193,19 @@ class Phase:
             index = first if t == 0 and first is not None else self.budget.take()
             if index is None:
                 return
-            rec = await self.run_turn(conv, turn, RequestRecord(index, session.index, t))
+            rec = RequestRecord(index, session.index, t)
+            async with self.limit:
+                self.records.append(rec)
+                await self.sender.send(rec, conv.ask(turn), turn.max_tokens, self.t0)
+            conv.answer(rec.text)
+            if self.bar is not None:
+                self.bar.update(1)
             if not rec.success:
                 return  # the next turn needs this reply
 
-    async def run_turn(self, conv: Conversation, turn: Turn, rec: RequestRecord) -> RequestRecord:
-        async with self.limit:
-            self.records.append(rec)
-            await self.client.send(rec, conv.ask(turn), turn.max_tokens, self.t0)
-        conv.answer(rec.text)
-        if self.bar is not None:
-            self.bar.update(1)
-        return rec
-
     async def run_concurrency(self, workers: int) -> None:
         async def worker() -> None:
-            while self.budget.limit is None or self.budget.taken < self.budget.limit:
-                if self.budget.deadline is not None and time.perf_counter() >= self.budget.deadline:
-                    return
+            while not self.budget.exhausted():
                 await self.run_session(next(self.sessions))
 
         await asyncio.gather(*(worker() for _ in range(workers)))
@@ -301,48 +224,25 @@ class Phase:
                 task.cancel()
 
 
-# -- the run ------------------------------------------------------------------------------------------
-
-
-async def first_model(http: httpx.AsyncClient) -> str:
-    resp = await http.get("models")
-    resp.raise_for_status()
-    models = resp.json().get("data") or []
-    if not models:
-        raise ValueError("GET /models listed no model; pass --model")
-    return models[0]["id"]
-
-
-def _http_client(args: argparse.Namespace, connections: int) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    return httpx.AsyncClient(base_url=args.base_url.rstrip("/") + "/", headers=headers, trust_env=False,
-                             timeout=httpx.Timeout(args.request_timeout, connect=min(args.request_timeout, 30.0)),
-                             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
-
-
-async def _warmup(client: Client, args: argparse.Namespace, source: TextSource, workers: int) -> None:
-    if not args.warmup:
-        return
-    sessions = iter_sessions(dataset_spec(args, args.seed + WARMUP_SEED_OFFSET), source)
-    phase = Phase(client, sessions, Budget(args.warmup, None), asyncio.Semaphore(workers), time.perf_counter())
-    await phase.run_concurrency(min(workers, args.warmup))
-    failed = sum(not r.success for r in phase.records)
-    logger.info("warmup: %d requests, %d failed", len(phase.records), failed)
-
-
 async def run_load(args: argparse.Namespace, source: TextSource, records: list[RequestRecord]) -> dict:
-    """Runs warmup then the measured phase, appending measured records as they start; returns run facts."""
+    """Warmup, then the measured phase (appending its records as they start); returns the run's facts."""
     cap = args.concurrency or (DEFAULT_CONCURRENCY if args.request_rate is None else 10_000)
-    async with _http_client(args, min(cap, 1024)) as http:
-        model = args.model or await first_model(http)
-        client = Client(http, args, model, source)
-        await _warmup(client, args, source, cap)
+    async with Client(args.base_url, args.api_key, args.request_timeout) as client:
+        model = args.model or (await client.models() or [None])[0]
+        if model is None:
+            raise ValueError("GET /models listed no model; pass --model")
+        sender = Sender(client, args, model, source)
+        if args.warmup:
+            sessions = iter_sessions(dataset_spec(args, args.seed + 1), source)
+            warm = Phase(sender, sessions, Budget(args.warmup, None), asyncio.Semaphore(cap), time.perf_counter())
+            await warm.run_concurrency(min(cap, args.warmup))
+            logger.info("warmup: %d requests, %d failed", len(warm.records), sum(not r.success for r in warm.records))
         limit = args.num_requests or (None if args.duration else DEFAULT_NUM_REQUESTS)
         t0 = time.perf_counter()
         budget = Budget(limit, t0 + args.duration if args.duration else None)
         with tqdm(total=limit, unit="req", desc="bench serve", disable=args.no_progress) as bar:
-            phase = Phase(client, iter_sessions(dataset_spec(args), source), budget, asyncio.Semaphore(cap),
-                          t0, records, bar)
+            phase = Phase(sender, iter_sessions(dataset_spec(args), source), budget, asyncio.Semaphore(cap), t0,
+                          records, bar)
             if args.request_rate is None:
                 await phase.run_concurrency(cap)
             else:
@@ -352,8 +252,10 @@ async def run_load(args: argparse.Namespace, source: TextSource, records: list[R
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """The whole benchmark: returns the result dict (per-request records included)."""
-    source = TextSource(load_tokenizer(args.tokenizer) if args.tokenizer else None)
+    """The whole benchmark: the result (per-request records included)."""
+    from kvrelay.common.tokenizer import Tokenizer
+
+    source = TextSource(Tokenizer(args.tokenizer) if args.tokenizer else None)
     records: list[RequestRecord] = []
     started = time.time()
     try:
@@ -372,18 +274,16 @@ def measure(args: argparse.Namespace) -> dict:
         "stopped_at_max_duration": bool(facts.get("stopped_at_max_duration")),
     }
     slos = {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms, "e2e_ms": args.slo_e2e_ms}
-    return serve_report.build_result(args.label or default_label(args), config, records, slos)
+    return report.build_result(args.label or default_label(args), config, records, slos)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.compare:
-        return serve_report.run_compare(args.compare[0], args.compare[1], args.output, not args.no_plot)
+        report.run_compare(args.compare[0], args.compare[1], args.output, not args.no_plot)
+        return 0
     check_args(args)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
-    label = args.label or default_label(args)
     result = measure(args)
-    path = serve_report.save(result, args.output or f"bench/results/serve-{label}.json", not args.no_plot)
+    path = report.save(result, args.output or f"bench/results/serve-{result['label']}.json", not args.no_plot)
     logger.info("wrote %s", path)
-    print(json.dumps(serve_report.summary(result), indent=2))
+    print(json.dumps(report.summary(result), indent=2))
     return 0 if result["completed"] else 1
-

@@ -1,50 +1,45 @@
 """`kvrelay bench ttft`: time to first token, disaggregated vs colocated, with real node processes.
 
-Per transport (UCX tcp, UCX shm, and `auto`: the default connector, shared memory between nodes of one host)
-one prefill and one decode node run the model (one torch thread each by
-default: two nodes share two cores). Per prompt length, repetitions alternate the two ways, each with a
-fresh random prompt (no prefix-cache hit anywhere):
-- colocated: Generate without a hand-off on the decode node (it prefills locally), max_tokens=1;
-  TTFT = until the first chunk arrives.
-- disaggregated, gateway-less: Reserve on the decode node, then Prefill on the prefill node; TTFT = until
-  the Prefill response, which carries the first token (a gateway streams it at once). Generate with the
-  hand-off then completes the request.
-Reported, as medians: both TTFTs and their paired difference; the compute time of each (prefill node:
-PrefillResponse.prefill_seconds; colocated: the decode node's own vllm:time_to_first_token_seconds for that
-request); the last layer's transfer (its send enqueued -> acked); and what disaggregation adds beyond
+Per transport (UCX tcp, UCX shm, and `auto`: the default connector, shared memory between nodes of one host) one
+prefill and one decode node run the model (one torch thread each by default: two nodes share two cores). Per
+prompt length, repetitions alternate the two ways, each with a fresh random prompt (no prefix-cache hit):
+- colocated: Generate without a hand-off on the decode node (it prefills locally), max_tokens=1; TTFT = until
+  the first chunk arrives.
+- disaggregated, gateway-less: Reserve on the decode node, then Prefill on the prefill node; TTFT = until the
+  Prefill response, which carries the first token (a gateway streams it at once). Generate with the hand-off
+  then completes the request.
+Reported, as medians with 95% intervals: both TTFTs and their paired difference; the compute time of each
+(prefill node: PrefillResponse.prefill_seconds; colocated: the decode node's own vllm:time_to_first_token_seconds
+for that request); the last layer's transfer (its send enqueued -> acked); and what disaggregation adds beyond
 compute: added = (TTFT_disagg - compute_disagg) - (TTFT_colocated - compute_colocated), against the target
-added <= last layer transfer + 5 ms (`meets_target`; `raw_meets_target` holds the raw difference to it).
-Raw differences also carry compute noise and any slowdown of the prefill's forward by the sends running
-beside it (`prefill_compute_slowdown`): on one machine the receiving node shares the cores.
+added <= last layer transfer + 5 ms (`meets_target`; `raw_meets_target` holds the raw difference to it). Raw
+differences also carry compute noise and any slowdown of the prefill's forward by the sends running beside it
+(`prefill_compute_slowdown`): on one machine the receiving node shares the cores.
 
-    python -m kvrelay.bench.ttft                      # default model, 512 and 2048 tokens, tcp, shm and auto
-    python -m kvrelay.bench.ttft --prompt-lens 512 --transports tcp --repetitions 2
+    kvrelay bench ttft                      # default model, 512 and 2048 tokens, tcp, shm and auto
+    kvrelay bench ttft --prompt-lens 512 --transports tcp --repetitions 2
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import platform
 import random
 import statistics
+import tempfile
 import time
-import urllib.request
 
-from kvrelay.bench.report import emit
+from kvrelay.bench.fleet import Node
+from kvrelay.bench.report import emit, machine
+from kvrelay.bench.stats import summary
+from kvrelay.common.process import stop_all
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.common.wire import sampling_to_proto
-from kvrelay.node.launch import NodeProcess
 from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_OUTPUT = "bench/results/ttft.json"
 TARGET_SLACK_S = 0.005
-_TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
-ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
-
-
 HELP = "TTFT disaggregated vs colocated (node processes; ucx tcp, ucx shm, auto connector)"
 
 
@@ -58,33 +53,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per node")
     p.add_argument("--kv-cache-memory", type=int, default=256 * 2**20, help="bytes of KV cache per node")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    p.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON result file")
+    p.add_argument("--output", default="bench/results/ttft.json", help="JSON result file")
 
 
-# -- one request each way -------------------------------------------------------------------------------
+def _ttft_sum(node: Node) -> float:
+    return node.metrics().value("vllm:time_to_first_token_seconds_sum")
 
 
-def _ttft_sum(node: NodeProcess) -> float:
-    with urllib.request.urlopen(node.metrics_url, timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(_TTFT_SUM):
-                return float(line.rpartition(" ")[2])
-    raise RuntimeError(f"{_TTFT_SUM} missing from {node.metrics_url}")
-
-
-def colocated(decode: NodeProcess, rid: str, prompt: list[int]) -> dict:
+def colocated(decode: Node, rid: str, prompt: list[int]) -> dict:
     before = _ttft_sum(decode)
-    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=sampling_to_proto(ONE_TOKEN))
+    params = sampling_to_proto(SamplingParams(temperature=0.0, max_tokens=1))
     t0 = time.perf_counter()
-    stream = decode.stub().Generate(req, timeout=600)
+    stream = decode.stub().Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params),
+                                    timeout=600)
     next(stream)
     ttft = time.perf_counter() - t0
     list(stream)
     return {"ttft_s": ttft, "compute_s": _ttft_sum(decode) - before}
 
 
-def disaggregated(prefill: NodeProcess, decode: NodeProcess, rid: str, prompt: list[int]) -> dict:
-    params = sampling_to_proto(ONE_TOKEN)
+def disaggregated(prefill: Node, decode: Node, rid: str, prompt: list[int]) -> dict:
+    params = sampling_to_proto(SamplingParams(temperature=0.0, max_tokens=1))
     t0 = time.perf_counter()
     res = decode.stub().Reserve(pb.ReserveRequest(request_id=rid, prompt_token_ids=prompt, params=params), timeout=30)
     reserved = time.perf_counter()
@@ -93,34 +82,24 @@ def disaggregated(prefill: NodeProcess, decode: NodeProcess, rid: str, prompt: l
         decode_cached_tokens=res.num_cached_tokens, dst_block_ids=res.dst_block_ids, decode_layout=res.layout,
     ), timeout=600)
     ttft = time.perf_counter() - t0
-    handoff = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params,
-                                 handoff=pb.Handoff(first_token_id=pre.first_token_id))
-    list(decode.stub().Generate(handoff, timeout=60))
+    list(decode.stub().Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params,
+                                                   handoff=pb.Handoff(first_token_id=pre.first_token_id)), timeout=60))
     return {"ttft_s": ttft, "compute_s": pre.prefill_seconds, "reserve_s": reserved - t0,
-            "last_layer_s": pre.last_layer_seconds, "transfer_s": pre.transfer_seconds,
-            "bytes": pre.bytes_transferred}
-
-
-# -- a transport --------------------------------------------------------------------------------------
-
-
-def _node_args(args: argparse.Namespace, transport: str) -> list[str]:
-    connector = ["--connector", "auto"] if transport == "auto" else ["--connector", "ucx", "--ucx-transport", transport]
-    return ["--model", args.model, "--dtype", args.dtype, "--num-threads", str(args.num_threads),
-            "--kv-cache-memory", str(args.kv_cache_memory), *connector,
-            "--shutdown-timeout", "10",
-            # A long prompt on one CPU thread can take longer than the default 30 s lease.
-            "--kv-lease-seconds", "900", "--transfer-timeout", "300"]
+            "last_layer_s": pre.last_layer_seconds, "transfer_s": pre.transfer_seconds, "bytes": pre.bytes_transferred}
 
 
 def run_transport(args: argparse.Namespace, transport: str, lengths: list[int], rng: random.Random) -> list[dict]:
-    env = {"OMP_NUM_THREADS": str(args.num_threads)}
-    flags = _node_args(args, transport)
-    prefill, decode = NodeProcess.start_many([("prefill", flags), ("decode", flags)], env=env, timeout=600)
+    connector = ["--connector", "auto"] if transport == "auto" else ["--connector", "ucx", "--ucx-transport", transport]
+    # A long prompt on one CPU thread can take longer than the default lease and transfer timeout.
+    flags = ["--model", args.model, "--dtype", args.dtype, "--num-threads", str(args.num_threads), "--kv-cache-memory",
+             str(args.kv_cache_memory), *connector, "--shutdown-timeout", "10", "--kv-lease-seconds", "900",
+             "--transfer-timeout", "300"]
+    prefill, decode = Node.start_many([("prefill", flags), ("decode", flags)], env={"OMP_NUM_THREADS": str(
+        args.num_threads)}, log_dir=tempfile.mkdtemp(prefix=f"kvrelay-ttft-{transport}-"))
     try:
         vocab = prefill.stub().GetNodeInfo(pb.NodeInfoRequest(), timeout=10).vocab_size
         prompt = lambda n: [rng.randrange(100, vocab - 100) for _ in range(n)]  # noqa: E731
-        # Warm-up: the first transfer opens the UCX connection; first forwards allocate.
+        # Warm-up: the first transfer opens the connection; first forwards allocate.
         disaggregated(prefill, decode, f"{transport}-warm-d", prompt(64))
         colocated(decode, f"{transport}-warm-c", prompt(64))
         results = []
@@ -134,58 +113,38 @@ def run_transport(args: argparse.Namespace, transport: str, lengths: list[int], 
             results.append(summarize(transport, n, runs))
         return results
     finally:
-        for node in (prefill, decode):
-            node.terminate()
-        for node in (prefill, decode):
-            node.stop()
+        stop_all([prefill.process, decode.process])
 
 
 def summarize(transport: str, prompt_tokens: int, runs: dict[str, list[dict]]) -> dict:
     med = lambda way, key: statistics.median(r[key] for r in runs[way])  # noqa: E731
     pairs = list(zip(runs["colocated"], runs["disaggregated"]))
-    added = statistics.median((d["ttft_s"] - d["compute_s"]) - (c["ttft_s"] - c["compute_s"]) for c, d in pairs)
-    raw = statistics.median(d["ttft_s"] - c["ttft_s"] for c, d in pairs)
-    last_layer = med("disaggregated", "last_layer_s")
+    added = summary([(d["ttft_s"] - d["compute_s"]) - (c["ttft_s"] - c["compute_s"]) for c, d in pairs])
+    raw = summary([d["ttft_s"] - c["ttft_s"] for c, d in pairs])  # paired (back-to-back) differences
+    target = med("disaggregated", "last_layer_s") + TARGET_SLACK_S
     return {
-        "transport": transport,
-        "prompt_tokens": prompt_tokens,
-        "colocated_ttft_s": med("colocated", "ttft_s"),
-        "disaggregated_ttft_s": med("disaggregated", "ttft_s"),
-        "ttft_difference_s": raw,  # median of the paired (back-to-back) differences
+        "transport": transport, "prompt_tokens": prompt_tokens,
+        "colocated_ttft_s": med("colocated", "ttft_s"), "disaggregated_ttft_s": med("disaggregated", "ttft_s"),
+        "ttft_difference_s": raw["median"], "ttft_difference_ci95_s": raw["ci95"],
         "prefill_compute_slowdown": med("disaggregated", "compute_s") / med("colocated", "compute_s") - 1,
-        "colocated_compute_s": med("colocated", "compute_s"),
-        "prefill_compute_s": med("disaggregated", "compute_s"),
-        "reserve_rpc_s": med("disaggregated", "reserve_s"),
-        "kv_bytes": int(med("disaggregated", "bytes")),
-        "transfer_s": med("disaggregated", "transfer_s"),
-        "last_layer_transfer_s": last_layer,
-        "added_by_disaggregation_s": added,
-        "target_s": last_layer + TARGET_SLACK_S,
-        "target_margin_s": last_layer + TARGET_SLACK_S - added,
-        "meets_target": added <= last_layer + TARGET_SLACK_S,
-        "raw_meets_target": raw <= last_layer + TARGET_SLACK_S,
-        "runs": runs,
+        "colocated_compute_s": med("colocated", "compute_s"), "prefill_compute_s": med("disaggregated", "compute_s"),
+        "reserve_rpc_s": med("disaggregated", "reserve_s"), "kv_bytes": int(med("disaggregated", "bytes")),
+        "transfer_s": med("disaggregated", "transfer_s"), "last_layer_transfer_s": med("disaggregated", "last_layer_s"),
+        "added_by_disaggregation_s": added["median"], "added_by_disaggregation_ci95_s": added["ci95"],
+        "target_s": target, "target_margin_s": target - added["median"], "meets_target": added["median"] <= target,
+        "raw_meets_target": raw["median"] <= target, "runs": runs,
     }
 
 
 def run(args: argparse.Namespace) -> int:
     lengths = [int(x) for x in args.prompt_lens.split(",") if x]
-    transports = [t for t in args.transports.split(",") if t]
     rng = random.Random(args.seed)
-    results = []
-    for transport in transports:
-        results += run_transport(args, transport, lengths, rng)
-    report = {
-        "benchmark": "ttft",
-        "model": args.model,
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "num_threads_per_node": args.num_threads,
-        "repetitions": args.repetitions,
-        "target": f"disaggregation adds <= last layer transfer + {TARGET_SLACK_S * 1000:.0f} ms",
-        "note": "wall-clock on a shared machine: medians of interleaved runs; compute-normalised 'added' is the "
-                "figure to compare with the target",
-        "results": results,
-    }
-    emit(report, args.output)
+    results = [r for transport in args.transports.split(",") if transport
+               for r in run_transport(args, transport, lengths, rng)]
+    emit({"benchmark": "ttft", "model": args.model,
+          "machine": machine(),
+          "num_threads_per_node": args.num_threads, "repetitions": args.repetitions,
+          "target": f"disaggregation adds <= last layer transfer + {TARGET_SLACK_S * 1000:.0f} ms",
+          "note": "wall-clock on a shared machine: medians of interleaved runs; compute-normalised 'added' is the "
+                  "figure to compare with the target", "results": results}, args.output)
     return 0
-

@@ -1,19 +1,22 @@
 """`kvrelay bench fleet`: arms bring up real fleets with `kvrelay up`, measure them with the serve benchmark,
-and stop them."""
+and stop them; and the runner's servers and nodes start, report readiness and stop."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shlex
+import sys
 
 import pytest
 
-from kvrelay.bench import fleet, vllm_baseline
-from kvrelay.bench.server_process import ServerProcess
+from kvrelay.bench import fleet, routing, vllm_baseline
+from kvrelay.common.process import ProcessStartError
+from kvrelay.common.system import free_port
 from kvrelay.model_files.resolve import resolve_model
-from tests.helpers.procs import alive, descendants
+from tests.helpers.procs import alive
 
 
 def test_scenarios_compare_the_right_fleets():
@@ -23,9 +26,11 @@ def test_scenarios_compare_the_right_fleets():
     assert a.label == "round_robin-3p1d" and b.label == "cache_aware-3p1d"
     assert a.up_flags == ("--prefill", "3", "--decode", "1", "--routing-policy", "round_robin")
     assert b.up_flags[-1] == "cache_aware"
+    assert fleet.scenario_arms("routing", 3, 2)[1].up_flags == (
+        "--prefill", "3", "--decode", "2", "--routing-policy", "cache_aware")
     a, b = fleet.scenario_arms("vllm", 3)
-    assert (a.label, a.server, b.label, b.server, b.up_flags) == (
-        "vllm-serve", fleet.Server.VLLM, "kvrelay-up", fleet.Server.KVRELAY, ())
+    assert (a.label, a.kind, b.label, b.kind, b.up_flags) == (
+        "vllm-serve", fleet.Kind.VLLM, "kvrelay-up", fleet.Kind.KVRELAY, ())
 
 
 def test_rounds_alternate_which_arm_runs_first():
@@ -37,20 +42,20 @@ def test_rounds_alternate_which_arm_runs_first():
                                                      ("vllm-serve-3", "kvrelay-up-3")]
     assert [arm.label for arm in fleet.play_order(pairs)] == [
         "vllm-serve-1", "kvrelay-up-1", "kvrelay-up-2", "vllm-serve-2", "vllm-serve-3", "kvrelay-up-3"]
-    assert all(x.server is fleet.Server.VLLM for x, _ in pairs)
+    assert all(x.kind is fleet.Kind.VLLM for x, _ in pairs)
 
 
-def test_vllm_serve_gets_the_kits_settings_on_this_machines_cores(tmp_path):
-    server = vllm_baseline.VllmServer("/venv/bin/python", "/models/smol", "Smol", "float32", 18123,
-                                      kv_cache_bytes=2 * 2**30, log_path=tmp_path / "v.log", ready_timeout=1.0)
-    assert server.argv == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/smol",
-                           "--served-model-name", "Smol", "--host", "127.0.0.1", "--port", "18123", "--dtype",
-                           "float32", "--max-model-len", "2048", "--max-num-seqs", "128",
-                           "--no-enable-prefix-caching", "--seed", "0", "--disable-uvicorn-access-log"]
-    assert (server.base_url, server.health_url) == ("http://127.0.0.1:18123/v1", "http://127.0.0.1:18123/health")
+def test_vllm_serve_gets_the_kits_settings_on_this_machines_cores():
+    argv = vllm_baseline.serve_argv("/venv/bin/python", "/models/smol", "Smol", "float32", 18123)
+    assert argv == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/smol",
+                    "--served-model-name", "Smol", "--host", "127.0.0.1", "--port", "18123", "--dtype", "float32",
+                    "--max-model-len", "2048", "--max-num-seqs", "128", "--no-enable-prefix-caching", "--seed", "0",
+                    "--disable-uvicorn-access-log"]
     cores = os.cpu_count()
-    assert server.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
-    assert server.env["VLLM_CPU_OMP_THREADS_BIND"] == (f"0-{cores - 1}" if cores > 1 else "0")
+    env = vllm_baseline.vllm_env("/venv/bin/python", cores, 2 * 2**30)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["OMP_NUM_THREADS"] == str(cores)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == (f"0-{cores - 1}" if cores > 1 else "0")
+    assert vllm_baseline.vllm_env("/venv/bin/python", 1, 1)["VLLM_CPU_KVCACHE_SPACE"] == "1"  # whole GiB, at least 1
 
 
 @pytest.mark.parametrize("scenario", sorted(fleet.SERVE_DEFAULTS))
@@ -61,30 +66,24 @@ def test_default_serve_flags_parse_and_later_flags_win(scenario, tmp_path):
     assert args.dataset == ("multi-tenant" if scenario == "routing" else "random")
 
 
-def _record_spawned(monkeypatch) -> list[set[int]]:
-    """Each started server's process tree, taken once it is ready (to check nothing outlives it)."""
-    spawned = []
-    real_enter = ServerProcess.__enter__
-
-    def enter(self):
-        out = real_enter(self)
-        spawned.append(descendants(self.proc.pid) | {self.proc.pid})
-        return out
-
-    monkeypatch.setattr(ServerProcess, "__enter__", enter)
-    return spawned
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_one_arm_runs_a_real_fleet_and_stops_it(default_model_dir, tmp_path, monkeypatch):
-    spawned = _record_spawned(monkeypatch)
+def test_one_arm_on_a_real_fleet_and_the_gateway_overhead(default_model_dir, tmp_path, spawned):
+    """One `kvrelay up` (1 prefill + 1 decode node): an arm of `bench fleet` measured on it, `bench routing`'s
+    overhead timed through it, its children listed from its log, and nothing left once it stops."""
     args = argparse.Namespace(output_dir=str(tmp_path), model="default", kv_cache_memory=128 * 2**20,
                               ready_timeout=360.0, no_plot=False, dtype="auto")
     serve_args = shlex.split(fleet.SERVE_DEFAULTS["disagg"]) + [
         "--num-requests", "3", "--warmup", "0", "--concurrency", "2", "--min-input", "80", "--max-input", "120",
         "--min-output", "4", "--max-output", "6", "--tokenizer", str(default_model_dir), "--no-progress"]
-    path, _ = fleet.run_arm(fleet.scenario_arms("disagg", 1)[1], args, serve_args)
+    arm = fleet.scenario_arms("disagg", 1)[1]
+    server, record = fleet.start_arm(arm, args)
+    with server:
+        path, _ = fleet.measure_arm(server, arm, record, args, serve_args)
+        assert set(server.pids()) == {"prefill-0", "decode-0", "gateway"}
+        assert server.metrics().value("kvrelay:prompt_tokens_total") > 0
+        ids = default_tokenizer_ids(default_model_dir)
+        overhead = asyncio.run(routing._overhead(server, ids, 3))
     result = json.loads(path.read_text())
     assert result["label"] == "disagg-1p1d" and result["completed"] == 3 and result["failed"] == 0
     assert result["fleet"]["kvrelay_up_flags"] == ["--model", "default", "--prefill", "1", "--decode", "1",
@@ -92,9 +91,17 @@ def test_one_arm_runs_a_real_fleet_and_stops_it(default_model_dir, tmp_path, mon
     assert all(4 <= r["completion_tokens"] <= 6 for r in result["requests"])
     assert (tmp_path / "fleet-disagg-1p1d-latency.png").stat().st_size > 0
     assert result["base_url"] in (tmp_path / "fleet-disagg-1p1d.log").read_text()  # kvrelay up's banner
+    assert overhead["direct_ttft_ms"]["n"] == 3 and overhead["gateway_ttft_ms"]["n"] == 3  # one decode node
+    assert overhead["prompt_tokens"] == len(ids) and overhead["gateway_cpu_per_request_ms"] > 0
     (pids,) = spawned
     assert len(pids) >= 5  # kvrelay up, redis, prefill, decode, gateway
     assert not [p for p in pids if alive(p)], "processes left behind"
+
+
+def default_tokenizer_ids(model_dir) -> list[int]:
+    from kvrelay.common.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir).encode("Hello, how are you today?")
 
 
 def _vllm_python() -> str:
@@ -106,9 +113,8 @@ def _vllm_python() -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_vllm_arm_serves_the_same_model_and_stops(default_model_dir, tmp_path, monkeypatch):
+def test_the_vllm_arm_serves_the_same_model_and_stops(default_model_dir, tmp_path, spawned):
     _vllm_python()
-    spawned = _record_spawned(monkeypatch)
     args = argparse.Namespace(output_dir=str(tmp_path), model="default", kv_cache_memory=2**30, ready_timeout=480.0,
                               no_plot=True, dtype="float32", vllm_python=None,
                               resolved_model=resolve_model("default"))
@@ -125,3 +131,53 @@ def test_the_vllm_arm_serves_the_same_model_and_stops(default_model_dir, tmp_pat
     (pids,) = spawned
     assert len(pids) >= 2  # the API server and its engine core
     assert not [p for p in pids if alive(p)], "processes left behind"
+
+
+# -- the runner's processes -------------------------------------------------------------------------------
+
+
+def _http_server(tmp_path, port: int) -> list[str]:
+    (tmp_path / "www").mkdir(exist_ok=True)
+    (tmp_path / "www" / "health").write_text("ok")
+    return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path / "www")]
+
+
+def test_a_server_is_ready_once_its_health_answers_and_stops_on_exit(tmp_path):
+    port = free_port()
+    with fleet.Server.start("web", _http_server(tmp_path, port), f"http://127.0.0.1:{port}/v1",
+                            fleet.Server.answers_health, log_dir=tmp_path, timeout_s=30) as server:
+        assert server.root == f"http://127.0.0.1:{port}" and server.answers_health()
+        pid = server.process.pid
+    assert not alive(pid) and server.process.returncode is not None
+    assert server.health() == {}  # nothing answers any more
+
+
+def test_a_server_that_exits_early_fails_with_its_log_tail(tmp_path):
+    argv = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
+    with pytest.raises(ProcessStartError, match=r"exited with 3:\nno model here"):
+        fleet.Server.start("bad", argv, "http://127.0.0.1:9/v1", fleet.Server.answers_health, log_dir=tmp_path,
+                           timeout_s=30)
+
+
+def test_a_server_never_ready_times_out_and_is_stopped(tmp_path):
+    argv = [sys.executable, "-c", "import time; print('loading', flush=True); time.sleep(60)"]
+    with pytest.raises(ProcessStartError, match="not ready after 2 s:\nloading"):
+        fleet.Server.start("slow", argv, "http://127.0.0.1:9/v1", fleet.Server.answers_health, log_dir=tmp_path,
+                           timeout_s=1.5)
+    assert "loading" in (tmp_path / "slow.log").read_text()
+
+
+def test_kvrelay_up_children_are_read_from_its_log(tmp_path):
+    log = tmp_path / "up.log"
+    log.write_text(f"x INFO kvrelay.up: started decode-0 (pid 4194309), log a\nx INFO kvrelay.up: started gateway (pid "
+                   f"{os.getpid()})\nx INFO kvrelay.up: started decode-0 (pid {os.getpid()}), log a\n"
+                   "x INFO kvrelay.up: started prefill-0 (pid 999999999), log b\n")
+    process = fleet.ChildProcess("kvrelay-up", None, log)
+    assert fleet.Server(process, "http://127.0.0.1:1/v1").pids() == {"decode-0": os.getpid(), "gateway": os.getpid()}
+
+
+def test_a_node_that_cannot_start_fails_with_its_log_tail(tmp_path):
+    (tmp_path / "decode-0.ready.json").write_text("{}")  # an earlier run's: not taken for this one's
+    with pytest.raises(ProcessStartError, match="decode-0 exited"):
+        fleet.Node.start_many([("decode", ["--model", str(tmp_path / "none")])], log_dir=tmp_path, timeout_s=120)
+    assert "none" in (tmp_path / "decode-0.log").read_text() and not list(tmp_path.glob("*.ready.json"))

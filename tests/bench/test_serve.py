@@ -1,153 +1,43 @@
-"""`kvrelay bench serve` against a tiny real OpenAI-compatible server started here on 127.0.0.1.
-
-The server (FastAPI + uvicorn, in a thread) streams deterministic SSE chunks after known sleeps, so the load
-generator's measurements can be checked against them. It is a fault-free stand-in for an endpoint: the unit
-under test is the load generator; runs against the real fleet are done separately.
-"""
+"""`kvrelay bench serve` against the stand-in OpenAI server of conftest.py: its measurements are checked
+against the server's known sleeps, its datasets and its A/B comparison."""
 
 from __future__ import annotations
 
-import asyncio
+import itertools
 import json
 import random
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvrelay.bench import serve_report
-from kvrelay.bench.serve_datasets import (
+from kvrelay.bench import report
+from kvrelay.bench.report import RequestRecord
+from kvrelay.bench.workload import (
     Conversation,
     DatasetSpec,
     TextSource,
     completion_prompt,
+    iter_arrivals,
     iter_sessions,
-    poisson_arrivals,
 )
-from kvrelay.bench.serve_report import RequestRecord
 from kvrelay.cli import main as cli_main
-
-MODEL = "tiny-test"
-
-
-class FakeServer:
-    """What the stand-in server does (set per test) and what it saw."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.first_delay = lambda body: 0.01  # seconds before the first content chunk
-        self.gap = lambda i: 0.005  # seconds before content chunk i (i >= 1)
-        self.usage = True  # send the usage chunk when asked for
-        self.fail_every = 0  # answer every n-th request with HTTP 503
-        self.bodies: list[dict] = []
-        self.replies: list[str] = []
-
-    async def stream(self, n: int, body: dict, kind: str):
-        yield _sse(_chunk(kind, ""))  # a role-only chunk without content, as vLLM sends first
-        await asyncio.sleep(self.first_delay(body))
-        pieces = []
-        for i in range(body["max_tokens"]):
-            if i:
-                await asyncio.sleep(self.gap(i))
-            pieces.append(f"r{n}t{i} ")
-            yield _sse(_chunk(kind, pieces[-1]))
-        self.replies.append("".join(pieces))
-        yield _sse({"choices": [{"index": 0, "delta": {}, "text": "", "finish_reason": "length"}]})
-        if self.usage and (body.get("stream_options") or {}).get("include_usage"):
-            yield _sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": len(pieces),
-                                                 "total_tokens": 7 + len(pieces),
-                                                 "prompt_tokens_details": {"cached_tokens": 2}}})
-        yield "data: [DONE]\n\n"
+from tests.bench.conftest import MODEL
 
 
-def _chunk(kind: str, text: str) -> dict:
-    if kind == "chat":
-        return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}}]}
-    return {"object": "text_completion", "choices": [{"index": 0, "text": text}]}
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def make_app(state: FakeServer) -> FastAPI:
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": MODEL, "object": "model"}, {"id": "other", "object": "model"}]}
-
-    async def handle(request: Request, kind: str):
-        body = await request.json()
-        n = len(state.bodies)
-        state.bodies.append(body)
-        if state.fail_every and (n + 1) % state.fail_every == 0:
-            return JSONResponse({"error": {"message": "overloaded, try later"}}, status_code=503)
-        return StreamingResponse(state.stream(n, body, kind), media_type="text/event-stream")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await handle(request, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, "completions")
-
-    return app
-
-
-@pytest.fixture(scope="module")
-def server():
-    state = FakeServer()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(make_app(state), log_level="warning", lifespan="off")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert srv.started
-    state.url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    yield state
-    srv.should_exit = srv.force_exit = True
-    thread.join(timeout=5)
-    sock.close()
-
-
-@pytest.fixture
-def fake(server):
-    server.reset()
-    return server
-
-
-def bench(fake, tmp_path, *flags: str, label: str = "t", capsys=None, via_cli: bool = False, rc: int = 0) -> dict:
-    """Runs the benchmark (through `kvrelay bench serve` with via_cli); returns the saved JSON."""
+def bench(fake, tmp_path, *flags: str, label: str = "t", capsys=None, rc: int = 0) -> dict:
+    """Runs `kvrelay bench serve` (plots with --plot); returns the saved JSON."""
     out = tmp_path / f"{label}.json"
-    argv = ["--base-url", fake.url, "--no-progress", "--label", label, "--output", str(out),
-            "--warmup", "0", *flags]
+    argv = ["--base-url", fake.url, "--no-progress", "--label", label, "--output", str(out), "--warmup", "0", *flags]
     if "--plot" in argv:
         argv.remove("--plot")
     else:
         argv.append("--no-plot")
-    if via_cli:  # `kvrelay bench serve` is registered (the CLI imports torch: done once, here)
-        from kvrelay import cli
-
-        assert cli.main(["bench", "serve", *argv]) == rc
-    else:
-        assert cli_main(["bench", "serve", *argv]) == rc
+    assert cli_main(["bench", "serve", *argv]) == rc
     result = json.loads(out.read_text())
     if capsys is not None:
-        assert json.loads(capsys.readouterr().out) == serve_report.summary(result)
+        assert json.loads(capsys.readouterr().out) == report.summary(result)
     return result
 
 
@@ -160,7 +50,7 @@ def user_texts(bodies: list[dict]) -> list[str]:
 
 def test_counts_warmup_default_model_json_and_plots(fake, tmp_path, capsys):
     r = bench(fake, tmp_path, "--warmup", "3", "--num-requests", "12", "--concurrency", "4", "--max-tokens", "5",
-              "--plot", capsys=capsys, via_cli=True)
+              "--plot", capsys=capsys)
     assert len(fake.bodies) == 15  # 3 warmup + 12 measured
     assert r["num_requests"] == r["completed"] == 12 and r["failed"] == 0
     assert sorted(q["index"] for q in r["requests"]) == list(range(12))
@@ -205,7 +95,7 @@ def test_percentiles_match_the_server_sleeps(fake, tmp_path):
     assert np.median(gaps_ms[:, [4, 9]]) >= 75.0 and np.median(np.delete(gaps_ms, [4, 9], axis=1)) <= 20 + 30
     assert 470.0 <= e2e["min"] and e2e["p50"] <= 470 + 2 * slack  # 150 + 8 x 20 + 2 x 80
     assert 30.0 <= r["tpot_ms"]["p50"] <= 32 + slack / 10
-    for key, values in serve_report.latency_samples(r).items():  # the percentiles of the recorded samples
+    for key, values in report.latency_samples(r).items():  # the percentiles of the recorded samples
         for p in (50, 90, 99):
             assert r[key][f"p{p}"] == pytest.approx(np.percentile(values, p), abs=1e-3)
 
@@ -227,16 +117,16 @@ def test_goodput_counts_requests_meeting_all_slos(fake, tmp_path):
 
 def test_slo_rules():
     rec = RequestRecord(0, 0, 0, success=True, error="", ttft_s=0.05, e2e_s=0.2, itl_s=[0.01, 0.03])
-    assert serve_report.meets_slos(rec, {"ttft_ms": 60, "itl_ms": 20, "e2e_ms": 200})
-    assert not serve_report.meets_slos(rec, {"itl_ms": 19.9})  # mean ITL is 20 ms
-    assert not serve_report.meets_slos(rec, {"ttft_ms": 40, "itl_ms": None})
+    assert report.meets_slos(rec, {"ttft_ms": 60, "itl_ms": 20, "e2e_ms": 200})
+    assert not report.meets_slos(rec, {"itl_ms": 19.9})  # mean ITL is 20 ms
+    assert not report.meets_slos(rec, {"ttft_ms": 40, "itl_ms": None})
     rec.success = False
-    assert not serve_report.meets_slos(rec, {})
+    assert not report.meets_slos(rec, {})
 
 
 def test_poisson_rate_follows_the_seeded_schedule(fake, tmp_path):
     r = bench(fake, tmp_path, "--request-rate", "25", "--num-requests", "15", "--seed", "5", "--max-tokens", "2")
-    expected = poisson_arrivals(25, 15, seed=5)
+    expected = list(itertools.islice(iter_arrivals(25, seed=5), 15))
     starts = sorted(q["start_s"] for q in r["requests"])
     assert len(starts) == 15 and r["load"]["mode"] == "poisson"
     late = [got - want for got, want in zip(starts, expected)]
@@ -244,7 +134,7 @@ def test_poisson_rate_follows_the_seeded_schedule(fake, tmp_path):
     # then the schedule catches up)
     assert min(late) >= -0.002 and np.median(late) <= 0.1
     assert expected[-1] <= r["duration_s"] <= expected[-1] + 0.5
-    gaps = np.diff(poisson_arrivals(25, 4000, seed=1))
+    gaps = np.diff(list(itertools.islice(iter_arrivals(25, seed=1), 4000)))
     assert np.mean(gaps) == pytest.approx(1 / 25, rel=0.05)
 
 
@@ -375,5 +265,5 @@ def test_conversation_and_completion_prompt():
 def test_timeline_buckets():
     recs = [SimpleNamespace(success=True, chunk_times_s=[0.1, 0.5, 1.2], completion_tokens=6, end_s=1.3),
             SimpleNamespace(success=False, chunk_times_s=[0.2], completion_tokens=0, end_s=0.3)]
-    tl = serve_report.timeline(recs, duration=2.5)
+    tl = report.timeline(recs, duration=2.5)
     assert tl["output_tokens_per_s"] == [4.0, 2.0, 0.0] and tl["requests_completed_per_s"] == [0.0, 1.0, 0.0]

@@ -15,7 +15,7 @@ def _encode(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-SPEC = WorkloadSpec(num_requests=24, seed=7, min_input=5, max_input=300, min_output=2, max_output=40)
+SPEC = WorkloadSpec(num_requests=24, seed=7, input_len=(5, 300), output_len=(2, 40))
 
 
 def test_corpus_is_real_text_in_a_fixed_order():
@@ -52,9 +52,9 @@ def test_prefix_of_a_longer_workload():
 def test_lengths_in_range_and_exact():
     reqs = build_workload(_encode, SPEC)
     assert [r.index for r in reqs] == list(range(SPEC.num_requests))
-    assert all(SPEC.min_input <= r.input_len <= SPEC.max_input for r in reqs)
-    assert all(SPEC.min_output <= r.output_len <= SPEC.max_output for r in reqs)
-    stream = corpus_tokens(_encode, 2 * SPEC.max_input)
+    assert all(5 <= r.input_len <= 300 for r in reqs)
+    assert all(2 <= r.output_len <= 40 for r in reqs)
+    stream = corpus_tokens(_encode, 2 * 300)
     for r in reqs:
         assert list(r.prompt_token_ids) == stream[r.offset : r.offset + r.input_len]
     assert len({r.input_len for r in reqs}) > 10  # mixed, not constant
@@ -67,7 +67,7 @@ def test_vocab_folding():
 
 def test_bad_spec_is_rejected():
     with pytest.raises(ValueError, match="input"):
-        WorkloadSpec(min_input=10, max_input=5)
+        WorkloadSpec(input_len=(10, 5))
     with pytest.raises(ValueError, match="num_requests"):
         WorkloadSpec(num_requests=0)
 

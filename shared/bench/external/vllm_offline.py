@@ -1,9 +1,9 @@
-"""Run by vLLM's own Python (its venv), never imported by kvrelay: `python vllm_offline.py SPEC.json`.
+"""Run by vLLM's own Python (its venv), never imported by kvrelay: `python vllm_offline.py SPEC.json RESULT.json`.
 
 SPEC: {"model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed",
        "requests": [{"prompt_token_ids": [...], "max_tokens": N}, ...], "warmup": true}
-Prints one line `KVRELAY_RESULT {json}` on stdout: elapsed seconds of the timed generate call, token counts,
-and every request's output token ids (for the greedy agreement check). vLLM starts its engine core with
+Writes RESULT.json: elapsed seconds of the timed generate call, load seconds, vLLM's version, and every request's
+output token ids (for the greedy agreement check). vLLM starts its engine core with
 multiprocessing spawn, hence the main guard. Greedy, ignore_eos, prefix caching off, all requests at once.
 """
 
@@ -34,8 +34,8 @@ def main() -> int:
 
     result = {"elapsed_s": elapsed, "load_s": load_s, "vllm_version": getattr(vllm, "__version__", "?"),
               "tokens": [list(o.outputs[0].token_ids) for o in outs]}
-    sys.stdout.write("KVRELAY_RESULT " + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
     return 0
 
 
