@@ -29,6 +29,12 @@ def test_unary_chat_and_completions(fake):
     assert done.ok and done.text == "r1t0 r1t1 "
     assert [b.get("stream") for b in fake.bodies] == [None, None]
 
+    async def models():
+        async with Client(fake.url) as client:
+            return await client.models()
+
+    assert asyncio.run(models()) == [MODEL, "other"]
+
 
 def test_streams_time_each_content_chunk(fake):
     fake.first_delay = lambda body: 0.1
@@ -41,19 +47,21 @@ def test_streams_time_each_content_chunk(fake):
     assert 0.1 <= r.ttft_s < 0.6 and len(r.itl_s) == 3 and all(0.04 <= g < 0.5 for g in r.itl_s)
 
 
-def test_connections_are_kept_alive_and_reused(fake):
-    async def go():
-        async with Client(fake.url) as client:
-            models = await client.models()
-            replies = await asyncio.gather(*(client.post("completions", {"prompt": "x", "max_tokens": 1})
-                                             for _ in range(3)))
-            after = len(client._idle)
-            again = await client.post("completions", {"prompt": "x", "max_tokens": 1, "stream": True})
-            return models, replies, after, again, len(client._idle)
+def test_connections_are_kept_alive_and_reused():
+    """Three requests at once open three connections; a fourth after them reuses one (the server counts)."""
+    answer = b'HTTP/1.1 200 OK\r\nContent-Length: 30\r\n\r\n{"choices": [{"text": "old"}]}'
 
-    models, replies, idle, again, idle_after = asyncio.run(go())
-    assert models == [MODEL, "other"] and all(r.ok for r in replies)
-    assert idle == 3 and again.ok and idle_after == 3  # the fourth request reused one of the three
+    async def go():
+        server, url, connections = await _raw_server(answer, "keep")
+        async with server, Client(url) as client:
+            replies = await asyncio.gather(*(client.post("completions", b"{}") for _ in range(3)))
+            opened = connections[0]
+            again = await client.post("completions", b"{}")
+            return replies, opened, again, connections[0]
+
+    replies, opened, again, opened_after = asyncio.run(go())
+    assert all(r.ok for r in replies) and again.ok
+    assert opened == 3 and opened_after == 3
 
 
 def test_error_bodies_retry_after_and_stream_faults(fake):
@@ -85,9 +93,13 @@ def test_timeouts_and_refused_connections_fail_the_request_not_the_run(fake):
 
 
 async def _raw_server(answer: bytes, mode: str):
-    """Answers each request (always a 2-byte body) with `answer`. mode close: closes after its answer; stale:
-    answers the first request of a connection, and closes on the next one without an answer; keep: answers all."""
+    """Answers each request (always a 2-byte body) with `answer`, counting connections. mode close: closes after
+    its answer; stale: answers the first request of a connection, and closes on the next one without an answer;
+    keep: answers all."""
+    connections = [0]
+
     async def handle(reader, writer):
+        connections[0] += 1
         served = 0
         try:
             while True:
@@ -105,7 +117,7 @@ async def _raw_server(answer: bytes, mode: str):
         writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", connections
 
 
 @pytest.mark.parametrize("answer,mode", [
@@ -116,14 +128,14 @@ async def _raw_server(answer: bytes, mode: str):
 ])
 def test_bodies_sized_chunked_or_closed_and_stale_connections(answer, mode):
     async def go():
-        server, url = await _raw_server(answer, mode)
+        server, url, connections = await _raw_server(answer, mode)
         async with server, Client(url) as client:
             replies = [await client.post("completions", b"{}") for _ in range(3)]
-            return replies, len(client._idle)
+            return replies, connections[0]
 
-    replies, idle = asyncio.run(go())
+    replies, opened = asyncio.run(go())
     assert all(r.ok and r.text == "old" for r in replies), replies
-    assert idle == (0 if mode == "close" else 1)
+    assert opened == {"close": 3, "stale": 3, "keep": 1}[mode]
 
 
 def test_soak_requests_mix_and_tally(default_tokenizer):
