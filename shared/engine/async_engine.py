@@ -20,7 +20,6 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import queue
 import threading
@@ -34,13 +33,11 @@ from kvrelay.common.records import BlockEvent, BlockHash, NodeLoad
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
 from kvrelay.engine.core import EngineCore
 from kvrelay.engine.request import KVSendSpec
-from kvrelay.engine.scheduler import EngineCounters
-from kvrelay.engine.scheduler_output import EngineCoreOutput, Reservation
+from kvrelay.engine.scheduler_output import EngineCoreOutput, EngineCounters, Reservation
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_AnyFuture = asyncio.Future | concurrent.futures.Future
 
 
 class EngineDraining(RuntimeError):
@@ -148,17 +145,11 @@ class AsyncEngine:
     # -- requests -------------------------------------------------------------------------------------
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
         """Run fn(core) on the engine thread between steps and return its result (or raise its error)."""
-        return await self._enqueue(fn, self._loop.create_future())
-
-    def call_blocking(self, fn: Callable[[EngineCore], T], timeout: float) -> T:
-        """From a thread other than the event loop's (e.g. the index publisher): like `call`, waiting."""
-        return self._enqueue(fn, concurrent.futures.Future()).result(timeout)
-
-    def _enqueue(self, fn: Callable[[EngineCore], T], future: _AnyFuture) -> _AnyFuture:
         if not self._thread.is_alive():
             raise EngineDead("the engine thread is not running")
+        future = self._loop.create_future()
         self._commands.put((fn, future))
-        return future
+        return await future
 
     async def generate(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str = "",
@@ -359,7 +350,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _execute(self, fn: Callable[[EngineCore], Any], future: _AnyFuture | None) -> None:
+    def _execute(self, fn: Callable[[EngineCore], Any], future: asyncio.Future | None) -> None:
         try:
             result, error = fn(self.core), None
         except Exception as e:  # noqa: BLE001 - the caller gets it
@@ -368,10 +359,8 @@ class AsyncEngine:
                 logger.warning("engine command failed: %r", e)
         self._answer(future, result, error)
 
-    def _answer(self, future: _AnyFuture | None, result: Any, error: BaseException | None) -> None:
-        if isinstance(future, concurrent.futures.Future):
-            _resolve(future, result, error)
-        elif future is not None:
+    def _answer(self, future: asyncio.Future | None, result: Any, error: BaseException | None) -> None:
+        if future is not None:  # resolved on the event loop, which owns it
             self._post(_resolve, future, result, error)
 
     def _expire_leases(self) -> None:
@@ -496,7 +485,7 @@ class AsyncEngine:
             logger.exception("publishing %d block events failed", len(events))
 
 
-def _resolve(future: _AnyFuture, result: Any, error: BaseException | None) -> None:
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
     if future.done():  # the caller was cancelled meanwhile
         return
     if error is not None:

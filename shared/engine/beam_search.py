@@ -5,19 +5,20 @@ Lifecycle of a beam group:
 2. Each running beam computes the logits of its last token; its row returns the top-C logprobs
    (C = max(2, 1 + number of end tokens) * beam_width, HF's candidates) instead of a sampled token.
 3. Once every running beam of the group has its candidates, `BeamGroup.step` picks the next beams and the
-   finished hypotheses (HF's rules, in float32 as HF computes them). The scheduler makes the new beams: the
-   first child of a beam continues it in place, each further child forks it (shares its blocks, one more
-   reference each; the shared partial block is copied when either writes into it), and beams without
-   children end, dropping their references.
+   finished hypotheses (HF's rules, in float32 as HF computes them), and `BeamGroup.advance` what becomes
+   of each beam: the first child of a beam continues it in place, each further child is a new request forked
+   from it, and beams without children end. The scheduler carries that out on its requests and blocks (a
+   fork shares its parent's blocks, one more reference each; the shared partial block is copied when either
+   writes into it).
 4. The group ends when HF's stopping rule says so; its output is the finished hypotheses, best first.
-5. A preempted beam takes its whole group back to waiting (a beam cannot step without its siblings), and
-   a waiting group is admitted all at once or not at all, so no group waits on a sibling that cannot get
-   blocks.
+5. A preempted beam takes its whole group back to waiting (a beam cannot step without its siblings:
+   `BeamGroups.preemption_unit`), and a waiting group is admitted all at once or not at all, so no group
+   waits on a sibling that cannot get blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,6 +55,16 @@ class BeamStep:
     done: bool
 
 
+@dataclass(frozen=True)
+class NextBeams:
+    """What a step makes of a group's requests: children forked from a parent (parent, child), parents that
+    continue in place with a token, and parents without children, which end."""
+
+    forks: tuple[tuple[Request, Request], ...]
+    continued: tuple[tuple[Request, int], ...]
+    dropped: tuple[Request, ...]
+
+
 @dataclass
 class BeamGroup:
     """One beam search: its running beams (best first), finished hypotheses, and the candidates of this
@@ -81,11 +92,6 @@ class BeamGroup:
 
     def members(self) -> list[Request]:
         return [b.req for b in self.beams]
-
-    def new_beam_id(self) -> str:
-        rid = f"{self.group_id}:beam{self.next_index}"
-        self.next_index += 1
-        return rid
 
     def record(self, request_id: str, candidates: Sequence[tuple[int, float]]) -> bool:
         """A beam's top candidates (token, logprob); True once every running beam has reported."""
@@ -144,136 +150,91 @@ class BeamGroup:
             num_cached_tokens=num_cached_tokens, beams=beams,
         )
 
-    def aborted_output(self, num_cached_tokens: int) -> EngineCoreOutput:
-        return EngineCoreOutput(self.group_id, (), (), RequestStatus.FINISHED_ABORTED.value, None,
-                                self.num_prompt_tokens, num_cached_tokens)
+    def advance(self, step: BeamStep) -> NextBeams:
+        """The beams a step chose: the first child of a beam continues it in place, each further child is a
+        new request forked from it (the scheduler shares the parent's blocks with it), and beams without
+        children end."""
+        parents = {b.req.request_id: b.req for b in self.beams}
+        continued: dict[str, int] = {}
+        beams: list[Beam] = []
+        forks: list[tuple[Request, Request]] = []
+        for parent_id, token, score in step.next_beams:
+            parent = parents[parent_id]
+            if parent_id in continued:
+                child = self._fork(parent, token)
+                forks.append((parent, child))
+                beams.append(Beam(child, score))
+            else:
+                continued[parent_id] = token
+                beams.append(Beam(parent, score))
+        self.beams = beams
+        return NextBeams(
+            forks=tuple(forks),
+            continued=tuple((parents[rid], token) for rid, token in continued.items()),
+            dropped=tuple(req for rid, req in parents.items() if rid not in continued),
+        )
+
+    def _fork(self, parent: Request, token: int) -> Request:
+        child = Request(f"{self.group_id}:beam{self.next_index}", parent.prompt_token_ids, parent.sampling_params,
+                        eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
+                        cache_salt=parent.cache_salt)
+        self.next_index += 1
+        child.output_token_ids = [*parent.output_token_ids, token]
+        child.all_token_ids = [*parent.all_token_ids, token]
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.beam_group = self.group_id
+        child.status = RequestStatus.RUNNING
+        return child
 
 
-class BeamSchedulerMixin:
-    """The scheduler's beam-search half: making the beams a step chose, and keeping a group together
-    through preemption and admission. Mixed into `Scheduler` (it works on the scheduler's own queues)."""
+class BeamGroups(Mapping[str, BeamGroup]):
+    """The engine's beam searches by group id, and what the scheduler asks of them: the sequence seats they
+    hold, what a preemption takes along, what ends with a member. The scheduler itself moves the beams'
+    requests and blocks."""
 
-    beam_groups: dict[str, BeamGroup]
+    def __init__(self) -> None:
+        self._groups: dict[str, BeamGroup] = {}
 
-    def add_beam_group(self, group: BeamGroup, root: Request) -> None:
-        if group.group_id in self.beam_groups or {group.group_id, root.request_id} & self.requests.keys():
-            raise ValueError(f"request_id: {group.group_id!r} is already in use")
+    def __getitem__(self, group_id: str) -> BeamGroup:
+        return self._groups[group_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._groups)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def add(self, group: BeamGroup, root: Request) -> None:
+        """A new search, its root beam (the prompt) not yet queued."""
         root.beam_group = group.group_id
         group.beams = [Beam(root, _F32(0.0))]
-        self.beam_groups[group.group_id] = group
-        self.add_request(root)
+        self._groups[group.group_id] = group
 
-    def abort_beam_groups(self, group_ids) -> list[str]:
-        done = []
-        for gid in group_ids:
-            group = self.beam_groups.get(gid)
-            if group is not None:
-                self.finish_requests([m.request_id for m in group.members()], RequestStatus.FINISHED_ABORTED)
-                done.append(gid)
-        return done
+    def remove(self, group_id: str) -> None:
+        del self._groups[group_id]
 
-    def beam_seats(self) -> int:
+    def of(self, req: Request) -> BeamGroup | None:
+        return self._groups.get(req.beam_group) if req.beam_group is not None else None
+
+    def seats(self) -> int:
         """Sequence slots running groups hold for the beams they will fork (a group counts as beam_width)."""
-        return sum(g.width - len(g.beams) for g in self.beam_groups.values()
+        return sum(g.width - len(g.beams) for g in self._groups.values()
                    if g.beams and g.beams[0].req.status == RequestStatus.RUNNING)
 
     def preemption_unit(self, req: Request) -> list[Request]:
         """What goes back to waiting with `req`: its whole beam group (the round's candidates are dropped)."""
-        group = self.beam_groups.get(req.beam_group) if req.beam_group is not None else None
+        group = self.of(req)
         if group is None:
             return [req]
         group.pending.clear()
         return [m for m in group.members() if m.status == RequestStatus.RUNNING]
 
-    def admit_beam_group(self, head: Request, plan) -> bool:
-        """Admit every beam of head's group, or none (False: the group waits and so does the queue)."""
-        group = self.beam_groups[head.beam_group]
-        members = group.members()
-        if len(self.running) + self.beam_seats() + group.width > self.config.max_num_seqs:
-            return False
-        placed: list[tuple[Request, object, int]] = []
-        for m in members:
-            hit = self._lookup(m)
-            n = max(0, self._num_new_tokens(m, hit.num_tokens, plan.budget))
-            partial = 0 < n < m.num_tokens - hit.num_tokens
-            if (partial and not self.config.enable_chunked_prefill) or self.kv.allocate_slots(m, n, hit) is None:
-                for done, _, spent in placed:  # roll back: the blocks go, the queue is untouched
-                    self.kv.free(done)
-                    done.num_computed_tokens = 0
-                    plan.budget += spent
-                return False
-            m.num_computed_tokens = hit.num_tokens  # what free() needs to uncache only unscheduled blocks
-            placed.append((m, hit, n))
-            plan.budget -= n
-        for m, hit, n in placed:
-            self.waiting.remove(m)
-            self._admit(m, hit, plan)
-            if n:
-                plan.tokens[m.request_id] = n
-                plan.new.append(self._new_request_data(m))
-            else:  # no budget left this step: it starts next step
-                self._unseen.add(m.request_id)
-        return True
-
-    def beam_candidates(self, req: Request, candidates) -> list[EngineCoreOutput]:
-        """A beam's top candidates arrived; once the group has all of them it steps."""
-        group = self.beam_groups[req.beam_group]
-        if not group.record(req.request_id, candidates):
-            return []
-        step = group.step()
-        if not step.done:
-            self._make_beams(group, step)
-            return []
-        out = group.output(group.beams[0].req.num_cached_tokens or 0)
-        del self.beam_groups[group.group_id]
-        for m in group.members():
-            m.status = RequestStatus.FINISHED_STOPPED
-            self.running.remove(m)
-            self._free(m)
-        return [out]
-
-    def _make_beams(self, group: BeamGroup, step: BeamStep) -> None:
-        parents = {b.req.request_id: b.req for b in group.beams}
-        continued: dict[str, int] = {}
-        beams: list[Beam] = []
-        for parent_id, token, score in step.next_beams:
-            parent = parents[parent_id]
-            if parent_id in continued:
-                beams.append(Beam(self._fork_beam(group, parent, token), score))
-            else:
-                continued[parent_id] = token
-                beams.append(Beam(parent, score))
-        group.beams = beams  # before the drops below: a member ending outside the group ends the group
-        for rid, req in parents.items():
-            if rid not in continued:
-                req.status = RequestStatus.FINISHED_STOPPED
-                self.running.remove(req)
-                self._free(req)
-        for rid, token in continued.items():
-            parents[rid].append_output_token(token)
-            self._unseen.add(rid)  # the runner appended its own sample: rebuild its state
-
-    def _fork_beam(self, group: BeamGroup, parent: Request, token: int) -> Request:
-        child = Request(group.new_beam_id(), parent.prompt_token_ids, parent.sampling_params,
-                        eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
-                        cache_salt=parent.cache_salt)
-        child.output_token_ids = [*parent.output_token_ids, token]
-        child.all_token_ids = [*parent.all_token_ids, token]
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.beam_group = group.group_id
-        child.status = RequestStatus.RUNNING
-        self.kv.fork(parent, child)
-        self.requests[child.request_id] = child
-        self.running.append(child)
-        self._unseen.add(child.request_id)
-        return child
-
-    def _end_beam(self, req: Request) -> None:
-        """A member ended outside a step (abort, a lease): its group cannot step again, so it all ends."""
-        group = self.beam_groups.get(req.beam_group) if req.beam_group is not None else None
+    def end_with(self, req: Request) -> list[str]:
+        """A member ended outside a step (an abort, a lease): its group cannot step again, so it ends; the
+        ids of its other members, which end too."""
+        group = self.of(req)
         if group is None or not any(m is req for m in group.members()):
-            return
-        del self.beam_groups[group.group_id]
-        others = [m.request_id for m in group.members() if m is not req]
-        self.finish_requests(others, RequestStatus.FINISHED_ABORTED)
+            return []
+        del self._groups[group.group_id]
+        return [m.request_id for m in group.members() if m is not req]

@@ -32,14 +32,15 @@ from kvrelay.engine.beam_search import BeamGroup, num_candidates
 from kvrelay.engine.block_pool import BlockPool
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.kv_cache_manager import KVCacheManager
+from kvrelay.engine.kv_handoff import KVHandoff
 from kvrelay.engine.model_info import ModelInfo, load_model_info
 from kvrelay.engine.model_runner import KVAllocator, KVSender, ModelRunner
 from kvrelay.engine.request import KVSendSpec, Request, RequestStatus
-from kvrelay.engine.scheduler import EngineCounters, Scheduler
-from kvrelay.engine.scheduler_output import EngineCoreOutput, Reservation
+from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.scheduler_output import EngineCoreOutput, EngineCounters, Reservation
+from kvrelay.engine.spec_decode.scheduling import Speculation
 from kvrelay.engine.structured import GrammarCompiler, GrammarVocab, create_grammar_compiler
 
-_COMPUTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING)
 MAX_BEAM_CANDIDATES = 20  # a beam's candidates come back as its row's top logprobs
 
 logger = logging.getLogger(__name__)
@@ -77,10 +78,9 @@ class EngineCore:
         self.max_model_len = self._max_model_len(capacity)
         pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, record_events=record_block_events)
         self.kv = KVCacheManager(pool, block_size, self.info.model_id, config.cache.enable_prefix_caching)
-        spec = config.speculative
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
-                                   spec_lookahead=None if spec is None else spec.lookahead_tokens,
-                                   spec_disable_by_batch_size=None if spec is None else spec.disable_by_batch_size)
+        self.handoff = KVHandoff(self.kv)
+        speculation = Speculation.create(config.speculative, config.scheduler, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, speculation, self.handoff)
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id -> its grammar's compile
         logger.info(
             "engine ready in %.1fs: %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens (%.1f MiB), "
@@ -272,10 +272,10 @@ class EngineCore:
         return self.scheduler.reserve(req, lease, queue_until)
 
     def is_queued(self, request_id: str) -> bool:
-        return request_id in self.scheduler.queued
+        return request_id in self.handoff.queued
 
     def has_queued_reservations(self) -> bool:
-        return bool(len(self.scheduler.queued))
+        return bool(len(self.handoff.queued))
 
     def admit_queued_reservations(self) -> tuple[list[Reservation], list[str]]:
         """(reservations granted now, in arrival order; ids whose wait ran out)."""
@@ -306,7 +306,7 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def has_leases(self) -> bool:
-        return bool(self.scheduler.reserved or self.scheduler.held)
+        return self.handoff.has_leases()
 
     # -- what callers may ask ---------------------------------------------------------------------------
 
@@ -331,12 +331,12 @@ class EngineCore:
         """Unfinished requests (reservations included; a beam search by its id); computing_only: those a
         step may be running."""
         reqs = self.scheduler.requests
-        ids = [r.beam_group or rid for rid, r in reqs.items() if not computing_only or r.status in _COMPUTING]
+        ids = [r.beam_group or rid for rid, r in reqs.items() if not computing_only or r.status.computing]
         ids = list(dict.fromkeys(ids))
-        return ids if computing_only else ids + self.scheduler.queued.ids()
+        return ids if computing_only else ids + self.handoff.queued.ids()
 
     def held_request_ids(self) -> list[str]:
-        return list(self.scheduler.held)
+        return list(self.handoff.held)
 
     def token_counts(self, request_id: str) -> tuple[int, int] | None:
         """(prompt tokens, prefix-cache hit tokens) of an unfinished request, or None."""
@@ -350,7 +350,7 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
-        if self.scheduler.reserved or self.scheduler.held:
+        if self.handoff.has_leases():
             self.scheduler.expire_leases()
         failed = self._poll_grammars() if self._compiling else []
         sched = self.scheduler.schedule()

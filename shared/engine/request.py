@@ -1,9 +1,10 @@
-"""An engine request: ids and counts the scheduler reasons about (no tensors)."""
+"""An engine request: ids and counts the scheduler reasons about (no tensors), and its stop conditions."""
 
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.common.records import BlockHash
@@ -24,8 +25,14 @@ class RequestStatus(enum.Enum):
     def finished(self) -> bool:
         return self in _FINISHED
 
+    @property
+    def computing(self) -> bool:
+        """Queued for, or in, a step (not a reservation, a compiling grammar or a finished request)."""
+        return self in _COMPUTING
+
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_COMPUTING = {RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING}
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,31 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def append_sampled(self, tokens: Sequence[int], max_model_len: int) -> tuple[int, ...]:
+        """Append sampled tokens until a stop condition ends the request; returns those appended (tokens
+        after a stop token in an accepted run of drafts are dropped)."""
+        for i, token in enumerate(tokens):
+            self.append_output_token(token)
+            self._check_stop(token, max_model_len)
+            if self.is_finished:
+                return tuple(tokens[: i + 1])
+        return tuple(tokens)
+
+    def _check_stop(self, token: int, max_model_len: int) -> None:
+        # Length first, as vLLM does: a stop token that is also the last allowed token ends as "length".
+        generated = self.num_generated_tokens  # a resumed request's earlier output counts
+        if (self.max_tokens is not None and generated >= self.max_tokens) or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return
+        params = self.sampling_params
+        if generated < params.min_tokens:
+            return
+        if token == self.eos_token_id and not params.ignore_eos:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif token in params.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = token
 
     @property
     def finish_reason(self) -> str | None:

@@ -105,11 +105,10 @@ def shortest_first(tokens_per_s: float) -> Callable[[Request], tuple]:
     """Fewest prompt tokens first, each second of waiting worth `tokens_per_s` tokens.
 
     A burst is prefilled shortest first: most of it gets its first token while the long prompts are still
-    computing, instead of every request waiting for the ones that happened to arrive before it (served at
-    concurrency 32 on 2 cores, TTFT p90 fell from 3.8-4.8 s to 2.1-2.2 s: docs/benchmarks.md). The aging
-    bounds the cost to long prompts: a request arriving t seconds later passes this one only if it is shorter
-    by more than t * tokens_per_s, so none waits behind later arrivals for longer than prompt_len /
-    tokens_per_s.
+    computing, instead of every request waiting for the ones that happened to arrive before it (its effect on
+    TTFT: docs/results/2026-11-25-zen5/NOTES.md). The aging bounds the cost to long prompts: a request
+    arriving t seconds later passes this one only if it is shorter by more than t * tokens_per_s, so none
+    waits behind later arrivals for longer than prompt_len / tokens_per_s.
     """
     def key(req: Request) -> tuple:
         return (req.num_prompt_tokens + tokens_per_s * req.arrival_time,)

@@ -1,13 +1,18 @@
-"""Plain frozen records passed between scheduler, model runner and engine: ids and counts only."""
+"""Plain records passed between scheduler, model runner and engine: ids and counts only (frozen, but for
+the engine's running counters)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from kvrelay.common.records import BeamSequence, TokenLogprobs
 from kvrelay.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvrelay.engine.request import Request
 
 _EMPTY: Mapping = MappingProxyType({})
 
@@ -91,6 +96,37 @@ class EngineCoreOutput:
     num_cached_tokens: int
     prompt_logprobs: tuple | None = None  # with the first token, when asked: (None, TokenLogprobs, ...)
     beams: tuple[BeamSequence, ...] = ()  # beam search: the finished beams, best first (in the last output)
+
+    @classmethod
+    def of(cls, req: Request, new_token_ids: tuple[int, ...], logprobs: Iterable[TokenLogprobs] = (),
+           prompt_logprobs: tuple | None = None) -> EngineCoreOutput:
+        """A request's new tokens, and how it finished if it did."""
+        return cls(req.request_id, new_token_ids, tuple(logprobs), req.finish_reason, req.stop_reason,
+                   req.num_prompt_tokens, req.num_cached_tokens or 0, prompt_logprobs)
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative counts for the metrics (the load itself is counted on demand: `Scheduler.load`)."""
+
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_preemptions: int = 0
+    # Speculative decoding (vLLM's spec_decode metrics): verifications, drafts verified, drafts accepted,
+    # and accepted drafts by position in their run (index 0: the first draft of a run).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+    def count_verification(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        if len(self.spec_accepted_per_pos) < num_drafts:
+            self.spec_accepted_per_pos.extend([0] * (num_drafts - len(self.spec_accepted_per_pos)))
+        for i in range(num_accepted):
+            self.spec_accepted_per_pos[i] += 1
 
 
 @dataclass(frozen=True)

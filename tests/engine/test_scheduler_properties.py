@@ -1,7 +1,7 @@
 """Property tests of scheduler + KV cache manager + block pool: random arrivals with shared prefixes, random
 aborts, small pools that force preemption, both policies, with and without prefix caching, random budgets.
 
-The Driver (tests/test_scheduler.py) checks on every step: the budget, max_num_seqs, the scheduler output
+The Driver (tests/helpers/scheduler.py) checks on every step: the budget, max_num_seqs, the scheduler output
 against the runner's view of block tables, and a model of the KV contents (no request reads KV that was
 not computed for its own token prefix; every block in the hash map holds what its hash names)."""
 
@@ -36,28 +36,74 @@ def is_stop(token: int, sp: SamplingParams) -> bool:
     return token in sp.stop_token_ids or (token == EOS and not sp.ignore_eos)
 
 
-class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(
-        block_size=st.sampled_from([1, 2, 4, 8]),
-        num_blocks=st.integers(3, 14),
-        budget=st.integers(1, 48),
-        max_num_seqs=st.integers(1, 6),
+def driver_args(num_blocks: tuple[int, int], budget: tuple[int, int], max_num_seqs: tuple[int, int] = (1, 6),
+                block_sizes: tuple[int, ...] = (1, 2, 4, 8), long_prefill: tuple[int, ...] | None = None) -> dict:
+    """Strategies for a Driver's pool, budget, sequence limit, policy and caching, by its argument names
+    (integer ranges inclusive)."""
+    args = dict(
+        block_size=st.sampled_from(block_sizes),
+        num_blocks=st.integers(*num_blocks),
+        budget=st.integers(*budget),
+        max_num_seqs=st.integers(*max_num_seqs),
         policy=st.sampled_from(list(SchedulingPolicy)),
         caching=st.sampled_from([True, True, False]),
-        long_prefill=st.sampled_from([0, 0, 3, 8]),
-        data=st.data(),
     )
-    def setup(self, block_size, num_blocks, budget, max_num_seqs, policy, caching, long_prefill, data):
-        self.d = Driver(
-            num_blocks=num_blocks,
-            block_size=block_size,
-            budget=budget,
-            max_num_seqs=max_num_seqs,
-            policy=policy,
-            caching=caching,
-            long_prefill=long_prefill,
-            token_fn=token_fn,
-        )
+    if long_prefill is not None:
+        args["long_prefill"] = st.sampled_from(long_prefill)
+    return args
+
+
+class DriverMachine(RuleBasedStateMachine):
+    """What the Driver state machines share: steps and aborts, the blocks checked after each step, and every
+    finished request checked by `check_finished`."""
+
+    d: Driver
+
+    def check_finished(self, rid: str) -> None:
+        raise NotImplementedError
+
+    @rule(data=st.data())
+    def abort(self, data):
+        if not self.d.sched.requests:
+            assert self.d.abort("unknown") == []
+            return
+        rid = data.draw(st.sampled_from(sorted(self.d.sched.requests)), label="abort")
+        assert self.d.abort(rid) == [rid]
+        self.check_finished(rid)
+
+    @rule(n=st.integers(1, 6))
+    def step(self, n):
+        for _ in range(n):
+            self.d.step()
+            self.check_blocks()
+            for rid in list(self.d.finish):
+                if rid not in self.d.sched.requests:
+                    self.check_finished(rid)
+
+    @invariant()
+    def check_blocks(self):
+        d = self.d
+        d.check_blocks()
+        assert sum(b.ref_cnt for b in d.pool.blocks) == sum(len(v) for v in d.kv.req_to_blocks.values())
+
+    def run_to_end(self, slack: int) -> None:
+        """Step until every request has finished, within a bound: at worst one token a step, recomputed per
+        preemption; then one more step, which reports the last finished ids."""
+        d = self.d
+        bound = slack + sum(r.num_prompt_tokens + r.max_tokens for r in d.sched.requests.values()) * 8
+        steps = 0
+        while d.sched.has_unfinished():
+            assert steps < bound, "requests did not finish"
+            d.step()
+            self.check_blocks()
+            steps += 1
+        d.step()
+
+
+class SchedulerMachine(DriverMachine):
+    @initialize(**driver_args(num_blocks=(3, 14), budget=(1, 48), long_prefill=(0, 0, 3, 8)), data=st.data())
+    def setup(self, data, **driver):
+        self.d = Driver(token_fn=token_fn, **driver)
         self.max_prompt = min(self.d.max_model_len - 1, 40)
         self.add_requests(data)
 
@@ -90,30 +136,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             min_tokens=data.draw(st.integers(0, 1), label="min_tokens"),
         )
 
-    @rule(data=st.data())
-    def abort(self, data):
-        if not self.d.sched.requests:
-            assert self.d.abort("unknown") == []
-            return
-        rid = data.draw(st.sampled_from(sorted(self.d.sched.requests)), label="abort")
-        assert self.d.abort(rid) == [rid]
-        self.check_finished(rid)
-
-    @rule(n=st.integers(1, 4))
-    def step(self, n):
-        for _ in range(n):
-            self.d.step()
-            self.check_blocks()
-            for rid in self.d.finish:
-                if rid not in self.d.sched.requests:
-                    self.check_finished(rid)
-
     @invariant()
     def check_blocks(self):
+        super().check_blocks()
         d = self.d
-        d.check_blocks()
         assert len(d.sched.running) <= d.config.max_num_seqs
-        assert sum(b.ref_cnt for b in d.pool.blocks) == sum(len(v) for v in d.kv.req_to_blocks.values())
         for hsh, blk in d.pool.cached.items():
             assert blk.block_hash == hsh
 
@@ -144,18 +171,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         if d is None:
             return
         live = list(d.sched.requests)
-        # Every request finishes in bounded steps: at worst one token a step, recomputed per preemption.
-        bound = 50 + sum(r.num_prompt_tokens + r.max_tokens for r in d.sched.requests.values()) * 8
-        steps = 0
-        while d.sched.has_unfinished():
-            assert steps < bound, "requests did not finish"
-            d.step()
-            self.check_blocks()
-            steps += 1
+        self.run_to_end(slack=50)
         for rid in live:
             self.check_finished(rid)
             assert d.reqs[rid].finish_reason in ("stop", "length")
-        d.step()  # reports the last finished ids
         stats = d.sched.counters
         event(f"preemptions: {'yes' if stats.num_preemptions else 'no'}")
         event(f"prefix hits: {'yes' if stats.prefix_cache_hits else 'no'}")

@@ -23,9 +23,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
 from kvrelay.engine.beam_search import Beam, BeamGroup, num_candidates
-from kvrelay.engine.config import SchedulingPolicy
 from kvrelay.engine.request import Request, RequestStatus
-from tests.engine.test_scheduler_properties import BASES, STOP_ID, is_stop, sampled_token
+from tests.engine.test_scheduler_properties import BASES, STOP_ID, DriverMachine, driver_args, is_stop, sampled_token
 from tests.helpers.scheduler import EOS, Driver
 
 RIDS = [f"r{i}" for i in range(10)]
@@ -52,26 +51,13 @@ def make_proposer(k: int):
     return propose
 
 
-class SpecMachine(RuleBasedStateMachine):
-    @initialize(
-        block_size=st.sampled_from([1, 2, 4, 8]),
-        num_blocks=st.integers(6, 16),
-        budget=st.integers(1, 32),
-        max_num_seqs=st.integers(1, 6),
-        policy=st.sampled_from(list(SchedulingPolicy)),
-        caching=st.sampled_from([True, True, False]),
-        long_prefill=st.sampled_from([0, 0, 3]),
-        k=st.integers(1, 4),
-        lookahead=st.sampled_from([0, 0, 1, 3]),
-        data=st.data(),
-    )
-    def setup(self, block_size, num_blocks, budget, max_num_seqs, policy, caching, long_prefill, k, lookahead,
-              data):
-        self.d = Driver(num_blocks=num_blocks, block_size=block_size, budget=budget, max_num_seqs=max_num_seqs,
-                        policy=policy, caching=caching, long_prefill=long_prefill, spec_lookahead=lookahead,
-                        propose_fn=make_proposer(k),
-                        token_at=lambda req, i: sampled_token(req.request_id, i))
-        self.max_prompt = max(1, min(self.d.max_model_len - 1 - lookahead, 30))
+class SpecMachine(DriverMachine):
+    @initialize(**driver_args(num_blocks=(6, 16), budget=(1, 32), long_prefill=(0, 0, 3)), k=st.integers(1, 4),
+                spec_lookahead=st.sampled_from([0, 0, 1, 3]), data=st.data())
+    def setup(self, data, k, **driver):
+        self.d = Driver(propose_fn=make_proposer(k), token_at=lambda req, i: sampled_token(req.request_id, i),
+                        **driver)
+        self.max_prompt = max(1, min(self.d.max_model_len - 1 - driver["spec_lookahead"], 30))
         self.add_requests(data)
 
     @rule(data=st.data())
@@ -94,28 +80,10 @@ class SpecMachine(RuleBasedStateMachine):
                   seed=data.draw(st.sampled_from([None, 7]), label="seed"),
                   temperature=data.draw(st.sampled_from([0.0, 1.0]), label="temperature"))
 
-    @rule(data=st.data())
-    def abort(self, data):
-        if self.d.sched.requests:
-            rid = data.draw(st.sampled_from(sorted(self.d.sched.requests)), label="abort")
-            assert self.d.abort(rid) == [rid]
-            self.check_finished(rid)
-
-    @rule(n=st.integers(1, 6))
-    def step(self, n):
-        for _ in range(n):
-            self.d.step()
-            self.check_blocks()
-            for rid in list(self.d.finish):
-                if rid not in self.d.sched.requests:
-                    self.check_finished(rid)
-
     @invariant()
     def check_blocks(self):
-        d = self.d
-        d.check_blocks()
-        assert sum(b.ref_cnt for b in d.pool.blocks) == sum(len(v) for v in d.kv.req_to_blocks.values())
-        c = d.sched.counters
+        super().check_blocks()
+        c = self.d.sched.counters
         assert c.spec_num_accepted_tokens <= c.spec_num_draft_tokens
         assert sum(c.spec_accepted_per_pos) == c.spec_num_accepted_tokens
 
@@ -135,13 +103,7 @@ class SpecMachine(RuleBasedStateMachine):
         d = getattr(self, "d", None)
         if d is None:
             return
-        bound = 60 + sum(r.num_prompt_tokens + r.max_tokens for r in d.sched.requests.values()) * 8
-        steps = 0
-        while d.sched.has_unfinished():
-            d.step()
-            steps += 1
-            assert steps <= bound, "requests did not finish"
-        d.step()
+        self.run_to_end(slack=60)
         for rid in d.finish:
             self.check_finished(rid)
         d.check_all_free()
@@ -204,19 +166,10 @@ def reference_beams(prompt: list[int], params: BeamSearchParams, end_ids: tuple[
 
 
 class BeamMachine(RuleBasedStateMachine):
-    @initialize(
-        block_size=st.sampled_from([1, 2, 4]),
-        num_blocks=st.integers(8, 24),
-        budget=st.integers(1, 24),
-        max_num_seqs=st.integers(3, 8),
-        policy=st.sampled_from(list(SchedulingPolicy)),
-        caching=st.sampled_from([True, True, False]),
-        data=st.data(),
-    )
-    def setup(self, block_size, num_blocks, budget, max_num_seqs, policy, caching, data):
-        self.d = Driver(num_blocks=num_blocks, block_size=block_size, budget=budget, max_num_seqs=max_num_seqs,
-                        policy=policy, caching=caching, token_fn=lambda req: sampled_token(req.request_id,
-                                                                                            req.num_output_tokens))
+    @initialize(**driver_args(num_blocks=(8, 24), budget=(1, 24), max_num_seqs=(3, 8), block_sizes=(1, 2, 4)),
+                data=st.data())
+    def setup(self, data, **driver):
+        self.d = Driver(token_fn=lambda req: sampled_token(req.request_id, req.num_output_tokens), **driver)
         self.d.beam_fn = beam_fn(self.d)
         self.groups: dict[str, tuple[list[int], BeamSearchParams]] = {}
         self.add_group(data)

@@ -21,6 +21,7 @@ from kvrelay.engine.kv_cache_manager import KVCacheManager
 from kvrelay.engine.request import Request, RequestStatus
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvrelay.engine.spec_decode.scheduling import Speculation
 
 EOS = 2
 FCFS = SchedulingPolicy.FCFS
@@ -67,7 +68,9 @@ class Driver:
             sjf_tokens_per_s=sjf_tokens_per_s,
         )
         self.max_model_len = max_model_len or num_blocks * block_size
-        self.sched = Scheduler(self.config, self.kv, self.max_model_len, spec_lookahead=spec_lookahead)
+        speculation = None if spec_lookahead is None else Speculation(
+            lookahead=spec_lookahead, max_model_len=self.max_model_len, max_num_batched_tokens=budget)
+        self.sched = Scheduler(self.config, self.kv, self.max_model_len, speculation)
         self.spec_lookahead = spec_lookahead
         self.propose_fn, self.beam_fn = propose_fn, beam_fn
         self.token_at = token_at or (lambda req, i: token_fn(req))

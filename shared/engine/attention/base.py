@@ -49,6 +49,7 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # keys fewer than this many positions before the query (None: all)
     ) -> torch.Tensor:  # [T, num_heads, head_size]
         ...
 

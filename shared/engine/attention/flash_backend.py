@@ -41,16 +41,8 @@ class FlashAttentionBackend(AttentionBackend):
         self._plan: _StepPlan | None = None
         self._fallback: TorchAttentionBackend | None = None
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         if q.dtype not in _FLASH_DTYPES or kv_cache.dtype != q.dtype:
             # flash-attn has no fp32 kernels; keep fp32 runs (tests, debugging) working.
             self._fallback = self._fallback or TorchAttentionBackend(use_native=False)  # CUDA: no CPU kernels

@@ -70,16 +70,8 @@ class TorchAttentionBackend(AttentionBackend):
             and (meta.num_decodes == meta.num_reqs or self._native_chunks)
         )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         if self._native_ok(q, kv_cache, meta):
             fused = k.dtype == q.dtype  # then the kernel writes the step's K/V itself before attending
             if not fused:
@@ -162,7 +154,7 @@ class TorchAttentionBackend(AttentionBackend):
         """Keys and values of the given blocks, [2, n, block_size, kvh, d], in `dtype`.
 
         Lands in a reused buffer: fresh tensors this big are mmap'ed and page-faulted on every call, which
-        measured 5-10x slower than the copy itself. Valid until the next gather.
+        costs more than the copy itself. Valid until the next gather.
         """
         two, num_blocks, *block_shape = kv_cache.shape
         per_block = kv_cache[0, 0].numel()

@@ -1,4 +1,5 @@
-"""Speculative decoding: proposers (a factory keyed by method name) and the exact verification.
+"""Speculative decoding: proposers (a factory keyed by method name) and the exact verification, run by the
+model runner; what speculation adds to the scheduler's plan is scheduling.py's `Speculation`.
 
     ngram         prompt lookup over the request's own tokens (ngram.py)
     draft_model   a smaller model with the same vocabulary and its own paged KV (draft_model.py)
