@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-lock.txt 2>/dev/null | cksum | cut -d' ' -f1)
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test test-fast lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,11 +31,17 @@ install: $(STAMP)
 run: install
 	$(BIN)/kvrelay up --model default
 
+# Everything: what CI runs. Tests that start processes are marked `fleet` (tests/conftest.py).
 test: install
 	$(BIN)/python -m pytest -q -ra tests
 
+# The edit loop: unit and engine tests, no process started.
+test-fast: install
+	$(BIN)/python -m pytest -q -ra -m "not fleet" tests
+
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests/test_layering.py
 
 bench: install
 	$(BIN)/kvrelay bench throughput --baseline hf

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvrelay.common.hashing import DEFAULT_BLOCK_SIZE
 
-ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")  # kvrelay.gateway.policies implements them
+ROUTING_POLICIES = ("cache_aware", "approximate", "round_robin", "least_loaded", "random")  # gateway/policies.py
 INDEX_BACKENDS = ("mirror", "redis")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
@@ -39,6 +39,10 @@ class GatewayConfig:
     kv_lease_ms: int = 0  # reservation lease asked of decode nodes (0: the node's default)
     prefill_timeout: float = 300.0
     log_requests: bool = False
+    # /metrics also serves every known node's series, labelled node_id and role (kvrelay.gateway.fleet_metrics):
+    # `kvrelay up` turns it on; off where Prometheus scrapes the nodes itself, which would count them twice.
+    fleet_metrics: bool = False
+    node_metrics_timeout: float = 0.5  # seconds a node's /metrics may take before it is left out of a scrape
     tool_call_parser: str | None = "hermes"  # how tool_choice "auto" reads calls (vLLM's names); None: not at all
     allowed_origins: tuple[str, ...] = ()  # CORS: origins allowed to call the API from a browser (empty: no CORS)
     allowed_methods: tuple[str, ...] = ("*",)

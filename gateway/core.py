@@ -8,6 +8,10 @@ fork its KV there); its last chunk carries the beams, the n best of which become
 
 Admission: at most `max_concurrent_requests` generations run at once (past it: 429 with Retry-After; while
 draining: 503); each may have a deadline (`request_timeout_s`) that every node call of its sequences obeys.
+
+Shutdown: `draining` refuses new generations (503, Retry-After); once the drain's grace is over, `cut()` cancels
+the tasks still running one. Each ends as a shutdown, not a failure: a stream with a final error event (OpenAI's
+shape: ShuttingDown) and [DONE], a plain request with a 503; closing its node streams aborts its sequences.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
@@ -81,6 +85,41 @@ class GatewayCore:
         self._default_max_model_len = default_max_model_len
         self.draining = False
         self.active = 0  # generations in progress (graceful shutdown waits for them)
+        self.was_cut = False  # the drain's grace ran out and cut() ended what was still running
+        self._running: dict[asyncio.Task, int] = {}  # task -> its generations in progress
+
+    def cut(self) -> int:
+        """End every generation still in progress (the drain's grace is over); how many tasks were cut."""
+        self.was_cut = True
+        tasks = list(self._running)
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
+
+    @contextmanager
+    def in_progress(self) -> Iterator[None]:
+        """Counts a generation while it runs (graceful shutdown waits for them; cut() ends them)."""
+        task = asyncio.current_task()
+        self.active += 1
+        self._running[task] = self._running.get(task, 0) + 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+            if self._running[task] > 1:
+                self._running[task] -= 1
+            else:
+                del self._running[task]
+
+    @staticmethod
+    def shutdown_error() -> ShuttingDown:
+        """What a generation ended by cut() answers: a 503, or in a stream the final error event."""
+        return ShuttingDown("the server is shutting down and its grace period for open requests is over; retry "
+                            "on another replica or after it restarts")
+
+    def cut_error(self) -> ShuttingDown | None:
+        """shutdown_error() once cut() has run, else None."""
+        return self.shutdown_error() if self.was_cut else None
 
     # ------------------------------------------------------------------------------------ limits
 
@@ -170,25 +209,29 @@ class Generation:
         return {"x-kvrelay-decode-node": trace["decode"], "x-kvrelay-prefill-node": trace["prefill"] or "local"}
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        self.core.active += 1
-        try:
-            decision = await self.core.dispatcher.route(self.inp.prompt_token_ids, self.inp.cache_salt, self.deadline,
-                                                        user=self.inp.user)
-            if self.inp.beam_search is not None:
-                source = self._beam_stream(decision)
-            else:
-                streams = [self._choice_stream(decision, i) for i in range(len(self.choices))]
-                # Choice 0 first: once its prompt is computed, the other choices find it in the prefix caches
-                # instead of each computing (and reserving blocks for) the same prompt at once.
-                source = streams[0] if len(streams) == 1 else merge(streams, lead_first=True)
-            async with aclosing(source):
-                async for index, chunk in source:
-                    delta = self._consume(index, chunk)
-                    if delta is not None:
-                        yield delta
-        finally:
-            self.core.active -= 1
-            self._observe()
+        with self.core.in_progress():
+            try:
+                decision = await self.core.dispatcher.route(self.inp.prompt_token_ids, self.inp.cache_salt,
+                                                            self.deadline, user=self.inp.user)
+                if self.inp.beam_search is not None:
+                    source = self._beam_stream(decision)
+                else:
+                    streams = [self._choice_stream(decision, i) for i in range(len(self.choices))]
+                    # Choice 0 first: once its prompt is computed, the other choices find it in the prefix caches
+                    # instead of each computing (and reserving blocks for) the same prompt at once.
+                    source = streams[0] if len(streams) == 1 else merge(streams, lead_first=True)
+                async with aclosing(source):
+                    async for index, chunk in source:
+                        delta = self._consume(index, chunk)
+                        if delta is not None:
+                            yield delta
+            except asyncio.CancelledError:
+                if not self.core.was_cut:
+                    raise
+                asyncio.current_task().uncancel()  # cut() cancelled us: end as a shutdown, not as a failure
+                raise self.core.shutdown_error() from None
+            finally:
+                self._observe()
 
     async def _choice_stream(self, decision, index: int) -> AsyncIterator[tuple[int, TokenChunk]]:
         params = self.inp.params

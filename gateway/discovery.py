@@ -54,6 +54,8 @@ class Node:
     healthy: bool = True
     draining: bool = False
     refused: str | None = None  # why this node may never be routed to (model or block size mismatch)
+    metrics_address: str = ""  # host:port of its /metrics ("": unknown)
+    connector: str = ""  # its KV connector; "local": it takes no hand-offs, so it is a colocated engine
     # Folded from `load` once, not per request (routing reads them for every node of every request).
     queued_tokens: int = field(init=False, default=0)
     active_seqs: int = field(init=False, default=0)
@@ -70,6 +72,12 @@ class Node:
     @property
     def routable(self) -> bool:
         return self.healthy and not self.draining and self.refused is None
+
+    @property
+    def kind(self) -> str:
+        """What the node is to a reader (/health, metrics labels): its role, or "colocated" for a decode node that
+        computes its prompts itself (it can take no KV from a prefill node)."""
+        return "colocated" if self.role == "decode" and self.connector == "local" else self.role
 
 
 @dataclass
@@ -305,6 +313,13 @@ class Discovery:
         self._registered = {**fresh, **{n.node_id: n for n in kept}}
         self._changed()
 
+    def set_registered(self, rows: Iterable[tuple]) -> None:
+        """The registry's nodes are these (registration, load) rows, taken at once as a registry read returned
+        them: no probe of the nodes gone, no GetNodeInfo (an in-process fleet: the simulator, kvrelay.sim)."""
+        nodes = (self._from_registration(reg, load) for reg, load in rows)
+        self._registered = {n.node_id: n for n in nodes}
+        self._changed()
+
     async def _keep_unlisted(self, missing: Iterable[Node]) -> list[Node]:
         """Nodes gone from a registry read that still answer, are not draining and are within the grace."""
         now = time.monotonic()
@@ -325,6 +340,7 @@ class Discovery:
             max_model_len=int(getattr(reg, "max_model_len", 0) or (info.max_model_len if info else 0)),
             vocab_size=int(getattr(reg, "vocab_size", 0) or (info.vocab_size if info else 0)),
             load=load, draining=bool(getattr(reg, "draining", False)),
+            metrics_address=getattr(reg, "metrics_address", ""), connector=getattr(reg, "connector", ""),
         )
         return self._vet(node)
 
@@ -369,7 +385,8 @@ class Discovery:
         node = Node(
             node_id=info.node_id or s.address, role=role, address=s.address, model_id=info.model_id,
             block_size=info.block_size, source="static", kv_address=info.kv_address,
-            max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len, vocab_size=info.vocab_size, metrics_address=info.metrics_address,
+            connector=info.connector,
         )
         return self._vet(node)
 

@@ -377,7 +377,7 @@ class ModelList(_Response):
 
 class HealthNode(_Response):
     node_id: str
-    role: str
+    role: str  # prefill, decode, or colocated (a decode node that computes its prompts itself)
     address: str
     source: str
     routable: bool
@@ -387,7 +387,8 @@ class HealthNode(_Response):
 
 class HealthResponse(_Response):
     status: Literal["ok", "degraded", "draining"]
-    prefill_nodes: int
-    decode_nodes: int
+    prefill_nodes: int  # routable, of each kind
+    decode_nodes: int  # nodes that decode: colocated engines count here too
+    colocated_nodes: int = 0
     nodes: list[HealthNode]
     reasons: list[str] = []  # why it is degraded: Redis unreachable, nodes out of rotation, no decode node

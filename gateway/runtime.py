@@ -14,6 +14,7 @@ from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.core import Admission, GatewayCore
 from kvrelay.gateway.discovery import Discovery, DiscoveryConfig
 from kvrelay.gateway.dispatch import DispatchConfig, Dispatcher
+from kvrelay.gateway.fleet_metrics import FleetMetrics
 from kvrelay.gateway.liveness import Liveness
 from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.node_client import NodeClients, Timeouts
@@ -70,6 +71,8 @@ class Gateway:
         self.chat = ChatServing(self.core, self.served_names, parser)
         self.completions = CompletionServing(self.core, self.served_names)
         self.tokenize = TokenizeServing(self.core, self.served_names, self.chat.render_for_tokenize)
+        self.fleet_metrics = (FleetMetrics(self.metrics.registry, self.discovery.nodes, config.node_metrics_timeout)
+                              if config.fleet_metrics else None)
         self.started_at = time.time()
 
     def health_reasons(self) -> list[str]:
@@ -105,6 +108,8 @@ class Gateway:
         self.router.close()
         await self.dispatcher.drain(2.0)
         await self.clients.close()
+        if self.fleet_metrics is not None:
+            await self.fleet_metrics.close()
         for obj in (self.index, self.registry):
             close = getattr(obj, "close", None)
             if close is not None:

@@ -3,9 +3,13 @@
 Every error, bad input included, leaves in OpenAI's shape {"error": {message, type, param, code}}: pydantic
 validation errors are 400s (OpenAI's convention), not FastAPI's 422s. An X-Request-Id header names the
 request (its id in the response and on the nodes) and comes back on the response, errors included. CORS
-headers are sent for the --allowed-origins only. SIGTERM stops new connections and new
-requests (503), lets open streams finish within --shutdown-timeout, then cancels what is left, which
-aborts those sequences on the nodes.
+headers are sent for the --allowed-origins only.
+
+SIGTERM: new requests get 503 with Retry-After (the port stays open meanwhile, so a client learns why), open
+requests get --shutdown-grace to finish; past it each still open ends as a shutdown (GatewayCore.cut): a
+stream with a final error event in OpenAI's shape and [DONE], a plain request with a 503, and its sequences are
+aborted on the nodes. Then the port closes and the gateway's parts stop. Nothing is left for uvicorn to cancel,
+so no traceback is logged.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -54,6 +59,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
                                              for code in (400, 401, 404, 429, 502, 503, 504)}
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 _MAX_REQUEST_ID = 128
+_CUT_S = 3.0  # after cut(): how long the requests it ended get to send their last event
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code=None,
@@ -255,24 +261,28 @@ def _ops_routes(gateway: Gateway) -> APIRouter:
     @router.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health():
         nodes = gateway.discovery.nodes()
-        views = [HealthNode(node_id=n.node_id, role=n.role, address=n.address, source=n.source,
+        views = [HealthNode(node_id=n.node_id, role=n.kind, address=n.address, source=n.source,
                             routable=n.routable, reason=n.refused or (None if n.healthy else "unhealthy"),
                             breaker=gateway.discovery.breaker_state(n.node_id))
                  for n in nodes]
         prefill = sum(n.routable and n.role == "prefill" for n in nodes)
         decode = sum(n.routable and n.role == "decode" for n in nodes)
+        colocated = sum(n.routable and n.kind == "colocated" for n in nodes)
         reasons = gateway.health_reasons()
         if not decode:
             reasons.insert(0, "no decode node is routable")
         status = "draining" if gateway.core.draining else "degraded" if reasons else "ok"
-        body = HealthResponse(status=status, prefill_nodes=prefill, decode_nodes=decode, nodes=views, reasons=reasons)
+        body = HealthResponse(status=status, prefill_nodes=prefill, decode_nodes=decode, colocated_nodes=colocated,
+                              nodes=views, reasons=reasons)
         # Degraded but serving (Redis down, a node out) is still 200: a load balancer must keep sending work.
         code = 200 if decode and not gateway.core.draining else 503
         return JSONResponse(body.model_dump(), status_code=code)
 
     @router.get("/metrics", response_class=Response)
     async def metrics():
-        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+        fleet = gateway.fleet_metrics
+        return Response(await fleet.render() if fleet is not None else gateway.metrics.render(),
+                        media_type=CONTENT_TYPE)
 
     return router
 
@@ -285,9 +295,12 @@ async def _respond(gateway: Gateway, request: Request, work: Awaitable):
     try:
         result = await work
     except asyncio.CancelledError:
-        if not gone.is_set():
+        cut = None if gone.is_set() else gateway.core.cut_error()
+        if not gone.is_set() and cut is None:
             raise
         task.uncancel()
+        if cut is not None:  # a shutdown's grace ran out before the generation started
+            raise cut from None
         gateway.metrics.observe_request("cancelled")
         return Response(status_code=499)
     finally:
@@ -319,19 +332,30 @@ class _Server(uvicorn.Server):
             self._captured_signals.clear()
 
     async def shutdown(self, sockets=None) -> None:
-        # New requests on connections still open get 503 while the streams already running finish.
-        self.gateway.core.draining = True
-        logger.info("shutting down: draining %d generations (at most %.0f s)", self.gateway.core.active,
-                    self.gateway.config.shutdown_timeout)
+        core, grace = self.gateway.core, self.gateway.config.shutdown_timeout
+        core.draining = True  # new requests get 503 with Retry-After; the port stays open until the drain ends
+        if core.active:
+            logger.info("shutting down: new requests get 503; %d generations in progress get up to %.0f s",
+                        core.active, grace)
+        deadline = time.monotonic() + grace
+        while core.active and time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+        if core.active:
+            logger.info("shutdown grace over: ending %d requests (streams with an error event and [DONE])",
+                        core.cut())
+            end = time.monotonic() + _CUT_S
+            while core.active and time.monotonic() < end:
+                await asyncio.sleep(0.01)
         await super().shutdown(sockets)
 
 
 def make_server(config: GatewayConfig, gateway: Gateway | None = None, log_level: str = "info") -> _Server:
     gateway = gateway or Gateway(config)
     app = build_app(gateway, config.grpc_port)
+    # The drain happens before uvicorn's own shutdown (_Server.shutdown), which then only waits for responses
+    # already ending.
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(), lifespan="on",
-                        timeout_graceful_shutdown=max(config.shutdown_timeout, 0.1), access_log=config.log_requests,
-                        timeout_keep_alive=30)
+                        timeout_graceful_shutdown=_CUT_S, access_log=config.log_requests, timeout_keep_alive=30)
     return _Server(uv, gateway)
 
 

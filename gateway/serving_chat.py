@@ -211,7 +211,8 @@ async def _stream(gen: Generation, request_id: str, model: str, req: ChatComplet
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
     body = _events(gen, deltas, first, request_id, model, include_usage, continuous, plan)
-    return SSEResponse(body, on_close=deltas.aclose, headers={**gen.route_headers(), **headers})
+    return SSEResponse(body, on_close=deltas.aclose, headers={**gen.route_headers(), **headers},
+                       cut_error=gen.core.cut_error)
 
 
 class _ToolDeltas:

@@ -153,14 +153,20 @@ class SSEResponse(StreamingResponse):
     even when the body never started: that is what aborts the sequences on the nodes.
 
     Leaner than Starlette's: the disconnect watcher cancels this task directly (no task group per stream),
-    which keeps the first event a fraction of a millisecond closer to the first token."""
+    which keeps the first event a fraction of a millisecond closer to the first token.
+
+    A shutdown that cuts the stream (GatewayCore.cut) usually lands in the body, which then ends with the error
+    event and [DONE] itself; `cut_error` covers one that lands while an event is being written: the stream then
+    ends with that error event and [DONE] here."""
 
     media_type = "text/event-stream"
 
     def __init__(self, body: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None,
+                 cut_error: Callable[[], GatewayError | None] = lambda: None) -> None:
         super().__init__(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._on_close = on_close
+        self._cut_error = cut_error
 
     async def __call__(self, scope, receive, send) -> None:
         task = asyncio.current_task()
@@ -179,11 +185,23 @@ class SSEResponse(StreamingResponse):
                 await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not gone.is_set():
+            cut = None if gone.is_set() else self._cut_error()
+            if not gone.is_set() and cut is None:
                 raise
-            task.uncancel()  # we cancelled ourselves because the client left: a normal end
+            task.uncancel()  # the client left (we cancelled ourselves), or a shutdown cut the stream
+            if cut is not None:
+                await self._end_with(send, cut)
         except OSError:
             pass  # the client left while we were writing
         finally:
             watcher.cancel()
             await self._on_close()
+
+    async def _end_with(self, send, err: GatewayError) -> None:
+        await self.body_iterator.aclose()
+        try:
+            body = (sse_error(err) + SSE_DONE).encode()
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass

@@ -205,7 +205,8 @@ async def _stream(state: _State, request_id: str, model: str, req: CompletionReq
     opts = req.stream_options
     body = _events(state, deltas, first, request_id, model, bool(opts and opts.include_usage),
                    bool(opts and opts.continuous_usage_stats))
-    return SSEResponse(body, on_close=deltas.aclose, headers={**state.gens[0].route_headers(), **headers})
+    return SSEResponse(body, on_close=deltas.aclose, headers={**state.gens[0].route_headers(), **headers},
+                       cut_error=state.gens[0].core.cut_error)
 
 
 async def _events(state: _State, deltas, first, request_id: str, model: str, include_usage: bool,

@@ -111,6 +111,11 @@ class UcxRuntime:
 
     async def _reset(self) -> None:
         await asyncio.sleep(0)  # let cancelled tasks unwind so they drop their endpoints
+        ctx = getattr(ucxx.core, "_ctx", None)
+        if ctx is not None and getattr(ctx, "notifier_thread", None) is not None:
+            # Wake the notifier thread now: it looks for its stop message once a second, and reset() joins it.
+            ctx.worker.stop_request_notifier_thread()
+        del ctx  # reset() refuses while anything but ucxx holds the context
         try:
             ucxx.reset()
         except Exception as e:  # noqa: BLE001 - a lingering reference only costs the chance to re-init

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvrelay.common.kv_allocator import KVAllocator
 from kvrelay.common.records import KVLayout
 from kvrelay.kv_transfer._book import TransferBooks
 from kvrelay.kv_transfer.types import ConnectorConfig, TransferError, TransferResult, torch_dtype
+
+if TYPE_CHECKING:  # annotations only: importing the package must not import torch
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvrelay.common.records import KVLayout
+
+if TYPE_CHECKING:  # torch is imported where a tensor is met: `kvrelay up` and --help should not pay for it
+    import torch
 
 
 class TransferError(RuntimeError):
@@ -35,6 +37,8 @@ def layout_mismatch(ours: KVLayout, theirs: KVLayout, our_name: str, their_name:
 
 
 def torch_dtype(layout: KVLayout) -> torch.dtype:
+    import torch
+
     return getattr(torch, layout.dtype)
 
 

@@ -1,10 +1,93 @@
-"""Shared pytest fixtures. Heavy resources are session-scoped so each is built once per run."""
+"""Shared pytest fixtures, and the test tiers. Heavy resources are session-scoped so each is built once per run.
+
+Tiers: a test that starts processes (nodes, gateways, fleets, Redis, transfer peers) is marked `fleet` here, by
+what its module uses, so no test has to remember to mark itself. `make test-fast` runs the rest
+(`-m "not fleet"`: unit and engine tests, for the edit loop); `make test` runs everything.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
+
+# What a test, or a fixture it uses, calls to start a process: the process helpers, Redis, subprocesses.
+_STARTS_PROCESSES = re.compile(r"\b(ChildProcess|NodeProcess|GatewayProcess|start_nodes|start_redis|redis_server|"
+                               r"redis_url|kvrelay_command|subprocess|multiprocessing|cli_main|run_fleet)\b")
+# Folders whose every test drives processes.
+_FLEET_FOLDERS = {"e2e", "node"}
+
+
+@functools.cache
+def _starts_processes(obj, depth: int = 2) -> bool:
+    """Whether `obj` (a test, a fixture, a helper) starts a process: its source says so, or, `depth` calls deep, a
+    function or class of the project's it names does."""
+    parts = [c for c in inspect.getmro(obj) if c.__module__.startswith(("tests", "kvrelay"))] if inspect.isclass(obj) \
+        else [obj]
+    try:
+        if any(_STARTS_PROCESSES.search(inspect.getsource(part)) for part in parts):
+            return True
+    except (OSError, TypeError):
+        return False
+    return depth > 0 and any(_starts_processes(o, depth - 1) for o in _named_callables(obj))
+
+
+def _named_callables(obj) -> list:
+    """The project's functions and classes that `obj`'s code names (module.function included)."""
+    func = getattr(obj, "__func__", obj)
+    code, scope = getattr(func, "__code__", None), getattr(func, "__globals__", None)
+    if code is None or scope is None:
+        return []
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if inspect.iscode(k))
+    found = []
+    for name in names:
+        value = scope.get(name)
+        candidates = [getattr(value, n, None) for n in names] if inspect.ismodule(value) else [value]
+        found += [v for v in candidates if (inspect.isfunction(v) or inspect.isclass(v))
+                  and getattr(v, "__module__", "").startswith(("tests", "kvrelay"))]
+    return found
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fixtures = [d.func for name, defs in item._fixtureinfo.name2fixturedefs.items() for d in defs
+                    if name != "_fast_tier_starts_no_process"]
+        if (_FLEET_FOLDERS & set(Path(item.fspath).parts)
+                or any(_starts_processes(f) for f in [getattr(item, "function", None), *fixtures] if f)):
+            item.add_marker(pytest.mark.fleet)
+
+
+# Short-lived tools a test of the fast tier may run: the kernel loader asks ninja whether its build is current,
+# `platform` asks uname, the layering test asks git.
+_FAST_TIER_TOOLS = {"ninja", "c++", "g++", "gcc", "cc", "uname", "git"}
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request, monkeypatch):
+    """Under `-m "not fleet"` (make test-fast) a test that starts a process fails, naming it: the marking above
+    missed it, and the fast tier would wait for processes."""
+    if request.config.option.markexpr != "not fleet":
+        return
+    popen_init = subprocess.Popen.__init__
+
+    def guarded(self, args, *a, **kw):
+        argv0 = Path(str(args[0] if isinstance(args, (list, tuple)) else str(args).split()[0])).name
+        if argv0 not in _FAST_TIER_TOOLS:
+            pytest.fail(f"{request.node.nodeid} starts a process ({argv0}) but is not marked `fleet`: "
+                        "name what starts it in tests/conftest.py's _STARTS_PROCESSES")
+        popen_init(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+
 
 # ---------------------------------------------------------------- default model
 

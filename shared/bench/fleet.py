@@ -40,6 +40,7 @@ from kvrelay.bench import parse_args, report, serve, vllm_baseline
 from kvrelay.common.process import ChildProcess, kvrelay_command, pid_alive, stop_all
 from kvrelay.common.prometheus import Metrics
 from kvrelay.common.system import free_port
+from kvrelay.common.units import byte_size
 
 _STARTED = re.compile(r"started (\S+) \(pid (\d+)\)")  # `kvrelay up` logs each start, restarts included
 
@@ -304,7 +305,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "what kvrelay picks on this machine")
     p.add_argument("--prefill-nodes", type=int, default=3, help="routing scenario: prefill nodes")
     p.add_argument("--decode-nodes", type=int, default=1, help="routing scenario: decode nodes")
-    p.add_argument("--kv-cache-memory", type=int, default=None,
+    p.add_argument("--kv-cache-memory", type=byte_size, default=None,
                    help="bytes of KV cache per node (default: "
                         + ", ".join(f"{k} {v // 2**20} MiB" for k, v in KV_CACHE_DEFAULTS.items())
                         + "; kept small where several nodes share this machine's memory)")

@@ -40,6 +40,7 @@ from kvrelay.bench.client import Client, Reply
 from kvrelay.bench.fleet import Server
 from kvrelay.bench.report import emit, machine
 from kvrelay.bench.workload import TextSource
+from kvrelay.common.units import byte_size
 
 logger = logging.getLogger(__name__)
 
@@ -288,7 +289,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=2, help="decode nodes")
     p.add_argument("--model", default="default", help="passed to `kvrelay up --model`")
     p.add_argument("--dtype", default="float32", help="passed to `kvrelay up --dtype`")
-    p.add_argument("--kv-cache-memory", type=int, default=48 * 2**20, help="bytes of KV cache per node")
+    p.add_argument("--kv-cache-memory", type=byte_size, default=48 * 2**20, help="bytes of KV cache per node")
     p.add_argument("--up-args", default=None, help="more `kvrelay up` flags (bounds: --max-waiting-requests, ...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--settle-timeout", type=float, default=180.0,

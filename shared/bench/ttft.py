@@ -34,6 +34,7 @@ from kvrelay.bench.report import emit, machine
 from kvrelay.bench.stats import summary
 from kvrelay.common.process import stop_all
 from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.units import byte_size
 from kvrelay.common.wire import sampling_to_proto
 from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 
@@ -51,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated: tcp, shm (UCX transports), auto (the auto connector: shared memory)")
     p.add_argument("--repetitions", type=int, default=3, help="requests per way, length and transport")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per node")
-    p.add_argument("--kv-cache-memory", type=int, default=256 * 2**20, help="bytes of KV cache per node")
+    p.add_argument("--kv-cache-memory", type=byte_size, default=256 * 2**20, help="bytes of KV cache per node")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--output", default="bench/results/ttft.json", help="JSON result file")
 

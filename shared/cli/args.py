@@ -1,8 +1,27 @@
-"""Pieces of the command line that only the CLI uses."""
+"""Pieces of the command line that only the CLI uses: the parser class (one-line errors), the help format, flags
+read from config records, and the error every check before start-up raises."""
 
 from __future__ import annotations
 
 import argparse
+
+
+class UsageError(ValueError):
+    """A command line that cannot run: printed as one line, `<prog>: error: <message>`, and exit code 2.
+    `flag` names the flag at fault when there is one (the message then starts with it)."""
+
+    def __init__(self, message: str, flag: str | None = None, prog: str | None = None) -> None:
+        super().__init__(f"{flag}: {message}" if flag else message)
+        self.flag = flag
+        self.prog = prog
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are UsageErrors carrying its prog (`kvrelay up`), so that main() prints one
+    line under the command that failed instead of argparse's usage block."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message, prog=self.prog)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -22,3 +41,8 @@ def add_field_flags(group: argparse.ArgumentParser | argparse._ArgumentGroup, de
     for name, text in helps.items():
         value = getattr(defaults, name)
         group.add_argument("--" + name.replace("_", "-"), type=type(value), default=value, help=text)
+
+
+def flag_name(field: str) -> str:
+    """The flag of a config field: `kv_cache_memory` -> `--kv-cache-memory`."""
+    return "--" + field.replace("_", "-")

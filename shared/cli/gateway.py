@@ -7,7 +7,9 @@ import argparse
 import dataclasses
 import os
 
-from kvrelay.cli.args import HelpFormatter, add_field_flags
+from kvrelay.cli.args import HelpFormatter, UsageError, add_field_flags
+from kvrelay.cli.log import exit_now
+from kvrelay.cli.preflight import check_port
 from kvrelay.gateway.config import INDEX_BACKENDS, ROUTING_POLICIES, TOOL_CALL_PARSERS, GatewayConfig
 
 EXAMPLES = """examples:
@@ -23,8 +25,11 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "model": "model folder, .gguf or 'default': its tokenizer and id (the nodes must serve the same)",
         "host": "interface of the HTTP (and gRPC) API",
         "port": "HTTP port of the OpenAI API, /health and /metrics",
-        "shutdown_timeout": "seconds SIGTERM lets open streams finish",
     })
+    g.add_argument("--shutdown-grace", "--shutdown-timeout", dest="shutdown_timeout", type=float,
+                   default=d.shutdown_timeout,
+                   help="seconds open streams get after SIGTERM (new requests get 503 meanwhile); then each ends "
+                        "with an error event and [DONE]")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="names the API accepts in 'model' (default: the model id)")
     g.add_argument("--api-key", default=os.environ.get("KVRELAY_API_KEY", d.api_key),
@@ -34,6 +39,13 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="context limit (default: the nodes' smallest)")
     g.add_argument("--log-requests", action="store_true", default=d.log_requests, help="log every HTTP request")
+    g.add_argument("--fleet-metrics", action=argparse.BooleanOptionalAction, default=d.fleet_metrics,
+                   help="/metrics also serves every known node's series (vllm:* and the node's kvrelay:*), labelled "
+                        "node_id and role, scraped on demand: one URL for a whole `kvrelay up` fleet. Leave it off "
+                        "where Prometheus scrapes the nodes themselves (Kubernetes), or series count twice")
+    g.add_argument("--node-metrics-timeout", type=float, default=d.node_metrics_timeout,
+                   help="--fleet-metrics: seconds a node's /metrics may take; a slower or dead node is left out "
+                        "(kvrelay:node_metrics_up 0)")
     g.add_argument("--tool-call-parser", default=d.tool_call_parser or "none", choices=[*TOOL_CALL_PARSERS, "none"],
                    help="how tool_choice 'auto' finds the model's tool calls (vLLM's names; 'none': never parsed)")
     g.add_argument("--allowed-origins", nargs="+", default=list(d.allowed_origins),
@@ -96,10 +108,21 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(**values)
 
 
+def check_gateway(config: GatewayConfig) -> None:
+    """The ports, before the tokenizer and the index load (kvrelay.cli.preflight)."""
+    if config.grpc_port == config.port:
+        raise UsageError(f"{config.port} is --port too: give the gRPC API a port of its own", "--grpc-port")
+    check_port(config.host, config.port, "--port")
+    if config.grpc_port is not None:
+        check_port(config.host, config.grpc_port, "--grpc-port")
+
+
 def _run(args: argparse.Namespace) -> int:
     from kvrelay.gateway.server import serve
 
-    return serve(config_from_args(args), log_level=getattr(args, "log_level", "INFO"))
+    config = config_from_args(args)
+    check_gateway(config)
+    exit_now(serve(config, log_level=getattr(args, "log_level", "INFO")))
 
 
 def register(subparsers) -> None:

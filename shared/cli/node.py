@@ -13,6 +13,8 @@ import argparse
 import os
 
 from kvrelay.cli.args import HelpFormatter, add_field_flags
+from kvrelay.cli.log import exit_now
+from kvrelay.cli.preflight import check_engine, check_port
 from kvrelay.engine.args import add_engine_args, engine_config
 from kvrelay.kv_transfer import CONNECTORS, ConnectorConfig
 from kvrelay.node.config import NodeConfig, RegistryConfig
@@ -50,8 +52,8 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="torch CPU threads (default: the cores divided by --local-nodes; oversubscribed OpenMP "
                         "threads slow every node down many times)")
     g.add_argument("--seed", type=int, default=d.engine.model.seed, help="sampler seed for requests that bring none")
-    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
-                   help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--shutdown-grace", "--shutdown-timeout", dest="shutdown_timeout", type=float,
+                   default=d.shutdown_timeout_s, help="seconds in-flight requests get to finish after SIGTERM")
     g.add_argument("--ready-file", default=d.ready_file,
                    help="write a JSON file with the node's addresses once it serves (for launchers and tests)")
     k = p.add_argument_group("KV transfer")
@@ -152,9 +154,19 @@ def server_class(role: str):
     raise ValueError(f"role: {role!r} is not a node role ({', '.join(ROLES)})")
 
 
+def check_node(config: NodeConfig) -> None:
+    """What can be refused before the model loads (kvrelay.cli.preflight): the engine's settings against the
+    model's config, and the node's ports."""
+    check_engine(config.engine)
+    check_port(config.host, config.port, "--port", "; --port 0 picks a free one")
+    check_port(config.host, config.metrics_port, "--metrics-port", "; --metrics-port 0 picks a free one")
+
+
 def run_node(args: argparse.Namespace, role: str) -> int:
     import asyncio
 
     from kvrelay.node.runtime import serve
 
-    return asyncio.run(serve(node_config(args), server_class(role)))
+    config = node_config(args)
+    check_node(config)
+    exit_now(asyncio.run(serve(config, server_class(role))))

@@ -171,3 +171,14 @@ def stop_all(children: Iterable[ChildProcess], grace_s: float = 20.0) -> list[in
         child.terminate()
     deadline = time.monotonic() + grace_s
     return [child.stop(max(0.1, deadline - time.monotonic())) for child in children]
+
+
+def kill_all(children: Iterable[ChildProcess], wait_s: float = 1.0) -> None:
+    """SIGKILL every child's whole process group at once, then reap each within `wait_s` (a bounded wait, so
+    this may run in a signal handler that interrupted a wait on one of them)."""
+    children = list(children)
+    for child in children:
+        child._kill_group()
+    deadline = time.monotonic() + wait_s
+    for child in children:
+        child.wait(max(0.0, deadline - time.monotonic()))

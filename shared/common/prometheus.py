@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 # vLLM's buckets for time to first token, inter-token latency and end-to-end request latency (seconds).
@@ -50,15 +51,17 @@ class Sample:
 
 
 class Metrics:
-    """The samples of one scrape."""
+    """The samples of one scrape; `families` keeps the parsed metric families (name, type, help and samples, as
+    prometheus_client's Metric) for a reader that exports them again (the gateway's fleet-wide /metrics)."""
 
-    def __init__(self, samples: Iterable[Sample]) -> None:
+    def __init__(self, samples: Iterable[Sample], families: Iterable[Metric] = ()) -> None:
         self.samples = list(samples)
+        self.families = list(families)
 
     @classmethod
     def parse(cls, text: str) -> Metrics:
-        return cls(Sample(s.name, dict(s.labels), s.value)
-                   for family in text_string_to_metric_families(text) for s in family.samples)
+        families = list(text_string_to_metric_families(text))
+        return cls((Sample(s.name, dict(s.labels), s.value) for family in families for s in family.samples), families)
 
     @classmethod
     def scrape(cls, url: str, timeout_s: float = 10.0, headers: Mapping[str, str] | None = None) -> Metrics:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvrelay.common.units import byte_size
 from kvrelay.engine.config import EngineConfig, SchedulingPolicy, SpeculativeConfig
 
 SCHEDULING_POLICIES = [p.value for p in SchedulingPolicy]
@@ -35,9 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig | None = 
     g.add_argument("--device", default=m.device, help="auto (cuda when available), cpu, cuda, cuda:N")
     g.add_argument("--max-model-len", type=int, default=m.max_model_len, help="context length (default: the model's)")
     g.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block (fleet-wide)")
-    g.add_argument("--kv-cache-memory", type=int, default=c.kv_cache_memory,
-                   help="bytes of KV cache (CPU default 2 GiB; on CUDA it overrides "
-                        "--gpu-memory-utilization); the log says how many tokens fit")
+    g.add_argument("--kv-cache-memory", type=byte_size, default=c.kv_cache_memory,
+                   help="KV cache size: bytes or with a unit, e.g. 512MiB, 4GiB (CPU default 2 GiB; on CUDA it "
+                        "overrides --gpu-memory-utilization); the log says how many tokens fit")
     g.add_argument("--gpu-memory-utilization", type=float, default=c.gpu_memory_utilization,
                    help="CUDA: fraction of device memory for weights plus KV cache")
     g.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens,

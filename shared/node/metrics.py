@@ -10,6 +10,10 @@ Where a number is counted:
 - vllm:spec_decode_*: speculative decoding's verifications (num_drafts), drafts verified and accepted, and
   accepted drafts by their position in a run (label position, 0 = first draft): acceptance rate is
   num_accepted_tokens / num_draft_tokens, mean accepted run num_accepted_tokens / num_drafts.
+- vllm:cache_config_info (vLLM's) and kvrelay:engine_config_info: the engine's settings as it runs with them,
+  as labels of a gauge at 1 (what --max-num-seqs, --seed, --device ... came to, on the node itself).
+
+The endpoint answers from before the model loads: /health is 503 {"status": "loading"} until the node serves.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -26,6 +31,10 @@ from kvrelay.common.prometheus import latency_histograms
 
 logger = logging.getLogger(__name__)
 
+# vLLM's label names for its cache info (a subset); ours for the rest of the engine's settings.
+_CACHE_INFO = ["block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization", "num_gpu_blocks"]
+_ENGINE_INFO = ["device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "seed",
+                "scheduling_policy"]
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -64,6 +73,10 @@ class NodeMetrics:
         self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by position in their run", m + ["position"],
                                              registry=reg)
+        self.cache_info = Gauge("vllm:cache_config_info", "The KV cache's settings, as labels", _CACHE_INFO,
+                                registry=reg)
+        self.engine_info = Gauge("kvrelay:engine_config_info", "The engine's settings, as labels", _ENGINE_INFO,
+                                 registry=reg)
         self._last_stats: tuple[int, ...] = (0,) * 6
         self._last_per_pos: list[int] = []
         # Export every series from the start (at 0), as vLLM does: dashboards and rate() need them present.
@@ -74,6 +87,14 @@ class NodeMetrics:
         for metric in (self.transfer_bytes, self.transfer_seconds, self.transfer_failures):
             for direction in ("send", "recv"):
                 metric.labels(connector, direction)
+
+    def observe_config(self, config, device: str, dtype: str, max_model_len: int, num_blocks: int) -> None:
+        """The engine's settings (kvrelay.engine.config.EngineConfig) and what they came to on this machine."""
+        c, s = config.cache, config.scheduler
+        self.cache_info.labels(str(c.block_size), dtype, str(c.enable_prefix_caching), str(c.gpu_memory_utilization),
+                               str(num_blocks)).set(1)
+        self.engine_info.labels(device, dtype, str(max_model_len), str(s.max_num_seqs), str(s.max_num_batched_tokens),
+                                str(config.model.seed), s.policy.value).set(1)
 
     # -- engine thread -------------------------------------------------------------------------------
     def observe_stats(self, load, stats) -> None:
@@ -136,35 +157,59 @@ class NodeMetrics:
 
 
 class MetricsServer:
-    """GET /metrics (Prometheus text) and GET /health (JSON; 503 while draining or unhealthy)."""
+    """GET /metrics (Prometheus text) and GET /health (JSON; 503 while loading, draining or unhealthy)."""
 
     def __init__(self, host: str, port: int) -> None:
-        """Binds the port now (so the node knows its address); serves once started."""
+        """Binds the port now (so the node knows its address, and a taken port fails before the model loads)."""
         self._server = ThreadingHTTPServer((host, port), BaseHTTPRequestHandler, bind_and_activate=True)
         self._server.daemon_threads = True
         self.host, self.port = host, self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="kvrelay-metrics", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(_POLL_S,), name="kvrelay-metrics",
+                                        daemon=True)
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def start_loading(self) -> None:
+        """Serve while the model loads: /health 503 {"status": "loading", "seconds": since}, /metrics 503."""
+        since = time.monotonic()
+
+        def health() -> dict:
+            return {"healthy": False, "draining": False, "status": "loading", "message": "loading the model",
+                    "seconds": round(time.monotonic() - since, 1)}
+
+        self._server.RequestHandlerClass = _make_handler(None, health)
+        self._start_thread()
+
     def start(self, metrics: NodeMetrics, health: Callable[[], dict]) -> None:
+        """Serve the node's metrics and health (from here on each request gets the real handler)."""
         self._server.RequestHandlerClass = _make_handler(metrics, health)
-        self._thread.start()
+        self._start_thread()
         logger.info("metrics on http://%s/metrics (health: /health)", self.address)
+
+    def _start_thread(self) -> None:
+        if not self._thread.is_alive():
+            self._thread.start()
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._server.shutdown()
+            self._server.shutdown()  # returns within _POLL_S
         self._server.server_close()
 
 
-def _make_handler(metrics: NodeMetrics, health: Callable[[], dict]) -> type[BaseHTTPRequestHandler]:
+_POLL_S = 0.1  # how often the server loop looks for shutdown(): close() takes at most this long
+
+
+def _make_handler(metrics: NodeMetrics | None, health: Callable[[], dict]) -> type[BaseHTTPRequestHandler]:
+    """`metrics` None: the node is loading, /metrics has nothing to say yet (503)."""
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the http.server API
             path = self.path.split("?", 1)[0]
-            if path == "/metrics":
+            if path == "/metrics" and metrics is None:
+                self._reply(503, "text/plain", b"loading the model\n")
+            elif path == "/metrics":
                 self._reply(200, CONTENT_TYPE_LATEST, metrics.exposition())
             elif path == "/health":
                 state = health()

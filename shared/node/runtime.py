@@ -3,14 +3,16 @@
 The runtime is role-agnostic: the caller (the CLI) passes the role's server class, a NodeServer subclass.
 
 Node lifecycle:
-1. Limit torch's threads (several nodes on one machine must not each spin every core), create the
-   connector, and build the engine with it (the engine registers its KV caches with the connector).
-2. Bind the gRPC and metrics ports, which names the node; open its index publisher; build the role's
-   server around the engine, the connector and the publisher.
-3. Start the engine thread, the gRPC server and the metrics endpoint; register in the index (with a Redis
-   URL): clear old entries, heartbeat with load, publish block events.
-4. Write the ready file so launchers know the addresses.
-5. On SIGTERM / SIGINT: stop taking work (new RPCs get UNAVAILABLE, Health says draining), deregister,
+1. Limit torch's threads (several nodes on one machine must not each spin every core). Bind the gRPC and
+   metrics ports first, so that a taken port fails in a second, not after the model loaded; the metrics
+   endpoint answers /health with 503 {"status": "loading"} meanwhile (what `kvrelay up` reports, and what a
+   startup probe waits on).
+2. Create the connector and build the engine with it (the engine registers its KV caches with the connector).
+3. Open the index publisher; build the role's server around the engine, the connector and the publisher.
+4. Start the engine thread, the gRPC server and the metrics endpoint's real handler; register in the index
+   (with a Redis URL): clear old entries, heartbeat with load, publish block events.
+5. Write the ready file so launchers know the addresses.
+6. On SIGTERM / SIGINT: stop taking work (new RPCs get UNAVAILABLE, Health says draining), deregister,
    let in-flight requests finish within the shutdown timeout, close everything, return 0.
 """
 
@@ -30,6 +32,7 @@ import grpc
 import torch
 
 from kvrelay.common.system import advertised
+from kvrelay.engine.config import dtype_name
 from kvrelay.engine.core import EngineCore
 from kvrelay.kv_transfer import KVConnector, create_connector
 from kvrelay.node.config import NodeConfig
@@ -41,6 +44,7 @@ from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 GIL_SWITCH_INTERVAL_S = 0.001
+_IDLE_STREAMS_GRACE_S = 0.5
 
 _GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a second node on the same port must fail, not share it
@@ -80,7 +84,8 @@ class Node:
         if self.registration is not None:
             await self.registration.stop()
         await engine.shutdown(timeout)
-        await self.grpc_server.stop(grace=5.0)
+        # In-flight requests are over; what is left are idle streams (a gateway's GenerateMany): no reason to wait.
+        await self.grpc_server.stop(grace=_IDLE_STREAMS_GRACE_S)
         self.servicer.close()
         self.metrics_server.close()
         await asyncio.to_thread(self.connector.close)
@@ -108,17 +113,22 @@ async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
     # interval: 1 ms instead of Python's 5 measured +6% served tokens/s (docs/results/2026-11-25-zen5/NOTES.md).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     torch.set_num_threads(config.num_threads or default_num_threads(config.local_nodes))
+    grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
+    try:
+        port = grpc_server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError as e:
+        raise ValueError(f"port: cannot listen on {config.host}:{config.port} ({e})") from None
+    try:
+        metrics_server = MetricsServer(config.host, config.metrics_port)
+    except OSError as e:
+        raise ValueError(f"metrics_port: cannot listen on {config.host}:{config.metrics_port} ({e})") from None
+    metrics_server.start_loading()
     connector = build_connector(config)
     try:
         core = _build_core(config, connector)
-        grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
-        try:
-            port = grpc_server.add_insecure_port(f"{config.host}:{config.port}")
-        except RuntimeError as e:
-            raise ValueError(f"port: cannot listen on {config.host}:{config.port} ({e})") from None
-        metrics_server = MetricsServer(config.host, config.metrics_port)
     except BaseException:
         connector.close()
+        metrics_server.close()
         raise
     host = advertised(config.host)
     served = config.served_model_name or core.info.model_id
@@ -129,6 +139,8 @@ async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
         kv_lease_s=config.engine.scheduler.kv_lease_s,
     )
     metrics = NodeMetrics(served, config.connector.name)
+    metrics.observe_config(config.engine, str(core.info.device), dtype_name(core.info.dtype), core.max_model_len,
+                           core.num_blocks)
     publisher = open_publisher(config.registry, settings.node_id, core.info.model_id)
     servicer = server_cls(core, connector, metrics, settings, block_events=publisher)
     pb_grpc.add_EngineServicer_to_server(servicer, grpc_server)

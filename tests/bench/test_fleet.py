@@ -66,7 +66,6 @@ def test_default_serve_flags_parse_and_later_flags_win(scenario, tmp_path):
     assert args.dataset == ("multi-tenant" if scenario == "routing" else "random")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_one_arm_on_a_real_fleet_and_the_gateway_overhead(default_model_dir, tmp_path, spawned):
     """One `kvrelay up` (1 prefill + 1 decode node): an arm of `bench fleet` measured on it, `bench routing`'s
@@ -111,7 +110,6 @@ def _vllm_python() -> str:
         pytest.skip("no vLLM venv here (the peer kit's, or $KVRELAY_VLLM_PYTHON)")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_vllm_arm_serves_the_same_model_and_stops(default_model_dir, tmp_path, spawned):
     _vllm_python()

@@ -28,7 +28,6 @@ def test_verdicts(reply, verdict):
     assert soak.verdict(reply) == verdict
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_short_soak_on_a_tiny_model(tmp_path, default_model_dir, spawned):
     """Burst with malformed requests on a small KV cache, then crashes under load: nothing fails, nothing

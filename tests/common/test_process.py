@@ -10,7 +10,14 @@ import time
 
 import pytest
 
-from kvrelay.common.process import ChildProcess, ProcessStartError, kvrelay_command, pid_alive, stop_all
+from kvrelay.common.process import (
+    ChildProcess,
+    ProcessStartError,
+    kill_all,
+    kvrelay_command,
+    pid_alive,
+    stop_all,
+)
 
 PY = sys.executable
 
@@ -83,6 +90,16 @@ def test_kill_is_sigkill_to_the_group(tmp_path):
     _gone(_logged(child, "grandchild"))
     child.terminate()  # no-ops on an exited child
     child.send_signal(signal.SIGTERM)
+
+
+def test_kill_all_kills_every_group_at_once_even_the_deaf(tmp_path):
+    children = [_server(tmp_path, "a", grandchild=True), _server(tmp_path, "deaf", ignore=True)]
+    grandchild = _logged(children[0], "grandchild")
+    t0 = time.monotonic()
+    kill_all(children)
+    assert time.monotonic() - t0 < 1.5
+    assert [c.returncode for c in children] == [-signal.SIGKILL, -signal.SIGKILL]  # reaped, no drain
+    _gone(grandchild)
 
 
 def test_stop_all_overlaps_the_drains(tmp_path):

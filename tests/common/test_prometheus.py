@@ -25,6 +25,17 @@ def _registry() -> CollectorRegistry:
     return r
 
 
+def test_parse_keeps_the_families_for_exporting_again():
+    metrics = Metrics.parse(generate_latest(_registry()).decode())
+    families = {f.name: f for f in metrics.families}
+    assert families["kvrelay:requests"].type == "counter"
+    assert families["vllm:num_requests_running"].documentation == "Running"
+    ttft = families["vllm:time_to_first_token_seconds"]
+    assert ttft.type == "histogram" and {s.name for s in ttft.samples} >= {
+        "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_count"}
+    assert sum(len(f.samples) for f in metrics.families) == len(metrics.samples)
+
+
 def test_parse_sums_and_selects_by_labels():
     metrics = Metrics.parse(generate_latest(_registry()).decode())
     assert metrics.value("kvrelay:requests_total") == 5  # every label set

@@ -1,6 +1,6 @@
 """`kvrelay up` places its engines for the machine and says so: by default one prefill and one decode node where
-each gets two cores, else one colocated engine with every core; explicit counts are followed, with a warning
-where they leave an engine less than two cores."""
+each gets two cores, else one colocated engine (named colocated-0) with every core; explicit counts are followed,
+with a warning where they leave an engine less than two cores; --prefill 0 makes every engine a colocated one."""
 
 import argparse
 
@@ -21,12 +21,13 @@ def _flag(children: list[up.Child], flag: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(("cores", "argv", "want"), [
-    (2, [], {"decode-0": "2"}),  # too small to disaggregate: one colocated engine
-    (3, [], {"decode-0": "3"}),
+    (2, [], {"colocated-0": "2"}),  # too small to disaggregate: one colocated engine
+    (3, [], {"colocated-0": "3"}),
     (4, [], {"prefill-0": "2", "decode-0": "2"}),
     (2, ["--prefill", "1", "--decode", "1"], {"prefill-0": "1", "decode-0": "1"}),
     (2, ["--decode", "1"], {"prefill-0": "1", "decode-0": "1"}),  # one count given: disaggregated, as asked
-    (2, ["--colocated"], {"decode-0": "2"}),
+    (2, ["--colocated"], {"colocated-0": "2"}),
+    (4, ["--prefill", "0", "--decode", "2"], {"colocated-0": "2", "colocated-1": "2"}),
     (16, ["--prefill", "2", "--decode", "2"], {f"{r}-{i}": "4" for r in ("prefill", "decode") for i in (0, 1)}),
     (3, ["--prefill", "2", "--decode", "2"], {f"{r}-{i}": "1" for r in ("prefill", "decode") for i in (0, 1)}),
 ])
@@ -69,9 +70,9 @@ def test_every_process_gets_the_fleet_block_size(argv):
 
 
 @pytest.mark.parametrize(("cores", "argv", "want"), [
-    (2, [], {"decode-0": "local"}),  # colocated: no KV crosses a process, so no transfer threads either
-    (2, ["--colocated"], {"decode-0": "local"}),
-    (2, ["--connector", "auto"], {"decode-0": "auto"}),  # asked for: followed
+    (2, [], {"colocated-0": "local"}),  # colocated: no KV crosses a process, so no transfer threads either
+    (2, ["--colocated"], {"colocated-0": "local"}),
+    (2, ["--connector", "auto"], {"colocated-0": "auto"}),  # asked for: followed
     (4, [], {"prefill-0": "auto", "decode-0": "auto"}),
     (2, ["--prefill", "1", "--decode", "1", "--connector", "ucx"], {"prefill-0": "ucx", "decode-0": "ucx"}),
 ])

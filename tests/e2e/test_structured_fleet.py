@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from tests.e2e.test_gateway import GatewayThread
 from tests.helpers.nodes import start_nodes, stop_nodes
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2-135M in float32: 30 layers x (K, V) x 16 tokens x 3 heads x 64
 MODEL = "SmolLM2-135M-Instruct"

@@ -187,7 +187,6 @@ def test_refuses_to_overwrite_foreign_folder(tiny_gguf, tmp_path):
         ensure_converted(tiny_gguf[0], tmp_path / "taken", progress=False)
 
 
-@pytest.mark.slow
 def test_default_weights_match_transformers_gguf_loader(default_model):
     assert_matches_transformers_loader(default_model.gguf_path, default_model.path)
 
@@ -353,7 +352,6 @@ def test_detokenizer_matches_full_decode_on_random_tokens(default_tokenizer):
 # ---------------------------------------------------------------- end to end with transformers
 
 
-@pytest.mark.slow
 def test_hf_generate_greedy_is_coherent(default_model_dir, default_tokenizer):
     from transformers import AutoModelForCausalLM
 

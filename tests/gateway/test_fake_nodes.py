@@ -47,6 +47,8 @@ class FakeNode(pb_grpc.EngineServicer):
     def __init__(self, node_id: str, role: str, script: Script, tokens: list[int], vocab: int) -> None:
         self.node_id, self.role, self.script, self.tokens, self.vocab = node_id, role, script, tokens, vocab
         self.address = ""
+        self.metrics_address = ""  # set: announced in GetNodeInfo, as real nodes announce their /metrics
+        self.connector = ""  # "local": a colocated engine
         self.publish = None  # set: report cached blocks to the index, as real nodes do
         self.cached: set[bytes] = set()
         self.active: dict[str, asyncio.Event] = {}
@@ -72,7 +74,8 @@ class FakeNode(pb_grpc.EngineServicer):
     async def GetNodeInfo(self, request, context):  # noqa: N802
         return pb.NodeInfo(node_id=self.node_id, role=self.role, model_id=DEFAULT_MODEL_ID, block_size=BLOCK,
                            max_model_len=512, vocab_size=self.vocab, grpc_address=self.address,
-                           kv_address=f"local://{self.node_id}")
+                           kv_address=f"local://{self.node_id}", metrics_address=self.metrics_address,
+                           connector=self.connector)
 
     async def Health(self, request, context):  # noqa: N802
         self.script.calls.append((self.node_id, "Health", ""))
@@ -154,7 +157,8 @@ class FakeNode(pb_grpc.EngineServicer):
 class Fleet:
     """Fake nodes and a gateway, each server on its own thread's event loop."""
 
-    def __init__(self, tokenizer, n_prefill: int = 1, n_decode: int = 1, **gateway_kwargs) -> None:
+    def __init__(self, tokenizer, n_prefill: int = 1, n_decode: int = 1, prepare=None, **gateway_kwargs) -> None:
+        """`prepare(nodes)`: called once the nodes serve, before the gateway first looks at them."""
         self.script = Script()
         tokens = tokenizer.encode(TEXT)
         self.nodes = [FakeNode(f"p{i}", "prefill", self.script, tokens, tokenizer.vocab_size)
@@ -164,6 +168,8 @@ class Fleet:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.grpc = asyncio.run_coroutine_threadsafe(self._start_nodes(), self.loop).result(10)
+        if prepare is not None:
+            prepare(self.nodes)
         by_role = {role: tuple(n.address for n in self.nodes if n.role == role) for role in ("prefill", "decode")}
         cfg = GatewayConfig(**{"model": "default", "port": 0, "shutdown_timeout": 2, "health_interval": 0.2,
                                **by_role, **gateway_kwargs})

@@ -1,0 +1,331 @@
+"""The processes of `kvrelay up`: where the engines go (placement), what each child runs (plan_children), and the
+Fleet that starts, watches and stops them.
+
+Every child is a ChildProcess (kvrelay.common.process) in a session and process group of its own, Redis
+included: a Ctrl-C at the terminal reaches only `up`, which stops them in order (the gateway, then the nodes,
+Redis last), and a second Ctrl-C kills every group at once (kill()). A node binds its ports and answers /health
+("loading") before it loads the model, which is what the progress lines report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+
+from kvrelay.common.process import ChildProcess, kill_all, kvrelay_command, stop_all
+from kvrelay.common.system import free_port
+from kvrelay.node.config import NodeConfig
+
+if TYPE_CHECKING:
+    from kvrelay.cli.up_config import UpConfig
+    from kvrelay.index.redis_server import RedisServer
+
+logger = logging.getLogger("kvrelay.up")
+
+MIN_CORES_PER_ENGINE = 2  # disaggregation below this: each prefill runs on one core while decodes hold the rest
+PROGRESS_FIRST_S, PROGRESS_EVERY_S = 2.0, 5.0  # the first progress line, then one every so often
+_NODE = NodeConfig()
+
+
+class Interrupted(Exception):
+    """Ctrl-C (or SIGTERM) arrived while the fleet was starting."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What `up` runs where: colocated engines (each prefills for itself) or how many nodes of each role, torch
+    threads per engine, the KV connector, and why."""
+
+    colocated: bool
+    prefill: int
+    decode: int  # engines that decode: the colocated ones too
+    threads: int
+    connector: str
+    note: str
+
+    def node_names(self) -> list[tuple[str, str]]:
+        """(role, name) of each node: a colocated engine is a decode node named colocated-<i>."""
+        if self.colocated:
+            return [("decode", f"colocated-{i}") for i in range(self.decode)]
+        return [("prefill", f"prefill-{i}") for i in range(self.prefill)] + \
+               [("decode", f"decode-{i}") for i in range(self.decode)]
+
+    def layout(self) -> str:
+        if self.colocated:
+            return "colocated (1 engine)" if self.decode == 1 else f"colocated ({self.decode} engines)"
+        return f"{self.prefill} prefill + {self.decode} decode"
+
+
+def placement(config: UpConfig) -> Placement:
+    """--colocated, --prefill 0 or explicit node counts are followed; otherwise the machine decides: one prefill
+    and one decode node where each gets MIN_CORES_PER_ENGINE cores, else one colocated engine with every core.
+    (Impossible shapes were refused before: kvrelay.cli.preflight.check_fleet_shape.)"""
+    cores = os.cpu_count() or 1
+    explicit = config.prefill is not None or config.decode is not None
+    colocated = config.colocated or config.prefill == 0 or (not explicit and cores < 2 * MIN_CORES_PER_ENGINE)
+    decode = config.decode or 1
+    prefill = 0 if colocated else (1 if config.prefill is None else config.prefill)
+    threads = max(1, cores // (decode if colocated else prefill + decode))
+    note = f"{cores} CPU cores: {threads} torch thread(s) per engine"
+    if colocated and not explicit and not config.colocated:
+        note += (f"; one colocated engine, as disaggregating would leave each engine under {MIN_CORES_PER_ENGINE} "
+                 "cores (docs/benchmarks.md: time to first token 3x the colocated one at concurrency 32 on 2 "
+                 "cores); --prefill 1 --decode 1 disaggregates anyway")
+    elif not colocated and threads < MIN_CORES_PER_ENGINE:
+        note += ("; with a core or less per engine, each prefill runs on one core while decodes hold the other: "
+                 "time to first token suffers most (docs/benchmarks.md: 3x the colocated TTFT at concurrency 32 "
+                 "on 2 cores). --colocated gives one engine every core")
+    connector = config.connector or _NODE.connector.name
+    if colocated and not config.connector:
+        # auto would start a UCX worker whose progress thread wakes every millisecond, for a node that never
+        # sends or receives KV: 2-3% of served throughput on 2 cores (docs/benchmarks.md).
+        connector = "local"
+        note += "; KV connector local, as a lone engine hands KV to no other process"
+    return Placement(colocated, prefill, decode, threads, connector, note)
+
+
+@dataclass(frozen=True)
+class FleetPorts:
+    """Every port of a fleet, fixed before anything starts (and printed): the gateway's HTTP and gRPC ports, and
+    each node's gRPC and metrics ports by node name."""
+
+    http: int
+    grpc: int
+    nodes: dict[str, tuple[int, int]]
+
+    @classmethod
+    def pick(cls, config: UpConfig, where: Placement, grpc: int | None = None) -> FleetPorts:
+        """The gRPC port as given (or `grpc`, or a free one) and a free pair for each node."""
+        host = config.host
+        nodes = {name: (free_port(host), free_port(host)) for _, name in where.node_names()}
+        return cls(config.port, grpc or config.grpc_port or free_port(host), nodes)
+
+
+@dataclass
+class Child:
+    """One process of the fleet: what it runs and, once started, the ChildProcess running it."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    process: ChildProcess | None = None
+    restarts: int = 0
+    next_restart: float = 0.0  # monotonic time of the next restart; 0: none due; -1: reported, not restarted
+    metrics_url: str = ""  # nodes: http://host:port (its /health says loading, then serving)
+
+
+def _set_flags(config: UpConfig, names: tuple[str, ...]) -> list[str]:
+    """`--name value` for each of `names` that is set (not None) in config."""
+    flags: list[str] = []
+    for name in names:
+        if (value := getattr(config, name)) is not None:
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    return flags
+
+
+def _fleet_flags(config: UpConfig) -> list[str]:
+    """What the nodes and the gateway must agree on: the gateway hashes prompts in blocks of the nodes' size and
+    refuses a node whose block size or model differs."""
+    return _set_flags(config, ("model", "block_size", "served_model_name"))
+
+
+def engine_flags(config: UpConfig) -> list[str]:
+    """The engine flags every node gets: those set on `up` (the nodes' own defaults apply to the rest)."""
+    flags = [*_fleet_flags(config), "--dtype", config.dtype,
+             *_set_flags(config, ("device", "max_model_len", "kv_cache_memory", "gpu_memory_utilization",
+                                  "max_num_seqs", "max_num_batched_tokens", "seed", "max_waiting_requests",
+                                  "scheduling_policy"))]
+    if config.enable_prefix_caching is not None:
+        flags.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
+    return flags
+
+
+def gateway_flags(config: UpConfig) -> list[str]:
+    flags = [*_fleet_flags(config), "--migration-limit", str(config.migration_limit),
+             "--routing-policy", config.routing_policy, "--fleet-metrics",
+             *_set_flags(config, ("max_concurrent_requests", "request_timeout", "tool_call_parser"))]
+    if config.allowed_origins:
+        flags += ["--allowed-origins", *config.allowed_origins]
+    return flags
+
+
+def plan_children(config: UpConfig, redis_url: str, where: Placement, ports: FleetPorts | None = None) -> list[Child]:
+    """The node and gateway processes, with their ports picked up front so the gateway can be told them."""
+    ports = ports or FleetPorts.pick(config, where)
+    common = ["--redis-url", redis_url, "--host", config.host, "--num-threads", str(where.threads),
+              "--shutdown-grace", str(config.shutdown_grace), *engine_flags(config)]
+    children = []
+    for role, name in where.node_names():
+        grpc_port, metrics_port = ports.nodes[name]
+        argv = kvrelay_command(role, "--port", str(grpc_port), "--metrics-port", str(metrics_port),
+                               "--connector", where.connector, "--node-id", name, *common)
+        if role == "decode":  # prefill nodes never decode
+            argv += _set_flags(config, ("speculative_config",))
+        children.append(Child(name, argv, metrics_url=f"http://{config.host}:{metrics_port}"))
+    gateway = kvrelay_command("gateway", "--host", config.host, "--port", str(ports.http), "--grpc-port",
+                              str(ports.grpc), "--redis-url", redis_url, "--shutdown-grace",
+                              str(config.shutdown_grace), *gateway_flags(config))
+    # The key travels in the environment, not on a command line every user of the machine can read.
+    children.append(Child("gateway", gateway, env={"KVRELAY_API_KEY": config.api_key} if config.api_key else {}))
+    return children
+
+
+class Fleet:
+    """The processes of `kvrelay up`, each a ChildProcess with its log in `log_dir`."""
+
+    def __init__(self, config: UpConfig, where: Placement, ports: FleetPorts, log_dir: Path) -> None:
+        self.config, self.placement, self.ports, self.log_dir = config, where, ports, log_dir
+        self.redis: RedisServer | None = None
+        self.children: list[Child] = []
+        # Set by the first Ctrl-C / SIGTERM (a plain flag: a signal handler must take no lock); every loop here
+        # looks at it at least every quarter second.
+        self.stop_requested = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.ports.http}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+
+    def nodes(self) -> list[Child]:
+        return [c for c in self.children if c.name != "gateway"]
+
+    def start(self) -> None:
+        redis_url = self.config.redis_url or self._start_redis()
+        self.children = plan_children(self.config, redis_url, self.placement, self.ports)
+        for child in self.children:
+            self._spawn(child)
+
+    def _start_redis(self) -> str:
+        from kvrelay.index.redis_server import start_redis
+
+        socket_path = self.log_dir / "redis.sock"
+        if len(str(socket_path)) > 100:  # a unix socket's path must fit in 108 bytes
+            socket_path = Path("/tmp") / f"kvrelay-redis-{os.getpid()}.sock"
+        self.redis = start_redis(socket_path, workdir=self.log_dir)
+        logger.info("embedded Redis at %s (pid %d)", self.redis.url, self.redis.pid)
+        return self.redis.url
+
+    def _spawn(self, child: Child) -> None:
+        # die_with_parent: a launcher killed outright (SIGKILL) takes its fleet with it.
+        child.process = ChildProcess.start(child.name, child.argv, env=child.env, log_dir=self.log_dir,
+                                           die_with_parent=True)
+        logger.info("started %s (pid %d)", child.name, child.process.pid)
+
+    # ------------------------------------------------------------------------------------------- start-up
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until the gateway routes to every node, with a progress line every few seconds; RuntimeError if a
+        child exits first or time runs out, Interrupted on Ctrl-C."""
+        start = time.monotonic()
+        next_report = start + PROGRESS_FIRST_S
+        while not self._ready():
+            now = time.monotonic()
+            if now >= next_report:
+                logger.info("starting (%.0f s): %s", now - start, self.progress())
+                next_report = now + PROGRESS_EVERY_S
+            if now - start > timeout_s:
+                raise RuntimeError(f"the fleet was not ready within {timeout_s:.0f} s ({self.progress()}); logs "
+                                   f"in {self.log_dir}")
+            time.sleep(0.25)
+            if self.stop_requested:
+                raise Interrupted
+
+    def progress(self) -> str:
+        """Where each part is: `decode-0 loading the model, gateway routing to 0 of 1 nodes`."""
+        states = [f"{c.name} {self._node_state(c)}" for c in self.nodes()]
+        routed = self._routed()
+        states.append("gateway starting" if routed is None else
+                      f"gateway routing to {routed} of {len(self.nodes())} nodes")
+        return ", ".join(states)
+
+    @staticmethod
+    def _node_state(child: Child) -> str:
+        try:
+            reply = httpx.get(child.metrics_url + "/health", timeout=1)
+        except httpx.HTTPError:
+            return "starting"
+        if reply.status_code == 200:
+            return "serving"
+        return "loading the model" if reply.json().get("status") == "loading" else "not healthy"
+
+    def _routed(self) -> int | None:
+        try:
+            health = httpx.get(f"{self.url}/health", timeout=2).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        return sum(1 for n in health.get("nodes", []) if n.get("routable"))
+
+    def _ready(self) -> bool:
+        self._check_children(restart=False)
+        try:
+            health = httpx.get(f"{self.url}/health", timeout=2)
+            models = httpx.get(f"{self.url}/v1/models", timeout=2, headers=self.headers)
+            return (health.status_code == 200 and models.status_code == 200 and bool(models.json().get("data"))
+                    and self._all_nodes_routable(health.json()))
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def _all_nodes_routable(self, health: dict) -> bool:
+        """The gateway answers before the nodes have loaded the model; ready means it routes to all of them."""
+        routable = {n["node_id"] for n in health.get("nodes", []) if n.get("routable")}
+        return {c.name for c in self.nodes()} <= routable
+
+    # ----------------------------------------------------------------------------------------- supervising
+
+    def _check_children(self, restart: bool) -> None:
+        for child in self.children:
+            process = child.process
+            if process is None or process.alive():
+                continue
+            if not restart:
+                raise RuntimeError(f"{child.name} exited with code {process.returncode} during start-up; see "
+                                   f"{process.log_path}:\n{process.log_tail(20)}")
+            if child.next_restart == 0.0:
+                logger.error("%s exited with code %s; last log lines:\n%s", child.name, process.returncode,
+                             process.log_tail(20))
+                child.next_restart = time.monotonic() + min(30.0, 2.0**child.restarts)
+            elif time.monotonic() >= child.next_restart:
+                child.restarts += 1
+                child.next_restart = 0.0
+                logger.warning("restarting %s (restart %d)", child.name, child.restarts)
+                self._spawn(child)
+
+    def supervise(self) -> None:
+        """Watch the children until Ctrl-C: report one that exits (restart it with --restart, with backoff)."""
+        while not self.stop_requested:
+            time.sleep(0.2)
+            if self.config.restart:
+                self._check_children(restart=True)
+                continue
+            for child in self.children:
+                process = child.process
+                if process is not None and not process.alive() and child.next_restart == 0.0:
+                    logger.error("%s exited with code %s (not restarting; pass --restart):\n%s", child.name,
+                                 process.returncode, process.log_tail(20))
+                    child.next_restart = -1.0
+
+    # ---------------------------------------------------------------------------------------------- stopping
+
+    def stop(self) -> None:
+        """In order: the gateway (it stops admitting; open streams get --shutdown-grace, then a final error
+        event), the nodes (they deregister while Redis still answers), Redis last."""
+        processes = [c.process for c in self.children if c.process is not None]
+        grace = self.config.shutdown_grace + 5  # past it: SIGKILL to the group
+        stop_all([p for p in processes if p.name == "gateway"], grace)
+        stop_all([p for p in processes if p.name != "gateway"], grace)
+        if self.redis is not None:
+            self.redis.stop()
+
+    def kill(self) -> None:
+        """SIGKILL to every process group at once (the second Ctrl-C): nothing drains, nothing is left."""
+        processes = [c.process for c in self.children if c.process is not None]
+        kill_all(processes + ([self.redis.process] if self.redis is not None else []))

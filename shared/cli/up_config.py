@@ -1,0 +1,56 @@
+"""`kvrelay up`'s settings: one record, its flags' defaults (kvrelay.cli.up reads them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvrelay.common.hashing import DEFAULT_BLOCK_SIZE
+from kvrelay.gateway.config import GatewayConfig
+from kvrelay.node.config import NodeConfig
+
+_NODE, _GATEWAY = NodeConfig(), GatewayConfig()
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """What `kvrelay up` starts, and how: its flags' defaults. A per-node or gateway knob left None is not passed
+    on, and the part's own default applies (NodeConfig's, GatewayConfig's)."""
+
+    model: str = _GATEWAY.model
+    served_model_name: str | None = None  # None: the model id
+    dtype: str = _NODE.engine.model.dtype
+    device: str | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_model_len: int | None = None  # None: the model's
+    kv_cache_memory: int | None = None  # None: the engine's
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool | None = None
+    seed: int | None = None
+    speculative_config: str | None = None  # JSON, as vLLM takes it; decode nodes only
+    max_waiting_requests: int | None = None
+    scheduling_policy: str | None = None
+    tensor_parallel_size: int = 1  # vLLM's; only 1
+    pipeline_parallel_size: int = 1
+    prefill: int | None = None  # None: placement() decides
+    decode: int | None = None
+    colocated: bool = False
+    connector: str | None = None  # None: auto, local for a colocated engine
+    routing_policy: str = _GATEWAY.routing_policy
+    redis_url: str | None = None  # None: start an embedded redis-server
+    restart: bool = False
+    host: str = "127.0.0.1"
+    port: int = _GATEWAY.port
+    grpc_port: int | None = None  # None: --port + 1 when free, else a free one (`up` always serves gRPC)
+    api_key: str | None = None
+    tool_call_parser: str | None = None  # None: the gateway's
+    enable_auto_tool_choice: bool = False  # vLLM's; auto tool choice is on whenever a parser is set
+    allowed_origins: tuple[str, ...] = ()
+    max_concurrent_requests: int | None = None
+    request_timeout: float | None = None
+    migration_limit: int = _GATEWAY.migration_limit
+    shutdown_grace: float = 10.0  # shorter than a lone node's or gateway's: Ctrl-C should not take long
+    ready_timeout: float = 600.0
+    log_dir: str | None = None  # None: kvrelay.cli.run_logs.default_log_root()
+    keep_logs: int = 5
