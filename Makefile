@@ -33,7 +33,7 @@ run: install
 
 # Everything: what CI runs. Tests that start processes are marked `fleet` (tests/conftest.py).
 test: install
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/python -m pytest -q -ra --durations=25 tests
 
 # The edit loop: unit and engine tests, no process started.
 test-fast: install

@@ -65,7 +65,7 @@ class DecodeServer(NodeServer):
 
         try:
             res = await self.engine.reserve(rid, prompt, params, lease_s, request.cache_salt, on_reserved=expect,
-                                            wait_s=wait_s)
+                                            wait_s=wait_s, lora_name=request.lora_name)
         except asyncio.CancelledError:
             # The caller left while the reservation waited: after the abort the engine runs (queued before
             # this), nothing may still expect its layers.

@@ -19,7 +19,9 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 @dataclass(frozen=True)
 class GatewayConfig:
     model: str = "default"  # folder, .gguf or 'default': the tokenizer and the model id the nodes must serve
-    served_model_names: tuple[str, ...] = ()  # empty: the model id
+    other_models: tuple[str, ...] = ()  # more base models behind the same gateway (the first is the default)
+    # NAME (the first model's) or NAME=MODEL (MODEL as given, or its id); a model named nowhere is served as its id
+    served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000

@@ -6,6 +6,10 @@ n > 1 runs n engine sequences on the nodes routing chose, each with its own seed
 Beam search runs as one engine request on the routed decode node (it prefills the prompt itself: the beams
 fork its KV there); its last chunk carries the beams, the n best of which become the choices.
 
+Several models: each base model has a GatewayCore of its own (its tokenizer, router, dispatcher); admission and
+shutdown are the gateway's, shared by all of them through one `Activity`. A request for a LoRA adapter carries the
+adapter's name to routing and to every node call.
+
 Admission: at most `max_concurrent_requests` generations run at once (past it: 429 with Retry-After; while
 draining: 503); each may have a deadline (`request_timeout_s`) that every node call of its sequences obeys.
 
@@ -48,6 +52,7 @@ class GenerateInput:
     cache_salt: str = ""
     user: str | None = None  # the OpenAI `user` field: a session-affinity hint for routing
     beam_search: BeamSearchParams | None = None  # set: the choices are the n best of its beams
+    lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
 
 
 @dataclass(frozen=True)
@@ -71,18 +76,11 @@ class Admission:
     request_timeout_s: float = GatewayConfig.request_timeout  # 0: no deadline
 
 
-class GatewayCore:
-    def __init__(self, tokenizer: Tokenizer, router: Router, dispatcher: Dispatcher, metrics=None,
-                 max_model_len: int | None = None, default_max_model_len: int = 2048,
-                 admission: Admission | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.router = router
-        self.dispatcher = dispatcher
-        self.metrics = metrics
-        self.admission = admission or Admission()
-        self.texts = TokenTexts(tokenizer)
-        self._max_model_len = max_model_len
-        self._default_max_model_len = default_max_model_len
+class Activity:
+    """The gateway's generations in progress, whichever model they are for: admission counts them, shutdown
+    drains and cuts them."""
+
+    def __init__(self) -> None:
         self.draining = False
         self.active = 0  # generations in progress (graceful shutdown waits for them)
         self.was_cut = False  # the drain's grace ran out and cut() ended what was still running
@@ -110,6 +108,45 @@ class GatewayCore:
                 self._running[task] -= 1
             else:
                 del self._running[task]
+
+
+class GatewayCore:
+    """One base model's generations. `activity`: shared with the gateway's other models (None: its own)."""
+
+    def __init__(self, tokenizer: Tokenizer, router: Router, dispatcher: Dispatcher, metrics=None,
+                 max_model_len: int | None = None, default_max_model_len: int = 2048,
+                 admission: Admission | None = None, activity: Activity | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.router = router
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.admission = admission or Admission()
+        self.activity = activity or Activity()
+        self.texts = TokenTexts(tokenizer)
+        self._max_model_len = max_model_len
+        self._default_max_model_len = default_max_model_len
+
+    @property
+    def draining(self) -> bool:
+        return self.activity.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.activity.draining = value
+
+    @property
+    def active(self) -> int:
+        return self.activity.active
+
+    @property
+    def was_cut(self) -> bool:
+        return self.activity.was_cut
+
+    def cut(self) -> int:
+        return self.activity.cut()
+
+    def in_progress(self):
+        return self.activity.in_progress()
 
     @staticmethod
     def shutdown_error() -> ShuttingDown:
@@ -212,7 +249,8 @@ class Generation:
         with self.core.in_progress():
             try:
                 decision = await self.core.dispatcher.route(self.inp.prompt_token_ids, self.inp.cache_salt,
-                                                            self.deadline, user=self.inp.user)
+                                                            self.deadline, user=self.inp.user,
+                                                            lora_name=self.inp.lora_name)
                 if self.inp.beam_search is not None:
                     source = self._beam_stream(decision)
                 else:
@@ -237,7 +275,7 @@ class Generation:
         params = self.inp.params
         child = params.for_child(index) if params.n > 1 else params
         req = EngineRequest(f"{self.request_id}-{index}", self.inp.prompt_token_ids, child, self.inp.cache_salt,
-                            deadline=self.deadline)
+                            deadline=self.deadline, lora_name=self.inp.lora_name)
         choice = self.choices[index]
         async with aclosing(self.core.dispatcher.stream(decision, req, self.traces[index])) as stream:
             async for chunk in stream:
@@ -248,7 +286,8 @@ class Generation:
     async def _beam_stream(self, decision) -> AsyncIterator[tuple[int, TokenChunk]]:
         local = replace(decision, prefill=None, prefill_fallbacks=())
         req = EngineRequest(f"{self.request_id}-beams", self.inp.prompt_token_ids, self.inp.params,
-                            self.inp.cache_salt, beam_search=self.inp.beam_search, deadline=self.deadline)
+                            self.inp.cache_salt, beam_search=self.inp.beam_search, deadline=self.deadline,
+                            lora_name=self.inp.lora_name)
         async with aclosing(self.core.dispatcher.stream(local, req, self.traces[0])) as stream:
             async for chunk in stream:
                 for i, beam in enumerate(chunk.beams[: len(self.choices)]):

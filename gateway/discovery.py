@@ -16,8 +16,9 @@ probe in flight: whoever asks while one is under way gets its answer.
 Redis down: the last node list stays, probes go on. A node that drops out of a successful registry read is
 kept for `unlisted_grace_s` while it answers its probe and is not draining: after a Redis restart the nodes
 re-register within a heartbeat, and the fleet must not look empty meanwhile.
-A node whose model or block size differs from the gateway's is listed (in /health) but never routed to: its
-block hashes would mean nothing here.
+A node whose model is none of the gateway's, or whose block size differs from the gateway's, is listed (in /health)
+but never routed to: its block hashes would mean nothing here. A gateway serving several models reads each one's
+registry; `routable(role, model_id)` is one model's nodes.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class Probe:
 class DiscoveryConfig:
     model_id: str
     block_size: int
+    other_models: tuple[str, ...] = ()  # the gateway's other models' ids (several models behind one gateway)
     static_prefill: tuple[str, ...] = ()
     static_decode: tuple[str, ...] = ()
     refresh_s: float = GatewayConfig.refresh_interval
@@ -127,6 +129,7 @@ class Discovery:
         self._probes: dict[str, asyncio.Task[Probe]] = {}  # node_id -> the probe in flight
         self._probe_listeners: list[Callable[[Node, Probe], None]] = []
         self._view: tuple[list[Node], dict[str, list[Node]]] | None = None  # (all, routable by role)
+        self._by_model: dict[tuple[str, str], list[Node]] = {}  # (role, model id) -> routable, from self._view
         self._warned: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -156,13 +159,26 @@ class Discovery:
 
     # ---------------------------------------------------------------------------------------- views
 
-    def nodes(self) -> list[Node]:
-        """Every known node, routable or not, sorted by (role, node_id)."""
-        return self._views()[0]
+    def nodes(self, model_id: str | None = None) -> list[Node]:
+        """Every known node (of model `model_id`, None: any), routable or not, sorted by (role, node_id)."""
+        nodes = self._views()[0]
+        return nodes if model_id is None else [n for n in nodes if n.model_id == model_id]
 
-    def routable(self, role: str) -> list[Node]:
-        """The nodes of `role` that may take requests now (a cached list: do not modify)."""
-        return self._views()[1].get(role, [])
+    def routable(self, role: str, model_id: str | None = None) -> list[Node]:
+        """The nodes of `role` (of model `model_id`, None: any) that may take requests now (a cached list: do not
+        modify)."""
+        nodes = self._views()[1].get(role, [])
+        if model_id is None:
+            return nodes
+        key = (role, model_id)
+        found = self._by_model.get(key)
+        if found is None:
+            found = self._by_model[key] = [n for n in nodes if n.model_id == model_id]
+        return found
+
+    @property
+    def model_ids(self) -> tuple[str, ...]:
+        return (self.config.model_id, *self.config.other_models)
 
     def _views(self) -> tuple[list[Node], dict[str, list[Node]]]:
         # Rebuilt only when something changed: routing asks for every request.
@@ -182,14 +198,15 @@ class Discovery:
 
     def _changed(self) -> None:
         self._view = None
+        self._by_model = {}
 
-    def max_model_len(self) -> int | None:
-        """The smallest context any routable node accepts (a request must fit wherever it lands)."""
-        lens = [n.max_model_len for n in self.nodes() if n.routable and n.max_model_len]
+    def max_model_len(self, model_id: str | None = None) -> int | None:
+        """The smallest context any routable node (of `model_id`) accepts (a request must fit wherever it lands)."""
+        lens = [n.max_model_len for n in self.nodes(model_id) if n.routable and n.max_model_len]
         return min(lens) if lens else None
 
-    def vocab_size(self) -> int | None:
-        sizes = [n.vocab_size for n in self.nodes() if n.vocab_size]
+    def vocab_size(self, model_id: str | None = None) -> int | None:
+        sizes = [n.vocab_size for n in self.nodes(model_id) if n.vocab_size]
         return min(sizes) if sizes else None
 
     # ------------------------------------------------------------------------------------ breakers
@@ -286,7 +303,8 @@ class Discovery:
             return
         try:
             # A thread: the registry client is blocking, and a slow Redis must not stall the request loop.
-            rows = await asyncio.to_thread(self.registry.live_nodes, self.config.model_id)
+            rows = [row for model_id in self.model_ids
+                    for row in await asyncio.to_thread(self.registry.live_nodes, model_id)]
         except Exception as e:  # Redis down: keep the last view rather than dropping every node
             if self.registry_error is None:
                 logger.warning("registry unreachable, keeping the last node list: %s", e)
@@ -393,14 +411,19 @@ class Discovery:
     # ----------------------------------------------------------------------------------------- vet
 
     def _vet(self, node: Node) -> Node:
-        reason = None
-        if node.model_id != self.config.model_id:
-            reason = f"serves model {node.model_id!r}, the gateway serves {self.config.model_id!r}"
+        reason = field_ = None
+        if node.model_id not in self.model_ids:
+            models = ", ".join(map(repr, self.model_ids))
+            reason, field_ = f"serves model {node.model_id!r}, the gateway serves {models}", "model"
         elif node.block_size != self.config.block_size:
             reason = f"block size {node.block_size} differs from the gateway's {self.config.block_size}"
+            field_ = "block_size"
         elif node.role not in ROLES:
             reason = f"unknown role {node.role!r}"
         if reason and node.node_id not in self._warned:
+            # Its block hashes would never match ours: every lookup would be a silent miss. Logged and counted once.
             self._warned.add(node.node_id)
             logger.warning("refusing to route to node %s at %s: %s", node.node_id, node.address, reason)
+            if field_ is not None and self.metrics is not None:
+                self.metrics.observe_mismatch(node.node_id, field_)
         return replace(node, refused=reason) if reason else node

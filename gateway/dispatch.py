@@ -18,6 +18,10 @@ prompt tokens are output: the seeded draw is keyed by absolute position and max_
 and penalties count the earlier output, so greedy and seeded sequences continue with exactly the tokens
 they would have produced. The client's stream just goes on. At most `migration_limit` times per sequence.
 
+LoRA: a sequence keeps its adapter through every hop, retry and move; before a node is called with it, the
+adapter is loaded there if the node lacks it (gateway.adapters), and a node that answers it does not hold the
+adapter is skipped like a full one.
+
 Deadline: a request's deadline bounds every call (gRPC deadlines, so a node aborts the sequence by itself
 even if the gateway is gone); past it the sequence ends with RequestTimeout.
 Leaving the stream early (client gone, stop string, shutdown) aborts the sequence on every node that holds
@@ -34,9 +38,10 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from kvrelay.common.wire import PrefillResult, ReserveResult, TokenChunk
+from kvrelay.gateway.adapters import Adapters
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.discovery import Discovery, Node
-from kvrelay.gateway.errors import BadRequest, NoCapacity, NodeFailure, Overloaded, RequestTimeout
+from kvrelay.gateway.errors import BadRequest, ModelNotFound, NoCapacity, NodeFailure, Overloaded, RequestTimeout
 from kvrelay.gateway.liveness import Liveness
 from kvrelay.gateway.node_client import EngineRequest, NodeClients, NodeRpcError
 from kvrelay.gateway.router import RouteDecision, Router
@@ -97,13 +102,14 @@ class _Sequence:
         self.extended = k > 0
         self.current = EngineRequest(f"{orig.request_id}.m{self.moves}", [*orig.prompt_token_ids, *self.generated],
                                      params, orig.cache_salt, beam_search=orig.beam_search,
-                                     deadline=orig.deadline)
+                                     deadline=orig.deadline, lora_name=orig.lora_name)
 
 
 class Dispatcher:
     def __init__(self, router: Router, clients: NodeClients, discovery: Discovery, liveness: Liveness,
-                 metrics=None, config: DispatchConfig | None = None) -> None:
+                 metrics=None, config: DispatchConfig | None = None, adapters: Adapters | None = None) -> None:
         self.router = router
+        self.adapters = adapters
         self.clients = clients
         self.discovery = discovery
         self.liveness = liveness
@@ -115,7 +121,7 @@ class Dispatcher:
 
     async def route(self, prompt: Sequence[int], cache_salt: str = "", deadline: float | None = None,
                     exclude: Collection[str] = (), failure: NodeFailure | None = None,
-                    user: str | None = None) -> RouteDecision:
+                    user: str | None = None, lora_name: str = "") -> RouteDecision:
         """Route, waiting up to capacity_wait_s (and the deadline) for a decode node to be up. Without one:
         `failure` when re-dispatching after it, else NoCapacity."""
         wait_until = time.monotonic() + self.config.capacity_wait_s
@@ -123,7 +129,7 @@ class Dispatcher:
             wait_until = min(wait_until, deadline)
         while True:
             try:
-                return await self.router.route(prompt, cache_salt, exclude, user)
+                return await self.router.route(prompt, cache_salt, exclude, user, lora_name)
             except NoCapacity as e:
                 if time.monotonic() >= wait_until:
                     if deadline is not None and time.monotonic() >= deadline:
@@ -175,7 +181,8 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.migrations.labels(stage).inc()
         req = seq.current
-        return await self.route(req.prompt_token_ids, req.cache_salt, req.deadline, seq.failed, seq.cause)
+        return await self.route(req.prompt_token_ids, req.cache_salt, req.deadline, seq.failed, seq.cause,
+                                lora_name=req.lora_name)
 
     def _attempt(self, decision: RouteDecision, req: EngineRequest, holders: _Holders) -> AsyncIterator[TokenChunk]:
         if decision.local_prefill:
@@ -240,6 +247,7 @@ class Dispatcher:
             holders.add(node, req.request_id)
             start = time.monotonic()
             try:  # tracked while queued too, so that a burst spreads over the decode nodes
+                await self._ensure_adapter(node, req)
                 with self.liveness.watch(node) as watch, self._track(node):
                     res = await self.clients.get(node.address).reserve(req, self.config.lease_ms,
                                                                         self.config.queue_timeout_s, watch)
@@ -261,6 +269,7 @@ class Dispatcher:
         uncached = len(req.prompt_token_ids) - reservation.num_cached_tokens
         holders.add(node, req.request_id)
         try:
+            await self._ensure_adapter(node, req)
             with self.router.track_prefill(node.node_id, uncached), self._track(node), \
                     self.liveness.watch(node) as watch:
                 result = await self.clients.get(node.address).prefill(req, reservation, watch)
@@ -308,6 +317,7 @@ class Dispatcher:
             holders.add(node, req.request_id)
             started = False
             try:
+                await self._ensure_adapter(node, req)
                 with self.liveness.watch(node) as watch, self._track(node):
                     async with aclosing(self.clients.get(node.address).generate(req, watch=watch)) as stream:
                         with self.router.track_prefill(node.node_id, num_prompt - cached):
@@ -338,12 +348,12 @@ class Dispatcher:
 
     def _hop_failed(self, node: Node, e: NodeRpcError, req: EngineRequest, hop: str) -> None:
         """A call before any output failed: raise if the request cannot go on, else note it and move on."""
-        if e.bad_input:
+        if e.bad_input and not e.method.endswith("LoRAAdapter"):
             raise BadRequest.from_value_error(ValueError(e.details)) from None
         if req.expired():
             raise self._timeout() from None
         self._count_retry(hop)
-        if e.busy or e.duplicate or e.draining:
+        if e.busy or e.duplicate or e.draining or e.missing or e.method.endswith("LoRAAdapter"):
             if e.busy:
                 self._count("reservation_refusals")
             return  # the node is fine; it just cannot take this one
@@ -364,6 +374,8 @@ class Dispatcher:
         if timed_out:
             return NoCapacity(f"no {role} node had room for the request within "
                               f"{self.config.queue_timeout_s:g}s; retry later")
+        if last is not None and last.missing:
+            return ModelNotFound(last.details, param="model")
         detail = f": {last.details or last.code.name}" if last is not None else ""
         return NodeFailure(f"no {role} node could take the request{detail}")
 
@@ -371,6 +383,10 @@ class Dispatcher:
         self.discovery.record_failure(node, e, answered=e.answered)
         if self.metrics is not None:
             self.metrics.node_failures.labels(node.node_id).inc()
+
+    async def _ensure_adapter(self, node: Node, req: EngineRequest) -> None:
+        if req.lora_name and self.adapters is not None:
+            await self.adapters.ensure(node, req.lora_name)
 
     def _routable(self, node: Node) -> bool:
         return any(n.node_id == node.node_id for n in self.discovery.routable(node.role))

@@ -17,7 +17,7 @@ import grpc
 from kvrelay.gateway.core import GenerateInput, Generation, new_request_id
 from kvrelay.gateway.errors import BadRequest, GatewayError, Unauthorized
 from kvrelay.gateway.outputs import Delta, LogprobEntry
-from kvrelay.gateway.serving_common import check_model, observe_error, output_options, sampling_params
+from kvrelay.gateway.serving_common import observe_error, output_options, sampling_params
 from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as pb
 from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -49,13 +49,15 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
     async def ListModels(self, request, context):
         await self._auth(context)
-        return pb.ModelsResponse(models=self.gateway.served_names, max_model_len=self.core.max_model_len)
+        names = [*self.gateway.served_names, *(a.name for a in self.gateway.adapters.served())]
+        return pb.ModelsResponse(models=names, max_model_len=self.core.max_model_len)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         await self._auth(context)
         try:
-            model = check_model(request.model or None, self.gateway.served_names)
-            gen = self.core.generate(self._input(request))
+            target = self.gateway.models.resolve(request.model or None)
+            model = target.name
+            gen = target.endpoint.core.generate(self._input(request, target))
         except GatewayError as e:
             observe_error(self.gateway.metrics, e)
             await context.abort(_STATUS.get(int(e.status), grpc.StatusCode.INTERNAL), e.message)
@@ -77,18 +79,19 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             err = Unauthorized("missing or wrong API key in the 'authorization: Bearer <key>' metadata")
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, err.message)
 
-    def _input(self, msg: pb.GenerateRequest) -> GenerateInput:
+    def _input(self, msg: pb.GenerateRequest, target) -> GenerateInput:
+        core = target.endpoint.core
         fields = _fields(msg)
-        prompt = self._prompt(msg)
-        self.core.check_prompt(prompt, "prompt")
-        max_tokens = self.core.fit_max_tokens(len(prompt), fields.max_tokens, "prompt", "max_tokens")
-        params = sampling_params(fields, self.core, max_tokens=max_tokens, logprobs=fields.logprobs)
+        prompt = self._prompt(msg, core.tokenizer)
+        core.check_prompt(prompt, "prompt")
+        max_tokens = core.fit_max_tokens(len(prompt), fields.max_tokens, "prompt", "max_tokens")
+        params = sampling_params(fields, core, max_tokens=max_tokens, logprobs=fields.logprobs)
         return GenerateInput(prompt, params, output_options(fields, fields.logprobs),
-                             request_id=msg.request_id or new_request_id("grpc"), cache_salt=msg.cache_salt)
+                             request_id=msg.request_id or new_request_id("grpc"), cache_salt=msg.cache_salt,
+                             lora_name=target.lora_name)
 
-    def _prompt(self, msg: pb.GenerateRequest) -> list[int]:
+    def _prompt(self, msg: pb.GenerateRequest, tok) -> list[int]:
         kind = msg.WhichOneof("input")
-        tok = self.core.tokenizer
         if kind == "prompt":
             return tok.encode(msg.prompt)
         if kind == "prompt_token_ids":

@@ -36,6 +36,23 @@ class GatewayMetrics:
                                          "prompt", m, registry=r)
         self.prefix_hit_ratio = Histogram("kvrelay:prefix_hit_ratio", "Cached fraction of each sequence's prompt",
                                           m, buckets=_RATIO_BUCKETS, registry=r)
+        # Routing quality: what the index said the chosen node held, and what any node held, per routed prompt;
+        # against kvrelay:prefix_hit_tokens (what the node then found) they show a stale index (routed_cached
+        # above the hits) and placement that left cache unused (fleet_cached above routed_cached).
+        self.routed_prompt_tokens = Counter("kvrelay:routed_prompt_tokens", "Prompt tokens routed", m, registry=r)
+        self.routed_cached_tokens = Counter("kvrelay:routed_cached_tokens",
+                                            "Prompt tokens the index said the chosen node held", m, registry=r)
+        self.fleet_cached_tokens = Counter("kvrelay:fleet_cached_tokens",
+                                           "Prompt tokens some node held when routed (what could have hit)", m,
+                                           registry=r)
+        self.index_staleness = Gauge("kvrelay:index_staleness_seconds",
+                                     "How far the index mirror lags the events it applies (median of the last "
+                                     "1,000; 0 without a mirror)", registry=r)
+        self.load_imbalance = Gauge("kvrelay:load_imbalance", "Sequences on the busiest routable node over the "
+                                    "mean (1 = even)", ["role"], registry=r)
+        self.config_mismatches = Counter("kvrelay:node_config_mismatches",
+                                         "Nodes refused because their model or block size (the inputs of the block "
+                                         "hash) differ from the gateway's", ["node_id", "field"], registry=r)
         self.requests = Counter("kvrelay:requests", "Requests by outcome", ["outcome"], registry=r)
         self.inflight = Gauge("kvrelay:node_inflight_sequences", "This gateway's sequences in flight per node",
                               ["node_id", "role"], registry=r)
@@ -86,6 +103,16 @@ class GatewayMetrics:
         self._req_prompt = self.request_prompt_tokens.labels(model_name)
         self._req_gen = self.request_generation_tokens.labels(model_name)
         self._inflight: dict[tuple[str, str], object] = {}
+        self._routed = (self.routed_prompt_tokens.labels(model_name), self.routed_cached_tokens.labels(model_name),
+                        self.fleet_cached_tokens.labels(model_name))
+
+    def watch(self, discovery, index=None) -> None:
+        """Gauges read at scrape time: the index mirror's lag (an index with `lag_ms`), load imbalance per role."""
+        lags = getattr(index, "lag_ms", None)
+        if lags is not None:
+            self.index_staleness.set_function(lambda: _median(list(lags)[-1000:]) / 1000)
+        for role in ("prefill", "decode"):
+            self.load_imbalance.labels(role).set_function(lambda role=role: imbalance(discovery.routable(role)))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -94,6 +121,13 @@ class GatewayMetrics:
 
     def observe_route(self, decision) -> None:
         self._route.observe(decision.seconds)
+        prompt, routed, fleet = self._routed
+        prompt.inc(decision.num_prompt_tokens)
+        routed.inc(decision.decode_cached_tokens if decision.prefill is None else decision.prefill_cached_tokens)
+        fleet.inc(decision.fleet_cached_tokens)
+
+    def observe_mismatch(self, node_id: str, field: str) -> None:
+        self.config_mismatches.labels(node_id, field).inc()
 
     def observe_prefix(self, num_prompt: int, num_cached: int) -> None:
         self._prompt.inc(num_prompt)
@@ -126,3 +160,17 @@ class GatewayMetrics:
         self._e2e.observe(e2e)
         self._req_prompt.observe(prompt)
         self._req_gen.observe(generated)
+
+
+def imbalance(nodes) -> float:
+    """Sequences (running and waiting) on the busiest node over the mean: 1.0 when even or idle."""
+    loads = [n.active_seqs for n in nodes]
+    mean = sum(loads) / len(loads) if loads else 0.0
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def _median(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[len(values) // 2]

@@ -51,6 +51,8 @@ class Timeouts:
     reserve_s: float = 10.0
     prefill_s: float = GatewayConfig.prefill_timeout
     abort_s: float = 2.0
+    lora_s: float = 60.0  # reading an adapter (a URL's files included)
+    lora_unload_s: float = 660.0  # the node waits up to 600 s for the adapter's running requests
 
 
 @dataclass
@@ -64,6 +66,7 @@ class EngineRequest:
     cache_salt: str = ""
     beam_search: BeamSearchParams | None = None  # set: a beam search (Generate only, no hand-off)
     deadline: float | None = None
+    lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
     _proto_params: pb.SamplingParams | None = field(default=None, repr=False)
 
     def proto_params(self) -> pb.SamplingParams:
@@ -145,6 +148,7 @@ class NodeClient:
         msg = await self._unary("Reserve", pb.ReserveRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, params=req.proto_params(),
             cache_salt=req.cache_salt, lease_ms=lease_ms, queue_timeout_ms=int(queue_s * 1000),
+            lora_name=req.lora_name,
         ), req.timeout(self.timeouts.reserve_s + queue_s), watch)
         return wire.reserve_result_from_proto(msg)
 
@@ -154,7 +158,7 @@ class NodeClient:
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, params=req.proto_params(),
             cache_salt=req.cache_salt, decode_kv_address=reservation.kv_address,
             decode_cached_tokens=reservation.num_cached_tokens, dst_block_ids=reservation.dst_block_ids,
-            decode_layout=wire.layout_to_proto(reservation.layout),
+            decode_layout=wire.layout_to_proto(reservation.layout), lora_name=req.lora_name,
         ), req.timeout(self.timeouts.prefill_s), watch)
         return wire.prefill_result_from_proto(msg)
 
@@ -162,7 +166,7 @@ class NodeClient:
                        watch: CallWatch | None = None) -> AsyncIterator[TokenChunk]:
         """Stream the sequence's tokens; leaving the loop early cancels the call on the node."""
         msg = pb.GenerateRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                                 params=req.proto_params(), cache_salt=req.cache_salt)
+                                 params=req.proto_params(), cache_salt=req.cache_salt, lora_name=req.lora_name)
         if handoff is not None:
             msg.handoff.CopyFrom(wire.handoff_to_proto(handoff))
         if req.beam_search is not None:
@@ -205,6 +209,18 @@ class NodeClient:
             if watch is not None:
                 watch.call = None
             call.cancel()
+
+    async def load_lora_adapter(self, name: str, path: str) -> list[str]:
+        """Load a LoRA adapter on the node (a malformed one: NodeRpcError with bad_input); its adapters after."""
+        msg = await self._unary("LoadLoRAAdapter", pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path),
+                                self.timeouts.lora_s)
+        return list(msg.lora_adapters)
+
+    async def unload_lora_adapter(self, name: str) -> list[str]:
+        """Unload it once its running requests are done (NOT_FOUND: the node does not hold it)."""
+        msg = await self._unary("UnloadLoRAAdapter", pb.UnloadLoRAAdapterRequest(lora_name=name),
+                                self.timeouts.lora_unload_s)
+        return list(msg.lora_adapters)
 
     async def abort(self, request_id: str) -> bool:
         msg = await self._unary("Abort", pb.AbortRequest(request_id=request_id), self.timeouts.abort_s)

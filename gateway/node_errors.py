@@ -46,6 +46,11 @@ class NodeRpcError(Exception):
         return self.code == grpc.StatusCode.ALREADY_EXISTS
 
     @property
+    def missing(self) -> bool:
+        """The node does not hold what the call named (a LoRA adapter): another node may."""
+        return self.code == grpc.StatusCode.NOT_FOUND
+
+    @property
     def draining(self) -> bool:
         return self.kind == wire.NodeErrorKind.DRAINING.value
 

@@ -16,12 +16,22 @@ where its earlier turns are cached even before the index has seen them; a clearl
 
 This runs for every request over every node (the benchmark: 100 nodes), so candidates are slotted objects
 with their load folded in once, and rendezvous hashes are computed only among equal costs.
+
+Policies (`make_policy` by name; `kvrelay sim` compares them at fleet scale, docs/fleet.md):
+- cache_aware: the cost above, with each node's cached prefix from the block index (precise prefix routing);
+- approximate: the same cost, with the cached prefix guessed from what this gateway itself routed (no index,
+  like llm-d's approximate prefix scorer): blind to other gateways, to evictions, and to its own past after a
+  restart;
+- least_loaded: load only; round_robin: each node in turn; random: a seeded random node first.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -43,11 +53,12 @@ class Weights:
 class Candidate:
     """A node as one request sees it: its cached prefix and its load (published or in flight, the larger)."""
 
-    __slots__ = ("node", "cached_tokens", "queued_tokens", "active_seqs")
+    __slots__ = ("node", "cached_tokens", "queued_tokens", "active_seqs", "extra_cost")
 
     def __init__(self, node: Node, cached_tokens: int, inflight: int = 0, inflight_tokens: int = 0) -> None:
         self.node = node
         self.cached_tokens = cached_tokens
+        self.extra_cost = 0.0  # what else running the request here costs (a LoRA adapter to load), in tokens
         queued, active = node.queued_tokens, node.active_seqs
         self.queued_tokens = queued if queued >= inflight_tokens else inflight_tokens
         self.active_seqs = active if active >= inflight else inflight
@@ -64,6 +75,7 @@ class Prompt:
     local_threshold: int  # a decode node prefills itself when it would compute at most this many tokens
     can_disaggregate: bool  # a prefill node is up
     session_key: bytes | None = None  # the request's `user`, when it gave one
+    block_hashes: Sequence[bytes] = ()  # the prompt's full blocks' chained hashes (policies that keep their own)
 
 
 def rendezvous(key: bytes, node_id: str) -> int:
@@ -104,7 +116,7 @@ class CostPolicy(Policy):
 
     def rank(self, role: str, candidates: list[Candidate], prompt: Prompt) -> list[Candidate]:
         cost = self.prefill_cost if role == "prefill" else self.decode_cost
-        scored = [(cost(c, prompt), c) for c in candidates]
+        scored = [(cost(c, prompt) + c.extra_cost, c) for c in candidates]
         ranked = order_by_cost(scored, prompt.affinity_key)
         if prompt.session_key is None or len(ranked) < 2:
             return ranked
@@ -162,11 +174,86 @@ class RoundRobin(Policy):
         return ordered[start:] + ordered[:start]
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (CacheAware, LeastLoaded, RoundRobin)}
+class RandomChoice(Policy):
+    """A random node first (seeded: the same seed picks the same sequence); the others follow in id order."""
+
+    name = "random"
+
+    def __init__(self, weights: Weights | None = None, seed: int | None = None) -> None:
+        super().__init__(weights)
+        self._rng = random.Random(seed)
+
+    def rank(self, role: str, candidates: list[Candidate], prompt: Prompt) -> list[Candidate]:
+        ordered = sorted(candidates, key=lambda c: c.node.node_id)
+        if not ordered:
+            return ordered
+        start = self._rng.randrange(len(ordered))
+        return ordered[start:] + ordered[:start]
 
 
-def make_policy(name: str, weights: Weights | None = None) -> Policy:
+class ApproximatePrefix(CacheAware):
+    """Cache-aware cost, with the cached prefix guessed from this gateway's own routing instead of the index.
+
+    Each node has an LRU of the block hashes this gateway routed to it, as many as the node's KV cache holds
+    (from its published load; `default_blocks` until it has published one). A candidate's cached prefix is the
+    leading run of the prompt's blocks in its LRU. Never asks the index: `uses_cache` is False."""
+
+    name = "approximate"
+    uses_cache = False
+
+    def __init__(self, weights: Weights | None = None, default_blocks: int = 65536) -> None:
+        super().__init__(weights)
+        self.default_blocks = default_blocks
+        self._routed: dict[str, OrderedDict[bytes, None]] = {}
+
+    def rank(self, role: str, candidates: list[Candidate], prompt: Prompt) -> list[Candidate]:
+        hashes = prompt.block_hashes
+        if hashes:
+            cap = max(prompt.num_tokens - 1, 0)
+            for c in candidates:
+                n = self._leading(c.node.node_id, hashes) * c.node.block_size
+                c.cached_tokens = n if n < cap else cap
+        ranked = super().rank(role, candidates, prompt)
+        if ranked and hashes:
+            self._remember(ranked[0].node, hashes)
+        return ranked
+
+    def _leading(self, node_id: str, hashes: Sequence[bytes]) -> int:
+        routed = self._routed.get(node_id)
+        if not routed:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in routed:
+                break
+            n += 1
+        return n
+
+    def _remember(self, node: Node, hashes: Sequence[bytes]) -> None:
+        routed = self._routed.get(node.node_id)
+        if routed is None:
+            routed = self._routed[node.node_id] = OrderedDict()
+        for h in hashes:
+            routed[h] = None
+            routed.move_to_end(h)
+        load = node.load
+        limit = load.total_kv_blocks if load is not None and load.total_kv_blocks else self.default_blocks
+        while len(routed) > limit:
+            routed.popitem(last=False)
+
+    def forget(self) -> None:
+        """Drop everything remembered (what a restarted gateway knows)."""
+        self._routed.clear()
+
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (CacheAware, ApproximatePrefix, LeastLoaded, RoundRobin, RandomChoice)}
+
+
+def make_policy(name: str, weights: Weights | None = None, seed: int | None = None) -> Policy:
+    """The policy of this name; `seed` seeds the random one (None: from the system)."""
     try:
-        return POLICIES[name](weights)
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"routing_policy: unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    return cls(weights, seed) if cls is RandomChoice else cls(weights)

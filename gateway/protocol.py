@@ -366,8 +366,25 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvrelay"
-    root: str | None = None
+    root: str | None = None  # vLLM's: the base model's id, or a LoRA adapter's path
+    parent: str | None = None  # vLLM's: a LoRA adapter's base model (None for a base model)
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter body; `base_model_name` picks the base model when several serve LoRA."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+    base_model_name: str | None = None
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/unload_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
 
 
 class ModelList(_Response):

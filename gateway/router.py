@@ -10,6 +10,10 @@ small thread pool, either under `lookup_timeout_s`. A failed or slow lookup rout
 information, and the next lookups are skipped for a while (1 s, doubling up to 10 s while it keeps
 failing; 1 s once discovery reads the registry, on the same Redis, again), so an index outage costs each
 request nothing but its cache affinity, and routing finds the prefixes again soon after Redis returns.
+
+A request for a LoRA adapter hashes its blocks with the adapter (a prefix is shared within one adapter only), and
+its candidates are the nodes that can run the adapter, each costing what `lora_costs` says its residency adds
+(gateway.adapters: loaded, room to load it, or only by evicting another).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import concurrent.futures
 import inspect
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -45,6 +49,7 @@ class RouteDecision:
     decode_fallbacks: tuple[Node, ...] = ()
     prefill_fallbacks: tuple[Node, ...] = ()
     seconds: float = 0.0
+    fleet_cached_tokens: int = 0  # the longest prefix any node held, as the index saw it (what could have hit)
 
     @property
     def local_prefill(self) -> bool:
@@ -85,8 +90,10 @@ _SKIP_MIN_S, _SKIP_MAX_S = 1.0, 10.0
 
 class Router:
     def __init__(self, discovery: Discovery, policy: Policy, index=None, local_prefill_threshold: int = 0,
-                 metrics=None, lookup_timeout_s: float = GatewayConfig.lookup_timeout) -> None:
+                 metrics=None, lookup_timeout_s: float = GatewayConfig.lookup_timeout,
+                 lora_costs: Callable[[Node, str], float | None] | None = None) -> None:
         self.discovery = discovery
+        self.lora_costs = lora_costs
         self.policy = policy
         self.index = index
         self.local_prefill_threshold = local_prefill_threshold
@@ -106,17 +113,23 @@ class Router:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def route(self, prompt_token_ids: Sequence[int], cache_salt: str = "",
-                    exclude: Collection[str] = (), user: str | None = None) -> RouteDecision:
+                    exclude: Collection[str] = (), user: str | None = None, lora_name: str = "") -> RouteDecision:
         """`exclude`: node ids not to pick (the nodes a request just failed on). `user`: a session-affinity
-        hint (the same user goes to the same node while loads are comparable)."""
+        hint (the same user goes to the same node while loads are comparable). `lora_name`: its adapter."""
         start = time.perf_counter()
         decode_nodes = self._candidates_of("decode", exclude)
-        if not decode_nodes:
-            raise NoCapacity("no decode node is up; retry later")
         prefill_nodes = self._candidates_of("prefill", exclude)
-        hashes = self._hashes(prompt_token_ids, cache_salt)
+        extra = None
+        if lora_name:
+            extra = self._lora_extra(decode_nodes + prefill_nodes, lora_name)
+            decode_nodes = [n for n in decode_nodes if n.node_id in extra]
+            prefill_nodes = [n for n in prefill_nodes if n.node_id in extra]
+        if not decode_nodes:
+            raise NoCapacity(f"no decode node {'that runs LoRA adapter ' + repr(lora_name) + ' ' if lora_name else ''}"
+                             "is up; retry later")
+        hashes = self._hashes(prompt_token_ids, cache_salt, lora_name)
         hits = await self._lookup(hashes) if hashes and self.policy.uses_cache else {}
-        decision = self.decide(prompt_token_ids, hashes, hits, prefill_nodes, decode_nodes, start, user)
+        decision = self.decide(prompt_token_ids, hashes, hits, prefill_nodes, decode_nodes, start, user, extra)
         if self.metrics is not None:
             self.metrics.observe_route(decision)
         return decision
@@ -125,8 +138,15 @@ class Router:
         nodes = self.discovery.routable(role)
         return [n for n in nodes if n.node_id not in exclude] if exclude else nodes
 
-    def _hashes(self, prompt_token_ids: Sequence[int], cache_salt: str) -> list[bytes]:
-        return prompt_block_hashes(prompt_token_ids, self.model_id, self.block_size, cache_salt)
+    def _hashes(self, prompt_token_ids: Sequence[int], cache_salt: str, lora_name: str = "") -> list[bytes]:
+        return prompt_block_hashes(prompt_token_ids, self.model_id, self.block_size, cache_salt, lora_name)
+
+    def _lora_extra(self, nodes: list[Node], lora_name: str) -> dict[str, float]:
+        """Node id -> what running the adapter adds to its cost, for the nodes that can run it."""
+        if self.lora_costs is None:
+            return {}
+        costs = ((n.node_id, self.lora_costs(n, lora_name)) for n in nodes)
+        return {node_id: cost for node_id, cost in costs if cost is not None}
 
     def _skipping(self) -> bool:
         now = time.monotonic()
@@ -168,26 +188,34 @@ class Router:
 
     def decide(self, prompt_token_ids: Sequence[int], hashes: list[bytes], hits: dict[str, int],
                prefill_nodes: list[Node], decode_nodes: list[Node], start: float | None = None,
-               user: str | None = None) -> RouteDecision:
-        """Score and pick; pure given its inputs (the benchmark times it without a network)."""
+               user: str | None = None, extra_costs: dict[str, float] | None = None) -> RouteDecision:
+        """Score and pick; pure given its inputs (the benchmark times it without a network). `extra_costs`: what
+        each node's cost gains beyond cache and load (a LoRA adapter's residency)."""
         start = time.perf_counter() if start is None else start
         n = len(prompt_token_ids)
         session = None if not user else b"user\x00" + user.encode()
         prompt = Prompt(n, _affinity_key(prompt_token_ids, hashes), self.local_prefill_threshold,
-                        can_disaggregate=bool(prefill_nodes), session_key=session)
-        decode = self.policy.rank("decode", self._candidates(decode_nodes, hits, n), prompt)
+                        can_disaggregate=bool(prefill_nodes), session_key=session, block_hashes=hashes)
+        decode = self.policy.rank("decode", self._candidates(decode_nodes, hits, n, extra_costs), prompt)
         best = decode[0]
         prefill: list[Candidate] = []
         if not decode_is_local(best, prompt):
-            prefill = self.policy.rank("prefill", self._candidates(prefill_nodes, hits, n), prompt)
+            prefill = self.policy.rank("prefill", self._candidates(prefill_nodes, hits, n, extra_costs), prompt)
+        fleet_cached = max(hits.values(), default=0) * self.block_size
         return RouteDecision(
             decode=best.node, prefill=prefill[0].node if prefill else None, num_prompt_tokens=n,
             decode_cached_tokens=best.cached_tokens, prefill_cached_tokens=prefill[0].cached_tokens if prefill else 0,
             decode_fallbacks=tuple(c.node for c in decode[1:]), prefill_fallbacks=tuple(c.node for c in prefill[1:]),
-            seconds=time.perf_counter() - start,
+            seconds=time.perf_counter() - start, fleet_cached_tokens=min(fleet_cached, max(n - 1, 0)),
         )
 
-    def _candidates(self, nodes: list[Node], hits: dict[str, int], num_tokens: int) -> list[Candidate]:
+    def _candidates(self, nodes: list[Node], hits: dict[str, int], num_tokens: int,
+                    extra_costs: dict[str, float] | None = None) -> list[Candidate]:
+        if extra_costs:
+            out = self._candidates(nodes, hits, num_tokens)
+            for c in out:
+                c.extra_cost = extra_costs.get(c.node.node_id, 0.0)
+            return out
         seqs, tokens, bs = self.inflight.seqs, self.inflight.prefill_tokens, self.block_size
         # A full-prompt hit still leaves the last token to compute (the engine needs its logits).
         cap = max(num_tokens - 1, 0)

@@ -1,5 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI), and `serve()`: HTTP + optional gRPC on one event loop.
 
+A request's `model` picks the base model, or the LoRA adapter, it runs with (gateway.models); an unknown one is a
+404 with code `model_not_found`. POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies) load and
+unload an adapter across the fleet (gateway.adapters), behind the API key like the rest of /v1.
+
 Every error, bad input included, leaves in OpenAI's shape {"error": {message, type, param, code}}: pydantic
 validation errors are 400s (OpenAI's convention), not FastAPI's 422s. An X-Request-Id header names the
 request (its id in the response and on the nodes) and comes back on the response, errors included. CORS
@@ -26,7 +30,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
@@ -44,10 +48,12 @@ from kvrelay.gateway.protocol import (
     ErrorResponse,
     HealthNode,
     HealthResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 from kvrelay.gateway.runtime import Gateway
@@ -193,19 +199,22 @@ def header_request_id(request: Request) -> str | None:
 
 def _tokenize_routes(gateway: Gateway) -> APIRouter:
     router = APIRouter()
-    serving = gateway.tokenize
+
+    def serving(model: str | None):
+        return gateway.models.resolve(model).endpoint.tokenize
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest):
-        return Response(serving.tokenize(body).model_dump_json(exclude_none=True), media_type="application/json")
+        return Response(serving(body.model).tokenize(body).model_dump_json(exclude_none=True),
+                        media_type="application/json")
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest):
-        return serving.detokenize(body)
+        return serving(body.model).detokenize(body)
 
     @router.get("/version", response_model=VersionResponse)
     async def version():
-        return serving.version()
+        return gateway.tokenize.version()
 
     return router
 
@@ -215,20 +224,40 @@ def _openai_routes(gateway: Gateway) -> APIRouter:
 
     @router.get("/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
-        max_len = gateway.core.max_model_len
-        cards = [ModelCard(id=name, root=gateway.model_id, max_model_len=max_len) for name in gateway.served_names]
-        return ModelList(data=cards)
+        created = int(gateway.started_at)
+        return ModelList(data=[ModelCard(created=created, **card) for card in gateway.models.cards()])
 
     @router.post("/chat/completions", response_model=ChatCompletionResponse,
                  responses={**_ERRORS, 200: {"content": _SSE}})
     async def chat(body: ChatCompletionRequest, request: Request):
-        return await _respond(gateway, request, gateway.chat.create(body, header_request_id(request)))
+        return await _respond(gateway, request, _chat(gateway, body, request))
 
     @router.post("/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}})
     async def completions(body: CompletionRequest, request: Request):
-        return await _respond(gateway, request, gateway.completions.create(body, header_request_id(request)))
+        return await _respond(gateway, request, _completions(gateway, body, request))
+
+    @router.post("/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        base = gateway.models.base_model_id(body.base_model_name) if body.base_model_name else None
+        await gateway.adapters.load(body.lora_name, body.lora_path, gateway.served_names, base)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @router.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        await gateway.adapters.unload(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     return router
+
+
+def _chat(gateway: Gateway, body: ChatCompletionRequest, request: Request) -> Awaitable:
+    target = gateway.models.resolve(body.model)
+    return target.endpoint.chat.create(body, target, header_request_id(request))
+
+
+def _completions(gateway: Gateway, body: CompletionRequest, request: Request) -> Awaitable:
+    target = gateway.models.resolve(body.model)
+    return target.endpoint.completions.create(body, target, header_request_id(request))
 
 
 def _fast_routes(gateway: Gateway) -> list[Route]:
@@ -238,11 +267,11 @@ def _fast_routes(gateway: Gateway) -> list[Route]:
 
     async def chat(request: Request):
         body = _parse(ChatCompletionRequest, await request.body())
-        return await _respond(gateway, request, gateway.chat.create(body, header_request_id(request)))
+        return await _respond(gateway, request, _chat(gateway, body, request))
 
     async def completions(request: Request):
         body = _parse(CompletionRequest, await request.body())
-        return await _respond(gateway, request, gateway.completions.create(body, header_request_id(request)))
+        return await _respond(gateway, request, _completions(gateway, body, request))
 
     return [Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"])]

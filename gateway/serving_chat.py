@@ -19,6 +19,7 @@ from starlette.responses import Response
 from kvrelay.gateway import structured, tools
 from kvrelay.gateway.core import GatewayCore, GenerateInput, Generation, new_request_id
 from kvrelay.gateway.errors import BadRequest, GatewayError
+from kvrelay.gateway.models import Target
 from kvrelay.gateway.outputs import ChoiceOutput, Delta, LogprobEntry
 from kvrelay.gateway.protocol import (
     ChatChoice,
@@ -42,7 +43,6 @@ from kvrelay.gateway.serving_common import (
     SSE_DONE,
     SSEResponse,
     beam_search_params,
-    check_model,
     json_response,
     output_options,
     prompt_logprobs_view,
@@ -59,15 +59,16 @@ logger = logging.getLogger(__name__)
 class ChatServing:
     """`tool_parser`: how tool_choice "auto" reads the model's calls (None: auto answers with content)."""
 
-    def __init__(self, core: GatewayCore, served_names: list[str], tool_parser: ToolParser | None = None) -> None:
+    def __init__(self, core: GatewayCore, tool_parser: ToolParser | None = None) -> None:
         self.core = core
-        self.served_names = served_names
         self.tool_parser = tool_parser
 
-    async def create(self, req: ChatCompletionRequest, header_request_id: str | None = None) -> Response:
-        model = check_model(req.model, self.served_names)
+    async def create(self, req: ChatCompletionRequest, target: Target,
+                     header_request_id: str | None = None) -> Response:
+        """`target`: what req.model resolved to (gateway.models), this core's model or an adapter on it."""
+        model = target.name
         plan = tools.plan(req, self.tool_parser)
-        gen = self.core.generate(self._input(req, plan, header_request_id))
+        gen = self.core.generate(self._input(req, plan, header_request_id, target.lora_name))
         request_id = gen.request_id
         headers = request_id_headers(header_request_id)
         if req.stream:
@@ -75,7 +76,8 @@ class ChatServing:
         body = await _collect(gen, request_id, model, plan)
         return json_response(body, {**gen.route_headers(), **headers})
 
-    def _input(self, req: ChatCompletionRequest, plan: tools.ToolPlan, header_id: str | None) -> GenerateInput:
+    def _input(self, req: ChatCompletionRequest, plan: tools.ToolPlan, header_id: str | None,
+               lora_name: str = "") -> GenerateInput:
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         constraint = structured.from_request(req)
@@ -96,7 +98,7 @@ class ChatServing:
         return GenerateInput(prompt, params, options,
                              request_id=header_id or req.request_id or new_request_id("chatcmpl"),
                              cache_salt=req.cache_salt or "", user=req.user,
-                             beam_search=beam_search_params(req, max_tokens=max_tokens))
+                             beam_search=beam_search_params(req, max_tokens=max_tokens), lora_name=lora_name)
 
     def render_for_tokenize(self, req) -> list[int]:
         """/tokenize with messages: the same rendering as a chat completion (tools offered as here)."""

@@ -1,16 +1,16 @@
-"""What chat and completions share: the served-model check, sampling params, output options, SSE framing."""
+"""What chat and completions share: sampling params, output options, SSE framing."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
-from kvrelay.gateway.errors import BadRequest, GatewayError, ModelNotFound, ShuttingDown
+from kvrelay.gateway.errors import BadRequest, GatewayError, ShuttingDown
 from kvrelay.gateway.outputs import OutputOptions
 from kvrelay.gateway.protocol import PromptLogprob
 
@@ -26,15 +26,6 @@ def observe_error(metrics, exc: GatewayError) -> None:
     if status in (429, 503):
         reason = "draining" if isinstance(exc, ShuttingDown) else "overloaded" if status == 429 else "no_capacity"
         metrics.rejected.labels(reason).inc()
-
-
-def check_model(requested: str | None, served: Sequence[str]) -> str:
-    """The name to echo back; None means the first served name (as vLLM does)."""
-    if requested is None or requested == "":
-        return served[0]
-    if requested not in served:
-        raise ModelNotFound(f"The model `{requested}` does not exist.", param="model")
-    return requested
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

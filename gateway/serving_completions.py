@@ -16,6 +16,7 @@ from starlette.responses import Response
 from kvrelay.gateway import structured
 from kvrelay.gateway.core import GatewayCore, GenerateInput, Generation, merge, new_request_id
 from kvrelay.gateway.errors import BadRequest, GatewayError
+from kvrelay.gateway.models import Target
 from kvrelay.gateway.outputs import ChoiceOutput, Delta, LogprobEntry, TokenTexts
 from kvrelay.gateway.protocol import (
     CompletionChoice,
@@ -30,7 +31,6 @@ from kvrelay.gateway.serving_common import (
     SSE_DONE,
     SSEResponse,
     beam_search_params,
-    check_model,
     json_response,
     output_options,
     prompt_logprobs_view,
@@ -45,16 +45,17 @@ MAX_PROMPTS = 64
 
 
 class CompletionServing:
-    def __init__(self, core: GatewayCore, served_names: list[str]) -> None:
+    def __init__(self, core: GatewayCore) -> None:
         self.core = core
-        self.served_names = served_names
 
-    async def create(self, req: CompletionRequest, header_request_id: str | None = None) -> Response:
-        model = check_model(req.model, self.served_names)
+    async def create(self, req: CompletionRequest, target: Target, header_request_id: str | None = None) -> Response:
+        """`target`: what req.model resolved to (gateway.models), this core's model or an adapter on it."""
+        model = target.name
         request_id = header_request_id or req.request_id or new_request_id("cmpl")
         prompts = self._prompts(req)
         constraint = structured.from_request(req)
-        inputs = [self._input(req, ids, f"{request_id}-p{i}", constraint) for i, ids in enumerate(prompts)]
+        inputs = [self._input(req, ids, f"{request_id}-p{i}", constraint, target.lora_name)
+                  for i, ids in enumerate(prompts)]
         gens = [self.core.generate(inp) for inp in inputs]
         echo = [self._echo_text(req, p) for p in prompts]
         state = _State(gens, req.n or 1, echo, self.core.texts, req.logprobs if req.echo else None)
@@ -89,7 +90,8 @@ class CompletionServing:
             self.core.check_prompt(ids, "prompt")
         return prompts
 
-    def _input(self, req: CompletionRequest, prompt: list[int], request_id: str, constraint) -> GenerateInput:
+    def _input(self, req: CompletionRequest, prompt: list[int], request_id: str, constraint,
+               lora_name: str = "") -> GenerateInput:
         max_tokens = self.core.fit_max_tokens(len(prompt), req.max_tokens, "prompt", "max_tokens")
         prompt_logprobs = req.prompt_logprobs
         if req.echo and req.logprobs is not None:  # echoed prompt tokens carry their logprobs too
@@ -98,7 +100,7 @@ class CompletionServing:
                                  structured=constraint, prompt_logprobs=prompt_logprobs)
         beams = beam_search_params(req, max_tokens=max_tokens, best_of=req.best_of)
         return GenerateInput(prompt, params, output_options(req, req.logprobs), request_id=request_id,
-                             cache_salt=req.cache_salt or "", user=req.user, beam_search=beams)
+                             cache_salt=req.cache_salt or "", user=req.user, beam_search=beams, lora_name=lora_name)
 
     def _echo_text(self, req: CompletionRequest, prompt: list[int]) -> str:
         if not req.echo:

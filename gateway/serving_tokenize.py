@@ -16,19 +16,16 @@ from kvrelay.gateway.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from kvrelay.gateway.serving_common import check_model
 
 VERSION = "0.1.0"
 
 
 class TokenizeServing:
-    def __init__(self, core: GatewayCore, served_names: list[str], render_chat) -> None:
+    def __init__(self, core: GatewayCore, render_chat) -> None:
         self.core = core
-        self.served_names = served_names
         self._render_chat = render_chat  # (TokenizeRequest) -> token ids, the chat endpoint's renderer
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
-        check_model(req.model, self.served_names)
         if (req.prompt is None) == (req.messages is None):
             raise BadRequest("give either prompt or messages", param="prompt")
         if req.messages is not None:
@@ -40,7 +37,6 @@ class TokenizeServing:
         return TokenizeResponse(count=len(ids), max_model_len=self.core.max_model_len, tokens=ids, token_strs=strs)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
-        check_model(req.model, self.served_names)
         vocab = self.core.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:

@@ -64,7 +64,7 @@ class PrefillServer(NodeServer):
             raise DuplicateRequest(f"request_id: {rid!r} is already being prefilled on this node")
         self._inflight.add(rid)
         try:
-            out = await self._compute(rid, prompt, params, spec, request.cache_salt, arrival)
+            out = await self._compute(rid, prompt, params, spec, request.cache_salt, arrival, request.lora_name)
             prefill_s = time.perf_counter() - t0
             transfer = await self._finish_transfer(rid, request.decode_kv_address)
         finally:
@@ -106,9 +106,9 @@ class PrefillServer(NodeServer):
         return KVSendSpec(request.decode_kv_address, request.request_id, cached // bs, dst)
 
     async def _compute(self, rid: str, prompt: list[int], params: SamplingParams, spec: KVSendSpec,
-                       salt: str, arrival: float):
+                       salt: str, arrival: float, lora_name: str = ""):
         try:
-            out = await self.engine.prefill(rid, prompt, params, spec, salt, arrival)
+            out = await self.engine.prefill(rid, prompt, params, spec, salt, arrival, lora_name)
         except asyncio.CancelledError:
             self._settle_later(rid)  # the client left: the transfer may still read the blocks
             raise

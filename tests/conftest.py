@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -57,6 +58,15 @@ def _named_callables(obj) -> list:
     return found
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers on two cores) each worker's in-process engines get one
+    torch thread: two OpenMP teams of two on two cores spin against each other and run slower than one of one."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fixtures = [d.func for name, defs in item._fixtureinfo.name2fixturedefs.items() for d in defs
@@ -87,6 +97,19 @@ def _fast_tier_starts_no_process(request, monkeypatch):
         popen_init(self, args, *a, **kw)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_freed_memory():
+    """After each module, what its engines freed goes back to the kernel: engines built on many threads otherwise
+    leave a model's worth in each malloc arena, and the run's RSS grows past the machine's memory."""
+    yield
+    import gc
+
+    from kvrelay.common.system import release_freed_memory
+
+    gc.collect()
+    release_freed_memory()
 
 
 # ---------------------------------------------------------------- default model

@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "structured": "kvrelay.bench.structured",
     "spec-decode": "kvrelay.bench.spec_decode",
     "soak": "kvrelay.bench.soak",
+    "lora": "kvrelay.bench.lora",
 }
 
 

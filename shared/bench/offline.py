@@ -3,10 +3,13 @@ kept in flight in a closed loop, each output token's arrival timed."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from kvrelay.bench.stats import percentiles
 
 
 @dataclass
@@ -31,17 +34,17 @@ class Timing:
 
 
 def run_closed_loop(engine, requests: Sequence[tuple[Sequence[int], object]], batch: int | None = None,
-                    bar=None) -> tuple[float, list[Timing]]:
+                    bar=None, loras: Sequence[str] | None = None) -> tuple[float, list[Timing]]:
     """Keep `batch` of the (prompt token ids, SamplingParams) requests in flight (None: all at once), in order,
     stepping the engine until every one finished; (elapsed seconds, each request's timing). `bar` (tqdm) counts
-    finished requests."""
+    finished requests; `loras`: each request's LoRA adapter ("": the base model)."""
     queue, timings, live = deque(enumerate(requests)), {}, 0
     t0 = time.perf_counter()
     while queue or live:
         while queue and (batch is None or live < batch):
             i, (prompt, params) = queue.popleft()
             timings[i] = Timing(time.perf_counter())
-            engine.add_request(str(i), list(prompt), params)
+            engine.add_request(str(i), list(prompt), params, lora_name=loras[i] if loras else "")
             live += 1
         outputs = engine.step()
         now = time.perf_counter()
@@ -58,3 +61,14 @@ def run_closed_loop(engine, requests: Sequence[tuple[Sequence[int], object]], ba
                     bar.update(1)
     return time.perf_counter() - t0, [timings[i] for i in range(len(requests))]
 
+
+def summarize_timings(elapsed: float, timings: list[Timing]) -> dict:
+    """Output tokens/s, ITL (mean, p50, p90 in ms) and mean TTFT of a closed-loop run's requests."""
+    itls = [t.tpot_s for t in timings if t.tpot_s is not None]
+    ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
+    output = sum(len(t.tokens) for t in timings)
+    p = percentiles(itls, 1000, (50, 90))
+    return {"requests": len(timings), "output_tokens": output, "elapsed_s": elapsed,
+            "output_tokens_per_s": output / elapsed, "itl_ms_mean": 1000 * statistics.fmean(itls) if itls else None,
+            "itl_ms_p50": p["p50"], "itl_ms_p90": p["p90"],
+            "ttft_ms_mean": 1000 * statistics.fmean(ttfts) if ttfts else None}

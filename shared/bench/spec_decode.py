@@ -24,9 +24,9 @@ import copy
 import json
 import statistics
 
-from kvrelay.bench.offline import Timing, run_closed_loop
+from kvrelay.bench.offline import Timing, run_closed_loop, summarize_timings
 from kvrelay.bench.report import emit, machine
-from kvrelay.bench.stats import percentiles, summary
+from kvrelay.bench.stats import summary
 from kvrelay.bench.workload import copy_tasks
 from kvrelay.common.sampling_params import SamplingParams
 
@@ -45,17 +45,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most (greedy)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--output", default="bench/results/spec_decode.json", help="where the JSON goes too")
-
-
-def summarize(elapsed: float, timings: list[Timing]) -> dict:
-    itls = [t.tpot_s for t in timings if t.tpot_s is not None]
-    ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
-    output = sum(len(t.tokens) for t in timings)
-    p = percentiles(itls, 1000, (50, 90))
-    return {"requests": len(timings), "output_tokens": output, "elapsed_s": elapsed,
-            "output_tokens_per_s": output / elapsed, "itl_ms_mean": 1000 * statistics.fmean(itls) if itls else None,
-            "itl_ms_p50": p["p50"], "itl_ms_p90": p["p90"],
-            "ttft_ms_mean": 1000 * statistics.fmean(ttfts) if ttfts else None}
 
 
 def spec_stats(before, after) -> dict:
@@ -83,7 +72,7 @@ def interleaved(engines: dict, prompts: list[list[int]], batch: int, max_tokens:
             seconds, t = run_closed_loop(engines[name], [(p, params) for p in prompts[i:i + wave]], batch)
             elapsed[name] += seconds
             timings[name].extend(t)
-    out = {name: {**summarize(elapsed[name], timings[name]), "spec": spec_stats(before[name], e.counters())}
+    out = {name: {**summarize_timings(elapsed[name], timings[name]), "spec": spec_stats(before[name], e.counters())}
            for name, e in engines.items()}
     plain, spec = timings["plain"], timings["speculative"]
     out["greedy_outputs_identical"] = [t.tokens for t in plain] == [t.tokens for t in spec]

@@ -26,11 +26,13 @@ Commands:
   decode     a decode node
   generate   run the engine offline on a prompt and print the completion
   bench      benchmarks (engine throughput vs transformers and vLLM, KV transfer, serving, routing, TTFT, ...)
+  sim, plan  simulate a whole fleet on a simulated clock; size prefill and decode pools for SLOs
 """
 
 # Each command's module (its `register(subparsers)` adds it); in the order `kvrelay --help` lists them.
 _MODULES = {"generate": "generate", "bench": "bench", "up": "up", "gateway": "gateway", "prefill": "node",
             "decode": "node"}
+_MODULES.update({"sim": "sim", "plan": "sim"})
 _LOG_LEVEL_HELP = "DEBUG, INFO, WARNING, ERROR"
 
 

@@ -1,5 +1,5 @@
-"""The processes of `kvrelay up`: where the engines go (placement), what each child runs (plan_children), and the
-Fleet that starts, watches and stops them.
+"""The processes of `kvrelay up`: what each child runs (plan_children) where kvrelay.cli.placement puts the engines,
+and the Fleet that starts, watches and stops them.
 
 Every child is a ChildProcess (kvrelay.common.process) in a session and process group of its own, Redis
 included: a Ctrl-C at the terminal reaches only `up`, which stops them in order (the gateway, then the nodes,
@@ -18,76 +18,24 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from kvrelay.cli.placement import MIN_CORES_PER_ENGINE, Placement, placement
 from kvrelay.common.process import ChildProcess, kill_all, kvrelay_command, stop_all
 from kvrelay.common.system import free_port
-from kvrelay.node.config import NodeConfig
 
 if TYPE_CHECKING:
-    from kvrelay.cli.up_config import UpConfig
+    from kvrelay.cli.up_config import FleetModel, UpConfig
     from kvrelay.index.redis_server import RedisServer
+
+__all__ = ["MIN_CORES_PER_ENGINE", "Child", "Fleet", "FleetPorts", "Interrupted", "Placement", "placement",
+           "plan_children"]
 
 logger = logging.getLogger("kvrelay.up")
 
-MIN_CORES_PER_ENGINE = 2  # disaggregation below this: each prefill runs on one core while decodes hold the rest
 PROGRESS_FIRST_S, PROGRESS_EVERY_S = 2.0, 5.0  # the first progress line, then one every so often
-_NODE = NodeConfig()
 
 
 class Interrupted(Exception):
     """Ctrl-C (or SIGTERM) arrived while the fleet was starting."""
-
-
-@dataclass(frozen=True)
-class Placement:
-    """What `up` runs where: colocated engines (each prefills for itself) or how many nodes of each role, torch
-    threads per engine, the KV connector, and why."""
-
-    colocated: bool
-    prefill: int
-    decode: int  # engines that decode: the colocated ones too
-    threads: int
-    connector: str
-    note: str
-
-    def node_names(self) -> list[tuple[str, str]]:
-        """(role, name) of each node: a colocated engine is a decode node named colocated-<i>."""
-        if self.colocated:
-            return [("decode", f"colocated-{i}") for i in range(self.decode)]
-        return [("prefill", f"prefill-{i}") for i in range(self.prefill)] + \
-               [("decode", f"decode-{i}") for i in range(self.decode)]
-
-    def layout(self) -> str:
-        if self.colocated:
-            return "colocated (1 engine)" if self.decode == 1 else f"colocated ({self.decode} engines)"
-        return f"{self.prefill} prefill + {self.decode} decode"
-
-
-def placement(config: UpConfig) -> Placement:
-    """--colocated, --prefill 0 or explicit node counts are followed; otherwise the machine decides: one prefill
-    and one decode node where each gets MIN_CORES_PER_ENGINE cores, else one colocated engine with every core.
-    (Impossible shapes were refused before: kvrelay.cli.preflight.check_fleet_shape.)"""
-    cores = os.cpu_count() or 1
-    explicit = config.prefill is not None or config.decode is not None
-    colocated = config.colocated or config.prefill == 0 or (not explicit and cores < 2 * MIN_CORES_PER_ENGINE)
-    decode = config.decode or 1
-    prefill = 0 if colocated else (1 if config.prefill is None else config.prefill)
-    threads = max(1, cores // (decode if colocated else prefill + decode))
-    note = f"{cores} CPU cores: {threads} torch thread(s) per engine"
-    if colocated and not explicit and not config.colocated:
-        note += (f"; one colocated engine, as disaggregating would leave each engine under {MIN_CORES_PER_ENGINE} "
-                 "cores (docs/benchmarks.md: time to first token 3x the colocated one at concurrency 32 on 2 "
-                 "cores); --prefill 1 --decode 1 disaggregates anyway")
-    elif not colocated and threads < MIN_CORES_PER_ENGINE:
-        note += ("; with a core or less per engine, each prefill runs on one core while decodes hold the other: "
-                 "time to first token suffers most (docs/benchmarks.md: 3x the colocated TTFT at concurrency 32 "
-                 "on 2 cores). --colocated gives one engine every core")
-    connector = config.connector or _NODE.connector.name
-    if colocated and not config.connector:
-        # auto would start a UCX worker whose progress thread wakes every millisecond, for a node that never
-        # sends or receives KV: 2-3% of served throughput on 2 cores (docs/benchmarks.md).
-        connector = "local"
-        note += "; KV connector local, as a lone engine hands KV to no other process"
-    return Placement(colocated, prefill, decode, threads, connector, note)
 
 
 @dataclass(frozen=True)
@@ -129,27 +77,38 @@ def _set_flags(config: UpConfig, names: tuple[str, ...]) -> list[str]:
     return flags
 
 
-def _fleet_flags(config: UpConfig) -> list[str]:
-    """What the nodes and the gateway must agree on: the gateway hashes prompts in blocks of the nodes' size and
-    refuses a node whose block size or model differs."""
-    return _set_flags(config, ("model", "block_size", "served_model_name"))
-
-
-def engine_flags(config: UpConfig) -> list[str]:
-    """The engine flags every node gets: those set on `up` (the nodes' own defaults apply to the rest)."""
-    flags = [*_fleet_flags(config), "--dtype", config.dtype,
+def engine_flags(config: UpConfig, model: FleetModel | None = None) -> list[str]:
+    """The engine flags every node of `model` (None: the only model) gets: those set on `up` (the nodes' own
+    defaults apply to the rest). The model and block size are what the gateway checks a node against."""
+    model = model or config.fleet_models()[0]
+    flags = ["--model", model.model, "--block-size", str(config.block_size), "--dtype", model.dtype or config.dtype,
              *_set_flags(config, ("device", "max_model_len", "kv_cache_memory", "gpu_memory_utilization",
                                   "max_num_seqs", "max_num_batched_tokens", "seed", "max_waiting_requests",
-                                  "scheduling_policy"))]
+                                  "scheduling_policy", "max_loras", "max_lora_rank", "max_cpu_loras"))]
+    names = [n.partition("=")[0] for n in model.served_model_names]
+    if names:
+        flags += ["--served-model-name", names[0]]  # a node labels its metrics with one name
     if config.enable_prefix_caching is not None:
         flags.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
+    adapters = [*config.lora_modules, *model.lora_modules]
+    if config.enable_lora or adapters:
+        flags.append("--enable-lora")
+    if adapters:
+        flags += ["--lora-modules", *adapters]
     return flags
 
 
 def gateway_flags(config: UpConfig) -> list[str]:
-    flags = [*_fleet_flags(config), "--migration-limit", str(config.migration_limit),
+    models = config.fleet_models()
+    flags = ["--block-size", str(config.block_size), "--migration-limit", str(config.migration_limit),
              "--routing-policy", config.routing_policy, "--fleet-metrics",
              *_set_flags(config, ("max_concurrent_requests", "request_timeout", "tool_call_parser"))]
+    for m in models:
+        flags += ["--model", m.model]
+    names = [name if i == 0 or "=" in name else f"{name}={m.model}"
+             for i, m in enumerate(models) for name in m.served_model_names]
+    if names:
+        flags += ["--served-model-name", *names]
     if config.allowed_origins:
         flags += ["--allowed-origins", *config.allowed_origins]
     return flags
@@ -158,16 +117,17 @@ def gateway_flags(config: UpConfig) -> list[str]:
 def plan_children(config: UpConfig, redis_url: str, where: Placement, ports: FleetPorts | None = None) -> list[Child]:
     """The node and gateway processes, with their ports picked up front so the gateway can be told them."""
     ports = ports or FleetPorts.pick(config, where)
-    common = ["--redis-url", redis_url, "--host", config.host, "--num-threads", str(where.threads),
-              "--shutdown-grace", str(config.shutdown_grace), *engine_flags(config)]
     children = []
-    for role, name in where.node_names():
-        grpc_port, metrics_port = ports.nodes[name]
-        argv = kvrelay_command(role, "--port", str(grpc_port), "--metrics-port", str(metrics_port),
-                               "--connector", where.connector, "--node-id", name, *common)
-        if role == "decode":  # prefill nodes never decode
-            argv += _set_flags(config, ("speculative_config",))
-        children.append(Child(name, argv, metrics_url=f"http://{config.host}:{metrics_port}"))
+    for place in where.models():
+        common = ["--redis-url", redis_url, "--host", config.host, "--num-threads", str(place.threads),
+                  "--shutdown-grace", str(config.shutdown_grace), *engine_flags(config, place.model)]
+        for role, name in place.own_node_names():
+            grpc_port, metrics_port = ports.nodes[name]
+            argv = kvrelay_command(role, "--port", str(grpc_port), "--metrics-port", str(metrics_port),
+                                   "--connector", place.connector, "--node-id", name, *common)
+            if role == "decode":  # prefill nodes never decode
+                argv += _set_flags(config, ("speculative_config",))
+            children.append(Child(name, argv, metrics_url=f"http://{config.host}:{metrics_port}"))
     gateway = kvrelay_command("gateway", "--host", config.host, "--port", str(ports.http), "--grpc-port",
                               str(ports.grpc), "--redis-url", redis_url, "--shutdown-grace",
                               str(config.shutdown_grace), *gateway_flags(config))

@@ -21,8 +21,10 @@ EXAMPLES = """examples:
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     d = GatewayConfig()
     g = p.add_argument_group("serving")
+    g.add_argument("--model", action="append", default=None,
+                   help=f"model folder, .gguf or 'default': its tokenizer and id (the nodes must serve the same); "
+                        f"again for each further base model behind this gateway (default: {d.model})")
     add_field_flags(g, d, {
-        "model": "model folder, .gguf or 'default': its tokenizer and id (the nodes must serve the same)",
         "host": "interface of the HTTP (and gRPC) API",
         "port": "HTTP port of the OpenAI API, /health and /metrics",
     })
@@ -31,7 +33,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="seconds open streams get after SIGTERM (new requests get 503 meanwhile); then each ends "
                         "with an error event and [DONE]")
     g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="names the API accepts in 'model' (default: the model id)")
+                   help="names the API accepts in 'model' (default: the model id); NAME=MODEL names another "
+                        "--model's (a plain NAME is the first model's)")
     g.add_argument("--api-key", default=os.environ.get("KVRELAY_API_KEY", d.api_key),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $KVRELAY_API_KEY; unset: open)")
     g.add_argument("--grpc-port", type=int, default=d.grpc_port,
@@ -99,7 +102,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     if not args.redis_url and not args.decode:
         raise ValueError("decode: give --redis-url (node registry) or at least one --decode HOST:PORT")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GatewayConfig) if hasattr(args, f.name)}
+    models = args.model or [GatewayConfig.model]
     values.update(
+        model=models[0], other_models=tuple(models[1:]),
         served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key or None,
         prefill=tuple(args.prefill), decode=tuple(args.decode), allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers),

@@ -28,8 +28,6 @@ VLLM_UNSUPPORTED: dict[str, str] = {
     "--tokenizer": "the tokenizer is the model's own; " + _LOCAL_MODEL,
     "--revision": _LOCAL_MODEL, "--download-dir": _LOCAL_MODEL, "--load-format": _LOCAL_MODEL,
     "--hf-token": _LOCAL_MODEL,
-    "--enable-lora": "there are no LoRA adapters", "--lora-modules": "there are no LoRA adapters",
-    "--max-loras": "there are no LoRA adapters",
     "--chat-template": "the model's own chat template is used",
     "--enable-chunked-prefill": "chunked prefill is always on (--max-num-batched-tokens is the step's budget)",
     "--no-enable-chunked-prefill": "chunked prefill is always on (--max-num-batched-tokens is the step's budget)",

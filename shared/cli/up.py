@@ -26,11 +26,12 @@ import httpx
 
 from kvrelay.cli.args import CommandParser, HelpFormatter, UsageError, add_field_flags
 from kvrelay.cli.fleet import MIN_CORES_PER_ENGINE, Child, Fleet, FleetPorts, Interrupted, placement, plan_children
+from kvrelay.cli.fleet_file import read_fleet_file
 from kvrelay.cli.preflight import check_at_least, check_engine, check_fleet_shape, check_port, derived_port
 from kvrelay.cli.run_logs import RunLogs
-from kvrelay.cli.up_config import UpConfig
+from kvrelay.cli.up_config import FleetModel, UpConfig
 from kvrelay.common.units import byte_size
-from kvrelay.engine.args import SCHEDULING_POLICIES, speculative_json
+from kvrelay.engine.args import SCHEDULING_POLICIES, lora_module, speculative_json
 from kvrelay.engine.config import EngineConfig
 from kvrelay.gateway.config import ROUTING_POLICIES, TOOL_CALL_PARSERS, GatewayConfig
 from kvrelay.kv_transfer import CONNECTORS
@@ -44,9 +45,28 @@ _NODE, _GATEWAY = NodeConfig(), GatewayConfig()
 
 
 def config_from_args(args: argparse.Namespace) -> UpConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(UpConfig)}
-    values["allowed_origins"] = tuple(values["allowed_origins"])
+    """The config from the flags; several --model flags, or --fleet-file, give the fleet several models."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(UpConfig) if hasattr(args, f.name)}
+    for name in ("allowed_origins", "served_model_name", "lora_modules"):
+        values[name] = tuple(values[name] or ())
+    specs = args.model or [UpConfig.model]
+    if args.fleet_file:
+        if args.model:
+            raise UsageError("give the models in the fleet file or with --model, not both", "--fleet-file")
+        values["models"] = read_fleet_file(args.fleet_file)
+        specs = [values["models"][0].model]
+    elif len(specs) > 1:
+        values["models"] = tuple(FleetModel(m, tuple(n for n in values["served_model_name"]
+                                                    if _names_model(n, m, i == 0)))
+                                 for i, m in enumerate(specs))
+    values["model"] = specs[0]
     return UpConfig(**values)
+
+
+def _names_model(entry: str, model: str, first: bool) -> bool:
+    """Whether a --served-model-name entry names `model` (NAME=MODEL, or a plain NAME for the first model)."""
+    name, sep, target = entry.partition("=")
+    return target == model if sep else first
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -66,7 +86,9 @@ def preflight(config: UpConfig) -> FleetPorts:
                     ("--migration-limit", config.migration_limit, 0),
                     ("--shutdown-grace", config.shutdown_grace, 0.0),
                     ("--ready-timeout", config.ready_timeout, 1.0), ("--keep-logs", config.keep_logs, 1)])
-    check_engine(node_engine(config))
+    for model in config.fleet_models():
+        check_fleet_shape(model.prefill, model.decode, model.colocated)
+        check_engine(node_engine(config, model))
     check_port(config.host, config.port, "--port", "; another server (a kvrelay up?) listens there: pick another "
                                                    "--port")
     if config.grpc_port is not None:
@@ -78,14 +100,24 @@ def preflight(config: UpConfig) -> FleetPorts:
     return FleetPorts.pick(config, where, grpc)
 
 
-def node_engine(config: UpConfig) -> EngineConfig:
-    """The engine config each node will run (its own defaults, with what `up` passes on set over them)."""
+def node_engine(config: UpConfig, model: FleetModel | None = None) -> EngineConfig:
+    """The engine config each node of `model` (None: the first) will run (its own defaults, with what `up` passes
+    on set over them)."""
+    model = model or config.fleet_models()[0]
     names = ("device", "max_model_len", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
-             "max_num_batched_tokens", "enable_prefix_caching", "max_waiting_requests", "seed")
+             "max_num_batched_tokens", "enable_prefix_caching", "max_waiting_requests", "seed", "max_loras",
+             "max_lora_rank", "max_cpu_loras")
     values = {name: getattr(config, name) for name in names if getattr(config, name) is not None}
     if config.scheduling_policy is not None:
         values["policy"] = config.scheduling_policy
-    return _NODE.engine.with_kwargs(model=config.model, dtype=config.dtype, block_size=config.block_size, **values)
+    adapters = (*config.lora_modules, *model.lora_modules)
+    try:
+        return _NODE.engine.with_kwargs(model=model.model, dtype=model.dtype or config.dtype,
+                                        block_size=config.block_size, enable_lora=config.enable_lora or bool(adapters),
+                                        lora_modules=adapters, **values)
+    except ValueError as e:  # a LoRA setting the engine refuses (max_cpu_loras below max_loras, ...)
+        flag, _, message = str(e).partition(": ")
+        raise UsageError(message or str(e), "--" + flag.replace("_", "-") if message else None) from None
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -144,7 +176,9 @@ def mask(key: str) -> str:
 def banner(fleet: Fleet) -> str:
     config, where, ports = fleet.config, fleet.placement, fleet.ports
     base = f"{fleet.url}/v1"
-    model = config.served_model_name or _served_name(fleet)
+    model = (config.served_model_name[0].partition("=")[0] if config.served_model_name and not config.models
+             else _served_name(fleet))
+    models = ", ".join(_served_names(fleet)) if config.models else model
     nodes = "; ".join(f"{name} gRPC {config.host}:{grpc}, metrics {config.host}:{metrics}"
                       for name, (grpc, metrics) in ports.nodes.items())
     if config.api_key:
@@ -153,7 +187,7 @@ def banner(fleet: Fleet) -> str:
     else:
         key_line, curl_key, py_key = "", "", "'unused'"
     return f"""
-kvrelay is up: {where.layout()}, model {model}
+kvrelay is up: {where.layout()}, {"models" if config.models else "model"} {models}
   OpenAI base URL : {base}
   metrics         : {fleet.url}/metrics (kvrelay:* and every node's vllm:*, labelled node_id and role)
   gRPC API        : {config.host}:{ports.grpc}
@@ -172,11 +206,17 @@ Ctrl-C stops the fleet (the gateway, the nodes, then Redis); a second Ctrl-C kil
 
 
 def _served_name(fleet: Fleet) -> str:
+    names = _served_names(fleet)
+    return names[0] if names else fleet.config.model
+
+
+def _served_names(fleet: Fleet) -> list[str]:
+    """The models the gateway lists (adapters too), in its order."""
     try:
         r = httpx.get(f"{fleet.url}/v1/models", timeout=2, headers=fleet.headers)
-        return r.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError):
-        return fleet.config.model
+        return [card["id"] for card in r.json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return []
 
 
 # ---------------------------------------------------------------------------------------------- flags
@@ -190,12 +230,17 @@ def register(sub) -> None:
         description="Start an embedded Redis, prefill and decode nodes and the gateway; print the URL. Flags keep "
                     "vLLM's names (`vllm serve`); each is checked before anything loads.")
     m = p.add_argument_group("model and engines (every node)")
-    add_field_flags(m, d, {
-        "model": "HF model folder, .gguf file, or 'default' (SmolLM2-135M-Instruct, converted once)",
-        "dtype": "auto (the faster of bfloat16 and float32 on this machine), bfloat16, float32",
-    })
-    m.add_argument("--served-model-name", default=d.served_model_name,
-                   help="model name in the API (default: the model id)")
+    m.add_argument("--model", action="append", default=None,
+                   help="HF model folder, .gguf file, or 'default' (SmolLM2-135M-Instruct, converted once); give it "
+                        "again for more base models in the fleet, each with engines of its own (the first is the "
+                        "default for requests that name none)")
+    m.add_argument("--fleet-file", default=d.fleet_file,
+                   help="a YAML file of the fleet's models instead of --model: `models:` entries with model, "
+                        "served_model_name, prefill, decode, colocated, dtype, lora_modules")
+    add_field_flags(m, d, {"dtype": "auto (the faster of bfloat16 and float32 on this machine), bfloat16, float32"})
+    m.add_argument("--served-model-name", nargs="+", default=list(d.served_model_name),
+                   help="model names in the API (default: the model id); with several models, NAME=MODEL names "
+                        "the model given as --model MODEL (a plain NAME is the first model's)")
     m.add_argument("--device", default=d.device, help="auto (cuda when available), cpu, cuda, cuda:N "
                                                       f"({nodes}: {engine.model.device})")
     m.add_argument("--max-model-len", type=int, default=d.max_model_len,
@@ -219,6 +264,18 @@ def register(sub) -> None:
     m.add_argument("--seed", type=int, default=d.seed,
                    help=f"per node: the sampler's seed for requests that bring none ({nodes}: "
                         f"{engine.model.seed}); the same seed and requests give the same tokens")
+    lora = engine.lora
+    m.add_argument("--enable-lora", action="store_true", default=d.enable_lora,
+                   help="every node serves LoRA adapters: a request names one in `model`, and POST "
+                        "/v1/load_lora_adapter loads more at runtime")
+    m.add_argument("--lora-modules", nargs="+", type=lora_module, default=list(d.lora_modules), metavar="NAME=PATH",
+                   help="adapters every node loads at start (implies --enable-lora)")
+    m.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help=f"per node: distinct adapters in one batch ({nodes}: {lora.max_loras})")
+    m.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help=f"per node: the largest adapter rank taken ({nodes}: {lora.max_lora_rank})")
+    m.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+                   help="per node: adapters kept in memory, least recently used out first (default: --max-loras)")
     m.add_argument("--speculative-config", type=speculative_json, default=d.speculative_config,
                    help="speculative decoding on the decode nodes, as vLLM takes it (JSON; see `kvrelay decode -h`)")
     m.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,

@@ -1,4 +1,4 @@
-"""`kvrelay up`'s settings: one record, its flags' defaults (kvrelay.cli.up reads them)."""
+"""`kvrelay up`'s settings: one record, its flags' defaults (kvrelay.cli.up reads them), and the fleet's models."""
 
 from __future__ import annotations
 
@@ -12,12 +12,28 @@ _NODE, _GATEWAY = NodeConfig(), GatewayConfig()
 
 
 @dataclass(frozen=True)
+class FleetModel:
+    """One base model of the fleet, and its engines: an entry of a fleet file (--fleet-file), or one --model. A knob
+    left None takes the fleet's flag (--prefill, --decode, --dtype)."""
+
+    model: str
+    served_model_names: tuple[str, ...] = ()  # empty: the model id
+    prefill: int | None = None
+    decode: int | None = None
+    colocated: bool = False
+    dtype: str | None = None
+    lora_modules: tuple[str, ...] = ()  # NAME=PATH adapters its nodes load at start (beside --lora-modules)
+
+
+@dataclass(frozen=True)
 class UpConfig:
     """What `kvrelay up` starts, and how: its flags' defaults. A per-node or gateway knob left None is not passed
     on, and the part's own default applies (NodeConfig's, GatewayConfig's)."""
 
     model: str = _GATEWAY.model
-    served_model_name: str | None = None  # None: the model id
+    models: tuple[FleetModel, ...] = ()  # several base models (repeated --model, or --fleet-file); empty: `model`
+    fleet_file: str | None = None
+    served_model_name: tuple[str, ...] = ()  # empty: the model id; with several models, NAME=MODEL picks one
     dtype: str = _NODE.engine.model.dtype
     device: str | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -31,6 +47,11 @@ class UpConfig:
     speculative_config: str | None = None  # JSON, as vLLM takes it; decode nodes only
     max_waiting_requests: int | None = None
     scheduling_policy: str | None = None
+    enable_lora: bool = False  # vLLM's LoRA flags, handed to every node
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
     tensor_parallel_size: int = 1  # vLLM's; only 1
     pipeline_parallel_size: int = 1
     prefill: int | None = None  # None: placement() decides
@@ -54,3 +75,9 @@ class UpConfig:
     ready_timeout: float = 600.0
     log_dir: str | None = None  # None: kvrelay.cli.run_logs.default_log_root()
     keep_logs: int = 5
+
+    def fleet_models(self) -> tuple[FleetModel, ...]:
+        """Every base model of the fleet, the first being the gateway's default."""
+        if self.models:
+            return self.models
+        return (FleetModel(self.model, self.served_model_name, self.prefill, self.decode, self.colocated),)

@@ -5,6 +5,8 @@
 
 H is xxh3-128, kept as 16 bytes. Only full blocks are hashed. The encoding of the root is fixed here:
 the UTF-8 of model_id, a NUL, block_size as little-endian uint32, a NUL, the UTF-8 of cache_salt.
+The extra keys name the LoRA adapter a block was computed with (`lora_extra_keys`): empty for the base model,
+so a block is shared within one adapter and never across adapters or with the base model.
 
 The chain runs in one native call when kvrelay.common.native could be built (the gateway hashes every prompt,
 and the Python loop with its list-to-int32 conversion is the slow part of a routing decision); `_hash_blocks_py`
@@ -31,6 +33,12 @@ _U32 = struct.Struct("<I")
 def root_hash(model_id: str, block_size: int, cache_salt: str = "") -> BlockHash:
     payload = model_id.encode() + b"\x00" + _U32.pack(block_size) + b"\x00" + cache_salt.encode()
     return xxhash.xxh3_128_digest(payload)
+
+
+def lora_extra_keys(lora_name: str) -> bytes:
+    """The extra keys of every block computed with adapter `lora_name` ("": the base model, no extra keys):
+    "lora", a NUL, the UTF-8 of the name. After the block's fixed-length token bytes, so never ambiguous."""
+    return b"lora\x00" + lora_name.encode() if lora_name else b""
 
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b"") -> BlockHash:
@@ -74,7 +82,9 @@ def _hash_blocks_py(
 
 
 def prompt_block_hashes(
-    token_ids: Sequence[int], model_id: str, block_size: int, cache_salt: str = ""
+    token_ids: Sequence[int], model_id: str, block_size: int, cache_salt: str = "", lora_name: str = ""
 ) -> list[BlockHash]:
-    """All full-block hashes of a prompt, the way the gateway computes them for routing."""
-    return hash_blocks(token_ids, block_size, root_hash(model_id, block_size, cache_salt))
+    """All full-block hashes of a prompt, the way the gateway computes them for routing (`lora_name`: the
+    adapter the request runs with, "" for the base model)."""
+    return hash_blocks(token_ids, block_size, root_hash(model_id, block_size, cache_salt), 0,
+                       lora_extra_keys(lora_name))

@@ -121,6 +121,15 @@ class NodeLoad(JsonRecord):
     total_kv_blocks: int = 0
     kv_cache_usage: float = 0.0
     ts: float = field(default=0.0)  # wall-clock time.time() of the measurement (0: not published)
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters the node holds (can run without reading a file anew)
+    lora_resident: tuple[str, ...] = ()  # those in its memory now
+    lora_paths: tuple[str, ...] = ()  # where each of lora_adapters was read from, in the same order
+    lora_capacity: int = 0  # adapters it keeps in memory without evicting one (0: LoRA is off)
+
+    def __post_init__(self) -> None:
+        for name in ("lora_adapters", "lora_resident", "lora_paths"):
+            if not isinstance(getattr(self, name), tuple):  # JSON gives a list
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def busy(self) -> bool:

@@ -90,6 +90,20 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_CHUNKS_BELOW)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_TOP))
 
 
+def release_freed_memory() -> bool:
+    """glibc only: hand the memory freed so far back to the kernel, from every malloc arena.
+
+    The other side of `keep_freed_memory`: a process that builds engine after engine on different threads (a test
+    run) keeps each arena's freed chunks (one arena per thread, up to 8 per core), and its RSS grows by a model
+    per arena. Returns whether glibc did it (False off glibc)."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim(0)
+    return True
+
+
 def thp_mode() -> str | None:
     """The kernel's transparent huge page mode (`always`, `madvise` or `never`); None where it has none."""
     try:

@@ -53,6 +53,10 @@ class NodeInfo:
     metrics_address: str = ""
     dtype: str = ""
     layout: KVLayout | None = None
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it holds
+    max_loras: int = 0  # adapters one step runs (0: LoRA is off)
+    max_lora_rank: int = 0
+    lora_capacity: int = 0  # adapters kept in memory
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,8 @@ def load_to_proto(load: NodeLoad) -> pb.Load:
         num_waiting=load.num_waiting, num_running=load.num_running, num_reserved=load.num_reserved,
         num_held=load.num_held, queued_prefill_tokens=load.queued_prefill_tokens,
         free_kv_blocks=load.free_kv_blocks, total_kv_blocks=load.total_kv_blocks, kv_cache_usage=load.kv_cache_usage,
+        lora_adapters=load.lora_adapters, lora_capacity=load.lora_capacity, lora_resident=load.lora_resident,
+        lora_paths=load.lora_paths,
     )
 
 
@@ -240,6 +246,8 @@ def load_from_proto(msg: pb.Load) -> NodeLoad:
         num_waiting=msg.num_waiting, num_running=msg.num_running, num_reserved=msg.num_reserved,
         num_held=msg.num_held, queued_prefill_tokens=msg.queued_prefill_tokens, free_kv_blocks=msg.free_kv_blocks,
         total_kv_blocks=msg.total_kv_blocks, kv_cache_usage=msg.kv_cache_usage,
+        lora_adapters=tuple(msg.lora_adapters), lora_capacity=msg.lora_capacity,
+        lora_resident=tuple(msg.lora_resident), lora_paths=tuple(msg.lora_paths),
     )
 
 
@@ -251,7 +259,8 @@ def node_info_to_proto(info: NodeInfo) -> pb.NodeInfo:
         node_id=info.node_id, role=info.role, model_id=info.model_id, block_size=info.block_size, dtype=info.dtype,
         max_model_len=info.max_model_len, vocab_size=info.vocab_size, capacity_tokens=info.capacity_tokens,
         layout=layout_to_proto(info.layout), connector=info.connector, kv_address=info.kv_address,
-        grpc_address=info.grpc_address, metrics_address=info.metrics_address,
+        grpc_address=info.grpc_address, metrics_address=info.metrics_address, lora_adapters=info.lora_adapters,
+        max_loras=info.max_loras, max_lora_rank=info.max_lora_rank, lora_capacity=info.lora_capacity,
     )
 
 
@@ -262,6 +271,8 @@ def node_info_from_proto(msg: pb.NodeInfo) -> NodeInfo:
         connector=msg.connector, kv_address=msg.kv_address, grpc_address=msg.grpc_address,
         metrics_address=msg.metrics_address, dtype=msg.dtype,
         layout=layout_from_proto(msg.layout) if msg.HasField("layout") else None,
+        lora_adapters=tuple(msg.lora_adapters), max_loras=msg.max_loras, max_lora_rank=msg.max_lora_rank,
+        lora_capacity=msg.lora_capacity,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from kvrelay.common.units import byte_size
-from kvrelay.engine.config import EngineConfig, SchedulingPolicy, SpeculativeConfig
+from kvrelay.engine.config import EngineConfig, LoRAConfig, SchedulingPolicy, SpeculativeConfig, parse_lora_modules
 
 SCHEDULING_POLICIES = [p.value for p in SchedulingPolicy]
 
@@ -18,7 +18,7 @@ SCHEDULING_POLICIES = [p.value for p in SchedulingPolicy]
 _ENGINE_FLAGS = ("device", "max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
                  "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests", "admission_headroom",
                  "enable_prefix_caching", "scheduling_policy", "attention_backend", "structured_outputs_backend",
-                 "speculative_config")
+                 "speculative_config", "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
 _KEYWORDS = {"scheduling_policy": "policy"}
 
 
@@ -62,10 +62,35 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig | None = 
     g.add_argument("--structured-outputs-backend", choices=["xgrammar"],
                    default=d.structured.structured_outputs_backend,
                    help="grammar engine of response_format / structured_outputs / tool_choice constraints")
+    add_lora_args(g, d.lora)
     g.add_argument("--speculative-config", type=speculative_json, default=None,
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "<folder>", '
                         '"num_speculative_tokens": 4}\' (default: off)')
+
+
+def add_lora_args(g, lora: LoRAConfig) -> None:
+    """vLLM's LoRA flags (nodes, `kvrelay generate`, and `kvrelay up`, which hands them on)."""
+    g.add_argument("--enable-lora", action="store_true", default=lora.enable_lora,
+                   help="serve LoRA adapters: a request names one in `model`; base-model requests and those of "
+                        "different adapters run in one batch")
+    g.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
+                   help="adapters to load at start, as name=path (a PEFT folder: adapter_config.json + "
+                        "adapter_model.safetensors) or vLLM's JSON {\"name\": ..., \"path\": ...}")
+    g.add_argument("--max-loras", type=int, default=lora.max_loras, help="distinct adapters in one batch")
+    g.add_argument("--max-lora-rank", type=int, default=lora.max_lora_rank, help="the largest adapter rank taken")
+    g.add_argument("--max-cpu-loras", type=int, default=lora.max_cpu_loras,
+                   help="adapters kept in memory (default: --max-loras); the least recently used go first, and are "
+                        "read from their files again when asked for")
+
+
+def lora_module(text: str) -> str:
+    """Checks one --lora-modules entry (argparse names the flag when it is bad) and keeps the text."""
+    try:
+        parse_lora_modules([text])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def speculative_json(text: str) -> str:

@@ -32,6 +32,7 @@ from typing import Any, Protocol, TypeVar
 from kvrelay.common.records import BlockEvent, BlockHash, NodeLoad
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
 from kvrelay.engine.core import EngineCore
+from kvrelay.engine.lora import LoRAStats
 from kvrelay.engine.request import KVSendSpec
 from kvrelay.engine.scheduler_output import EngineCoreOutput, EngineCounters, Reservation
 
@@ -52,6 +53,10 @@ class EngineObserver(Protocol):
     """What the engine thread reports as it runs (a node's metrics)."""
 
     def observe_stats(self, load: NodeLoad, counters: EngineCounters) -> None: ...
+
+    def observe_lora(self, running: set[str], waiting: set[str], stats: LoRAStats, load_seconds: list[float]) -> None:
+        """With LoRA on: the adapters of running and waiting requests, the cumulative counts, and the seconds of
+        the adapter reads since the last call."""
 
     def observe_output(self, out: EngineCoreOutput, since_arrival: float, last_token_at: float | None,
                        now: float, computes_prompt: bool) -> None: ...
@@ -154,10 +159,12 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str = "",
         arrival: float | None = None, kv_send: KVSendSpec | None = None, beam_search: BeamSearchParams | None = None,
+        lora_name: str = "",
     ) -> AsyncIterator[EngineCoreOutput]:
         """Stream a request's outputs (n > 1: the children's, interleaved, by child id; beam_search: one
         output at the end, with the beams). Leaving the loop early aborts what is unfinished. Raises
-        ValueError for a bad request, EngineDraining when closing."""
+        ValueError for a bad request, UnknownAdapter for an adapter the engine does not know, EngineDraining
+        when closing."""
         self._check_accepting()
         q: asyncio.Queue = asyncio.Queue()
         arrival = time.monotonic() if arrival is None else arrival
@@ -165,10 +172,10 @@ class AsyncEngine:
 
         def add(core: EngineCore) -> list[str]:
             if beam_search is not None:
-                core.add_beam_search(request_id, prompt, beam_search, arrival, cache_salt)
+                core.add_beam_search(request_id, prompt, beam_search, arrival, cache_salt, lora_name)
                 ids = [request_id]
             else:
-                ids = core.add_request(request_id, prompt, params, arrival, cache_salt, kv_send)
+                ids = core.add_request(request_id, prompt, params, arrival, cache_salt, kv_send, lora_name)
             parent = request_id if len(ids) > 1 else None
             for rid in ids:
                 self._streams[rid] = _Stream(q, arrival, computes_prompt=True, parent=parent)
@@ -183,11 +190,12 @@ class AsyncEngine:
 
     async def prefill(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, kv_send: KVSendSpec,
-        cache_salt: str = "", arrival: float | None = None,
+        cache_salt: str = "", arrival: float | None = None, lora_name: str = "",
     ) -> EngineCoreOutput:
         """Prefill role: compute the prompt, send its KV per `kv_send`, and return the first token's output
         (finish_reason "abort" and no token when it was aborted). Its blocks stay held: release_held()."""
-        async with aclosing(self.generate(request_id, prompt, params, cache_salt, arrival, kv_send)) as stream:
+        async with aclosing(self.generate(request_id, prompt, params, cache_salt, arrival, kv_send,
+                                          lora_name=lora_name)) as stream:
             async for out in stream:
                 return out  # max_tokens is 1 for a kv_send request: the first output is the last
         raise EngineDead(f"request {request_id!r} ended without output")
@@ -195,6 +203,7 @@ class AsyncEngine:
     async def reserve(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, lease_s: float | None = None,
         cache_salt: str = "", on_reserved: Callable[[Reservation], None] | None = None, wait_s: float = 0.0,
+        lora_name: str = "",
     ) -> Reservation | None:
         """Decode role: blocks for a prompt a prefill node will compute, or None (no room now, or none came
         free within `wait_s`: the reservation waits in the node's queue meanwhile). `on_reserved` runs on the
@@ -206,7 +215,7 @@ class AsyncEngine:
 
         def run(core: EngineCore) -> Reservation | None | asyncio.Future:
             until = time.monotonic() + wait_s if waiter is not None else None
-            res = core.reserve(request_id, prompt, params, lease_s, cache_salt, queue_until=until)
+            res = core.reserve(request_id, prompt, params, lease_s, cache_salt, queue_until=until, lora_name=lora_name)
             if res is not None:
                 self._reserved(core, res, on_reserved)
             elif waiter is not None and core.is_queued(request_id):
@@ -472,6 +481,9 @@ class AsyncEngine:
         self._load = self.core.load()
         if self.metrics is not None:
             self.metrics.observe_stats(self._load, self.core.counters())
+            lora = self.core.lora
+            if lora is not None:
+                self.metrics.observe_lora(*self.core.lora_requests(), lora.stats, lora.drain_load_seconds())
         sink = self._block_events
         if sink is None:
             return

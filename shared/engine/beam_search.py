@@ -177,7 +177,7 @@ class BeamGroup:
     def _fork(self, parent: Request, token: int) -> Request:
         child = Request(f"{self.group_id}:beam{self.next_index}", parent.prompt_token_ids, parent.sampling_params,
                         eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
-                        cache_salt=parent.cache_salt)
+                        cache_salt=parent.cache_salt, lora_name=parent.lora_name)
         self.next_index += 1
         child.output_token_ids = [*parent.output_token_ids, token]
         child.all_token_ids = [*parent.all_token_ids, token]

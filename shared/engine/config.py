@@ -171,11 +171,43 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters, with vLLM's flags: `max_loras` adapters run in one step (each in a slot of the model),
+    `max_cpu_loras` are kept in memory (least recently used go first, and are read again from their files when
+    asked for), ranks up to `max_lora_rank`. `lora_modules`: (name, path) pairs loaded at start."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    lora_modules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras: must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: {self.max_cpu_loras} is less than max_loras {self.max_loras}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules: adapters need enable_lora")
+        names = [name for name, _ in self.lora_modules]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"lora_modules: adapter names given twice: {dup}")
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig | None = None
 
     def with_kwargs(self, **kwargs) -> EngineConfig:
@@ -189,12 +221,43 @@ class EngineConfig:
             group = next((g for g, cfg in groups.items() if key in {f.name for f in dataclasses.fields(cfg)}), None)
             if group is None:
                 raise TypeError(f"LLM: unknown argument {key!r}")
-            values[group][key] = SchedulingPolicy(value) if key == "policy" else value
+            if key == "policy":
+                value = SchedulingPolicy(value)
+            elif key == "lora_modules":
+                value = parse_lora_modules(value)
+            values[group][key] = value
         return EngineConfig(**{g: dataclasses.replace(cfg, **values[g]) for g, cfg in groups.items()},
                             speculative=speculative)
 
 
-_GROUPS = ("model", "cache", "scheduler", "structured")
+_GROUPS = ("model", "cache", "scheduler", "structured", "lora")
+
+
+def parse_lora_modules(modules) -> tuple[tuple[str, str], ...]:
+    """vLLM's --lora-modules forms: 'name=path', a JSON object {"name": ..., "path": ...}, a dict name -> path,
+    or (name, path) pairs; as (name, path) pairs."""
+    if isinstance(modules, dict):
+        modules = list(modules.items())
+    out = []
+    for item in modules or ():
+        if isinstance(item, str):
+            text = item.strip()
+            if text.startswith("{"):
+                try:
+                    data = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"lora_modules: {item!r} is not valid JSON ({e})") from None
+                item = (data.get("name", ""), data.get("path", ""))
+            else:
+                name, sep, path = text.partition("=")
+                if not sep:
+                    raise ValueError(f"lora_modules: {item!r} is not name=path")
+                item = (name, path)
+        name, path = (str(v).strip() for v in item)
+        if not name or not path:
+            raise ValueError(f"lora_modules: {item!r} needs both a name and a path")
+        out.append((name, path))
+    return tuple(out)
 
 
 def engine_config_from_kwargs(model: str, dtype: str, **kwargs) -> EngineConfig:

@@ -15,6 +15,11 @@ before queueing a request and refuses a bad grammar up front.
 
 Beam search (`add_beam_search`) runs a group of beams under one request id; its one output, at the end,
 carries the finished beams.
+
+LoRA (config.lora.enable_lora): a request names its adapter (`lora_name`; "" is the base model), which must be
+known to the engine's LoRAManager. Adapters are read off the engine thread (`read_lora`), then registered
+(`add_lora`); unloading refuses new requests at once (`begin_unload_lora`) and removes the adapter once no
+unfinished request uses it (`lora_in_use`, `remove_lora`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from kvrelay.engine.block_pool import BlockPool
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.kv_cache_manager import KVCacheManager
 from kvrelay.engine.kv_handoff import KVHandoff
+from kvrelay.engine.lora import LoRAAdapter, LoRAManager
 from kvrelay.engine.model_info import ModelInfo, load_model_info
 from kvrelay.engine.model_runner import KVAllocator, KVSender, ModelRunner
 from kvrelay.engine.request import KVSendSpec, Request, RequestStatus
@@ -67,7 +73,8 @@ class EngineCore:
         if self.info.device.type == "cpu":
             self._tune_cpu_memory()
         self.grammars = grammars or create_grammar_compiler(config.structured, self._grammar_vocab)
-        self.runner = ModelRunner(config, self.info, kv_sender, kv_allocator, self.grammars)
+        self.lora = LoRAManager(config.lora, self._loras_in_use) if config.lora.enable_lora else None
+        self.runner = ModelRunner(config, self.info, kv_sender, kv_allocator, self.grammars, self.lora)
         self.vocab_size = self.runner.vocab_size
         self.num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
@@ -80,7 +87,10 @@ class EngineCore:
         self.kv = KVCacheManager(pool, block_size, self.info.model_id, config.cache.enable_prefix_caching)
         self.handoff = KVHandoff(self.kv)
         speculation = Speculation.create(config.speculative, config.scheduler, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, speculation, self.handoff)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, speculation, self.handoff,
+                                   max_loras=config.lora.max_loras if self.lora is not None else 0)
+        if self.lora is not None:
+            self.lora.load_modules()
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id -> its grammar's compile
         logger.info(
             "engine ready in %.1fs: %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens (%.1f MiB), "
@@ -139,6 +149,60 @@ class EngineCore:
             raise ValueError(f"num_resumed_tokens: {params.num_resumed_tokens} leaves no prompt of the "
                              f"{len(prompt_token_ids)} tokens")
 
+    def check_lora(self, lora_name: str) -> None:
+        """UnknownAdapter unless a request may run with `lora_name` here ("" always may)."""
+        if not lora_name:
+            return
+        if self.lora is None:
+            from kvrelay.engine.lora import UnknownAdapter
+
+            raise UnknownAdapter(f"The model `{lora_name}` does not exist: this engine runs no LoRA adapters "
+                                 "(--enable-lora)")
+        self.lora.check(lora_name)
+
+    # -- LoRA adapters --------------------------------------------------------------------------------
+
+    def read_lora(self, name: str, path: str) -> LoRAAdapter:
+        """An adapter read and checked against this model (AdapterError when malformed). Any thread: nothing in
+        the engine changes; `add_lora` registers it."""
+        if self.lora is None:
+            from kvrelay.engine.lora import AdapterError
+
+            raise AdapterError("LoRA adapters are not enabled on this engine (--enable-lora)")
+        return self.lora.read(name, path)
+
+    def add_lora(self, name: str, adapter: LoRAAdapter) -> None:
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled on this engine (--enable-lora)")
+        self.lora.register(name, adapter)
+
+    def begin_unload_lora(self, name: str) -> None:
+        """New requests for `name` are refused from now on (UnknownAdapter if it is not loaded)."""
+        self.check_lora(name)  # raises for an unknown name, or without LoRA
+        self.lora.begin_unload(name)
+
+    def remove_lora(self, name: str) -> bool:
+        return self.lora is not None and self.lora.remove(name)
+
+    def lora_in_use(self, name: str) -> int:
+        """Unfinished requests (reservations included) running with adapter `name`."""
+        return sum(1 for req in self._unfinished_requests() if req.lora_name == name)
+
+    def lora_requests(self) -> tuple[set[str], set[str]]:
+        """(adapters of running requests, adapters of waiting ones): vLLM's lora_requests_info."""
+        running = {r.lora_name for r in self.scheduler.running if r.lora_name}
+        waiting = {r.lora_name for r in self._unfinished_requests()
+                   if r.lora_name and r.status != RequestStatus.RUNNING}
+        return running, waiting
+
+    def _unfinished_requests(self):
+        yield from self.scheduler.requests.values()
+        for item in self.handoff.queued:
+            yield item.req
+
+    def _loras_in_use(self) -> set[str]:
+        return {r.lora_name for r in self._unfinished_requests() if r.lora_name}
+
     def compile_grammar(self, spec: StructuredOutputs) -> concurrent.futures.Future:
         """The grammar's compile (cached per spec), off the step loop; its result raises ValueError for a bad
         schema, regex or grammar. Thread-safe."""
@@ -162,33 +226,36 @@ class EngineCore:
         arrival_time: float | None = None,
         cache_salt: str = "",
         kv_send: KVSendSpec | None = None,
+        lora_name: str = "",
     ) -> list[str]:
         """Queue a request; returns the engine request ids (one, or n children for n > 1).
         With `kv_send` (prefill role) the request computes its prompt, samples one token, and its prompt
-        KV goes to the peer layer by layer as it is computed."""
+        KV goes to the peer layer by layer as it is computed. `lora_name`: its adapter ("": the base model)."""
         prompt = list(prompt_token_ids)
         self.validate(prompt, params)
+        self.check_lora(lora_name)
         self.scheduler.check_room_to_wait(1 if kv_send is not None else params.n)
         if kv_send is not None:
-            req = self._make_request(request_id, prompt, params.for_child(0), arrival_time, cache_salt)
+            req = self._make_request(request_id, prompt, params.for_child(0), arrival_time, cache_salt, lora_name)
             req.kv_send, req.max_tokens = kv_send, req.num_resumed_tokens + 1
             self._queue(req)
             return [request_id]
         if params.n == 1:
-            self._add_one(request_id, prompt, params, arrival_time, cache_salt)
+            self._queue(self._make_request(request_id, prompt, params, arrival_time, cache_salt, lora_name))
             return [request_id]
         ids = [child_request_id(request_id, i) for i in range(params.n)]
         for i, rid in enumerate(ids):
-            self._add_one(rid, prompt, params.for_child(i), arrival_time, cache_salt)
+            self._queue(self._make_request(rid, prompt, params.for_child(i), arrival_time, cache_salt, lora_name))
         return ids
 
     def add_beam_search(
         self, request_id: str, prompt_token_ids: Sequence[int], params: BeamSearchParams,
-        arrival_time: float | None = None, cache_salt: str = "",
+        arrival_time: float | None = None, cache_salt: str = "", lora_name: str = "",
     ) -> None:
         """Queue a beam search; its one output (at the end) carries the finished beams, best first."""
         prompt = list(prompt_token_ids)
         self.validate(prompt, SamplingParams())
+        self.check_lora(lora_name)
         end_ids = () if params.ignore_eos or self.info.eos_token_id is None else (
             self.info.eos_token_id, *self.info.extra_eos_token_ids)
         candidates = num_candidates(params.beam_width, len(end_ids))
@@ -204,16 +271,12 @@ class EngineCore:
             raise ValueError(f"beam_width: {params.beam_width} beams of up to {len(prompt) + max_new} tokens may "
                              f"need more than the {self.num_blocks} KV blocks this engine has")
         root = SamplingParams(temperature=0.0, max_tokens=None, logprobs=candidates, ignore_eos=True)
-        req = Request(f"{request_id}:beam0", prompt, root, eos_token_id=None, cache_salt=cache_salt)
+        req = Request(f"{request_id}:beam0", prompt, root, eos_token_id=None, cache_salt=cache_salt,
+                      lora_name=lora_name)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         group = BeamGroup(request_id, params, len(prompt), end_ids, max_new)
         self.scheduler.add_beam_group(group, req)
-
-    def _add_one(
-        self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str
-    ) -> None:
-        self._queue(self._make_request(rid, prompt, params, arrival, salt))
 
     def _queue(self, req: Request) -> None:
         spec = req.sampling_params.structured_outputs
@@ -242,12 +305,13 @@ class EngineCore:
         return failed
 
     def _make_request(
-        self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str
+        self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str,
+        lora_name: str = "",
     ) -> Request:
         extra = [t for t in self.info.extra_eos_token_ids if t not in params.stop_token_ids]
         if extra and not params.ignore_eos:
             params = replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
-        req = Request(rid, prompt, params, eos_token_id=self.info.eos_token_id, cache_salt=salt)
+        req = Request(rid, prompt, params, eos_token_id=self.info.eos_token_id, cache_salt=salt, lora_name=lora_name)
         if arrival is not None:
             req.arrival_time = arrival
         room = self.max_model_len - len(prompt) + params.num_resumed_tokens  # resumed output counts as output
@@ -258,7 +322,7 @@ class EngineCore:
 
     def reserve(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-        lease_s: float | None = None, cache_salt: str = "", queue_until: float | None = None,
+        lease_s: float | None = None, cache_salt: str = "", queue_until: float | None = None, lora_name: str = "",
     ) -> Reservation | None:
         """Decode role: blocks for a prompt a prefill node will compute. None: no room now, and either
         refused or (with `queue_until`, a monotonic time) queued for blocks: `is_queued`, then
@@ -267,7 +331,8 @@ class EngineCore:
         self.validate(prompt, params)
         if params.n != 1:
             raise ValueError("n: a reservation is for one sequence; reserve each of n separately")
-        req = self._make_request(request_id, prompt, params, None, cache_salt)
+        self.check_lora(lora_name)
+        req = self._make_request(request_id, prompt, params, None, cache_salt, lora_name)
         lease = self.config.scheduler.kv_lease_s if lease_s is None else lease_s
         return self.scheduler.reserve(req, lease, queue_until)
 
@@ -314,7 +379,12 @@ class EngineCore:
         return KVLayout.for_caches(self.info.model_id, self.runner.kv_caches)
 
     def load(self) -> NodeLoad:
-        return self.scheduler.load()
+        load = self.scheduler.load()
+        if self.lora is None:
+            return load
+        names = self.lora.names()
+        return replace(load, lora_adapters=tuple(names), lora_paths=tuple(self.lora.paths[n] for n in names),
+                       lora_resident=tuple(self.lora.cached), lora_capacity=self.config.lora.cpu_capacity)
 
     def counters(self) -> EngineCounters:
         """Cumulative prefix-cache and preemption counts (the metrics advance by their deltas)."""

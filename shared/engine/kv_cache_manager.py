@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrelay.common.hashing import hash_blocks, root_hash
+from kvrelay.common.hashing import hash_blocks, lora_extra_keys, root_hash
 from kvrelay.engine.block_pool import BlockPool, KVBlock
 from kvrelay.engine.request import Request
 
@@ -67,7 +67,8 @@ class KVCacheManager:
         if (done + 1) * self.block_size > req.num_tokens:
             return
         parent = req.block_hashes[-1] if done else self._root(req.cache_salt)
-        req.block_hashes.extend(hash_blocks(req.all_token_ids, self.block_size, parent, start_block=done))
+        req.block_hashes.extend(hash_blocks(req.all_token_ids, self.block_size, parent, start_block=done,
+                                            extra_keys=lora_extra_keys(req.lora_name)))
 
     def _root(self, salt: str) -> bytes:
         root = self._roots.get(salt)
@@ -114,14 +115,15 @@ class KVCacheManager:
         num_new = max(0, num_required - len(blocks) - len(hit.blocks))
         shared = self._shared_write_targets(blocks, num_computed, num_computed + num_new_tokens)
         # Hit blocks sitting in the free queue stop being allocatable once touched.
-        num_revived = sum(1 for b in hit.blocks if b.ref_cnt == 0)
+        num_revived = sum(1 for b in hit.blocks if b.ref_cnt == 0) if hit.blocks else 0
         if num_new + num_revived + len(shared) > self.pool.num_free_blocks:
             return None
         if shared:
             self._copy_on_write(req.request_id, blocks, shared)
         if hit.blocks:
             self.pool.touch(hit.blocks)
-        new_blocks = self.pool.get_new_blocks(num_new)
+        # Most calls are a decode's next token, inside a block it already has: nothing to take from the pool.
+        new_blocks = self.pool.get_new_blocks(num_new) if num_new else []
         blocks = self.req_to_blocks.setdefault(req.request_id, [])
         if hit.blocks:
             blocks.extend(hit.blocks)
@@ -134,6 +136,8 @@ class KVCacheManager:
     def _shared_write_targets(self, blocks: list[KVBlock], start: int, end: int) -> list[int]:
         """Indexes of this table's blocks that positions [start, end) write into and another table shares."""
         first, last = start // self.block_size, min(cdiv(end, self.block_size), len(blocks))
+        if last - first == 1:  # a decode's one token (every request of every step): no list to build
+            return [first] if blocks[first].ref_cnt > 1 else []
         return [i for i in range(first, last) if blocks[i].ref_cnt > 1]
 
     def _copy_on_write(self, request_id: str, blocks: list[KVBlock], indexes: list[int]) -> None:

@@ -13,7 +13,7 @@ The scheduler moves the requests between its queues; this keeps the leases and t
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvrelay.engine.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
 from kvrelay.engine.request import Request, RequestStatus
@@ -22,8 +22,11 @@ from kvrelay.engine.scheduler_output import KVSend, Reservation
 
 
 class KVHandoff:
-    def __init__(self, kv: KVCacheManager) -> None:
+    """`clock`: where lease deadlines are read (monotonic seconds; a simulator passes its own clock)."""
+
+    def __init__(self, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic) -> None:
         self.kv = kv
+        self.clock = clock
         self.reserved: dict[str, float] = {}  # decode role: req id -> lease deadline
         self.held: dict[str, float] = {}  # prefill role: req id -> lease deadline
         self.queued = ReservationQueue()  # reservations waiting for blocks
@@ -40,7 +43,7 @@ class KVHandoff:
             return None
         req.status = RequestStatus.WAITING_FOR_KV
         req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
-        deadline = time.monotonic() + lease_s
+        deadline = self.clock() + lease_s
         self.reserved[req.request_id] = deadline
         dst = self.kv.block_ids(req.request_id)[len(hit.blocks) :]
         return Reservation(req.request_id, hit.num_tokens, tuple(dst), deadline)
@@ -71,7 +74,7 @@ class KVHandoff:
     def hold(self, req: Request, lease_s: float) -> None:
         """The request ended while its blocks may be in flight: keep them for `lease_s` at most."""
         self.kv.hold(req)
-        self.held[req.request_id] = time.monotonic() + lease_s
+        self.held[req.request_id] = self.clock() + lease_s
 
     def release(self, request_id: str) -> bool:
         """The transfer that read these blocks is over."""

@@ -1,7 +1,9 @@
 """Offline inference: `LLM(model="default").generate(prompts, SamplingParams(...))`, and
 `LLM(...).beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))` as vLLM has them.
 
-Speculative decoding: `LLM(..., speculative_config={"method": "ngram", "num_speculative_tokens": 4})`."""
+Speculative decoding: `LLM(..., speculative_config={"method": "ngram", "num_speculative_tokens": 4})`.
+LoRA: `LLM(..., enable_lora=True, max_loras=4)` and `generate(..., lora_request=LoRARequest("name", 1, "/path"))`
+(one for all prompts, or one per prompt; None runs the base model)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
 from kvrelay.common.tokenizer import Tokenizer
 from kvrelay.engine.config import engine_config_from_kwargs
 from kvrelay.engine.core import EngineCore
+from kvrelay.engine.lora import LoRARequest
 from kvrelay.engine.scheduler_output import EngineCoreOutput
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "BeamSearchOutput",
-           "BeamSearchSequence"]
+           "BeamSearchSequence", "LoRARequest"]
 
 Prompt = str | Sequence[int]
 
@@ -75,21 +78,24 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         prompts = _as_list(prompts)
         params = _broadcast(sampling_params, len(prompts))
         encoded = [self._encode(p) for p in prompts]
+        loras = self._lora_names(lora_request, len(prompts))
         # Validate everything first: a bad prompt must not leave the others half-queued.
-        for ids, sp in zip(encoded, params):
+        for ids, sp, lora in zip(encoded, params, loras):
             self.engine.validate(ids, sp)
+            self.engine.check_lora(lora)
             if sp.structured_outputs is not None:
                 self.engine.compile_grammar(sp.structured_outputs).result()  # ValueError for a bad grammar
         results: dict[str, RequestOutput] = {}
         children: dict[str, tuple[str, int]] = {}
-        for prompt, ids, sp in zip(prompts, encoded, params):
+        for prompt, ids, sp, lora in zip(prompts, encoded, params, loras):
             rid = str(next(self._ids))
             results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids, [])
-            for i, child in enumerate(self.engine.add_request(rid, ids, sp)):
+            for i, child in enumerate(self.engine.add_request(rid, ids, sp, lora_name=lora)):
                 children[child] = (rid, i)
                 results[rid].outputs.append(CompletionOutput(i, "", [], [] if sp.logprobs is not None else None, None))
         self._run(results, children, use_tqdm)
@@ -98,6 +104,19 @@ class LLM:
                 comp.text = self.tokenizer.decode(comp.token_ids)
             out.finished = True
         return list(results.values())
+
+    def _lora_names(self, requests, n: int) -> list[str]:
+        """Each prompt's adapter name; an adapter the engine does not know yet is read from its path."""
+        if requests is None or isinstance(requests, LoRARequest):
+            requests = [requests] * n
+        requests = list(requests)
+        if len(requests) != n:
+            raise ValueError(f"lora_request: got {len(requests)} for {n} prompts")
+        for req in {r for r in requests if r is not None}:
+            known = self.engine.lora is not None and req.lora_name in self.engine.lora.names()
+            if not known and req.lora_path:
+                self.engine.add_lora(req.lora_name, self.engine.read_lora(req.lora_name, req.lora_path))
+        return [r.lora_name if r is not None else "" for r in requests]
 
     def beam_search(
         self, prompts: Prompt | dict | Sequence[Prompt | dict], params: BeamSearchParams, use_tqdm: bool = False,

@@ -17,11 +17,16 @@ a node a request migrated to. Before each sample it fills the request's bitmask 
 advances it. (The scheduler never gives a constrained request drafts.)
 
 Block copies the scheduler orders (copy-on-write of a beam's shared block) run before the forward pass.
+
+LoRA: a request's state names its adapter. Each step the runner asks its `LoRASlots` (the engine's LoRAManager,
+which decides what sits in which slot) for the per-row slots of the step's adapters, and passes them to the
+model's forward; rows of the base model and of different adapters run in the same batch.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +40,7 @@ from kvrelay.engine import host_memory
 from kvrelay.engine.attention import get_attention_backend
 from kvrelay.engine.attention.base import AttentionMetadata
 from kvrelay.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from kvrelay.engine.lora.layers import LoRABatch
 from kvrelay.engine.model_info import ModelInfo
 from kvrelay.engine.models.loader import load_model
 from kvrelay.engine.sampler import Sampler, SamplerOutput, SamplingRow, TokenBitmask
@@ -57,6 +63,15 @@ class KVSender(Protocol):
     def send_blocks(self, peer: str, transfer_id: str, layer: int, src: list[int], dst: list[int]) -> None: ...
 
 
+class LoRASlots(Protocol):
+    """Where a step's LoRA adapters sit (kvrelay.engine.lora.LoRAManager): it gives the model's projections their
+    slots once, and each step the slot of every row."""
+
+    def attach(self, model) -> None: ...
+
+    def batch(self, row_adapters: Sequence[str], row_counts: Sequence[int]) -> LoRABatch | None: ...
+
+
 @dataclass
 class _ReqState:
     token_ids: list[int]
@@ -65,6 +80,7 @@ class _ReqState:
     block_ids: list[int]
     matcher: GrammarMatcher | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # computed so far (none while it has outputs)
+    lora_name: str = ""  # its LoRA adapter ("": the base model)
 
 
 @dataclass(frozen=True)
@@ -77,15 +93,17 @@ class _Batch:
     logits_indices: torch.Tensor  # per sampling request: its last known token's row, then its drafts' rows
     offsets: list[int]  # per attention row (req_ids): its first row in the flat batch
     starts: list[int]  # per attention row: its first position this step
+    lora: LoRABatch | None = None  # each flat row's adapter slot (None: no row has an adapter)
 
 
 class ModelRunner:
     """`kv_allocator`: allocates the KV caches (None: plain tensors); `grammars`: where constrained requests'
-    grammars come from (None: structured outputs refused)."""
+    grammars come from (None: structured outputs refused); `lora`: where LoRA adapters sit (None: no adapters)."""
 
     def __init__(
         self, config: EngineConfig, info: ModelInfo, kv_sender: KVSender | None = None,
         kv_allocator: KVAllocator | None = None, grammars: GrammarCompiler | None = None,
+        lora: LoRASlots | None = None,
     ) -> None:
         self.config = config
         self.info = info
@@ -94,6 +112,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.attn = get_attention_backend(config.model.attention_backend, self.device)
         self.model = load_model(info.path, self.dtype, self.device, self.attn)
+        self.lora = lora
+        if lora is not None:
+            lora.attach(self.model)
         self.vocab_size = self.model.vocab_size
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.model.seed)
         self.verifier = Verifier(self.sampler, config.model.seed, self.device)
@@ -161,7 +182,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
         on_layer_done = self._layer_sender(sched.kv_sends) if sched.kv_sends else None
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, on_layer_done)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, on_layer_done, batch.lora)
         self._prompt_logprobs(batch, hidden)
         if not batch.sample_req_ids:
             return ModelRunnerOutput()
@@ -310,6 +331,7 @@ class ModelRunner:
                 list(new.token_ids), new.num_prompt_tokens, params, list(new.block_ids),
                 matcher=self._new_matcher(new.req_id, params, replay),
                 prompt_logprobs=[] if params.prompt_logprobs is not None and not outputs else None,
+                lora_name=new.lora_name,
             )
         for cached in sched.cached_reqs:
             self.states[cached.req_id].block_ids.extend(cached.new_block_ids)
@@ -389,6 +411,7 @@ class ModelRunner:
             block_size=bs,
         )
         input_ids = torch.tensor([t for part in ids_parts for t in part], dtype=torch.int64, device=dev)
+        lora = None if self.lora is None else self.lora.batch([self.states[r].lora_name for r in req_ids], q_lens)
         return _Batch(
             req_ids=req_ids,
             input_ids=input_ids,
@@ -398,6 +421,7 @@ class ModelRunner:
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             offsets=offsets,
             starts=starts,
+            lora=lora,
         )
 
 

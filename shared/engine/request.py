@@ -21,18 +21,19 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
+    # By value: an enum member's hash is a Python-level call, and these run for every request of every step.
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ in _FINISHED
 
     @property
     def computing(self) -> bool:
         """Queued for, or in, a step (not a reservation, a compiling grammar or a finished request)."""
-        return self in _COMPUTING
+        return self._value_ in _COMPUTING
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
-_COMPUTING = {RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.RUNNING}
+_FINISHED = frozenset({"stop", "length", "abort"})
+_COMPUTING = frozenset({"waiting", "preempted", "running"})
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Request:
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str = ""
+    lora_name: str = ""  # the LoRA adapter it runs with ("": the base model); part of its block hashes
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -114,27 +116,33 @@ class Request:
     def append_sampled(self, tokens: Sequence[int], max_model_len: int) -> tuple[int, ...]:
         """Append sampled tokens until a stop condition ends the request; returns those appended (tokens
         after a stop token in an accepted run of drafts are dropped)."""
+        # Runs for every request of every step: the appends inline, and the stop check says whether it ended it.
+        out, everything = self.output_token_ids, self.all_token_ids
         for i, token in enumerate(tokens):
-            self.append_output_token(token)
-            self._check_stop(token, max_model_len)
-            if self.is_finished:
+            out.append(token)
+            everything.append(token)
+            if self._check_stop(token, max_model_len):
                 return tuple(tokens[: i + 1])
         return tuple(tokens)
 
-    def _check_stop(self, token: int, max_model_len: int) -> None:
+    def _check_stop(self, token: int, max_model_len: int) -> bool:
+        """End the request if this token (just appended) meets a stop condition; True when it did."""
         # Length first, as vLLM does: a stop token that is also the last allowed token ends as "length".
-        generated = self.num_generated_tokens  # a resumed request's earlier output counts
-        if (self.max_tokens is not None and generated >= self.max_tokens) or self.num_tokens >= max_model_len:
-            self.status = RequestStatus.FINISHED_LENGTH
-            return
         params = self.sampling_params
+        generated = params.num_resumed_tokens + len(self.output_token_ids)  # a resumed request's output counts
+        if (self.max_tokens is not None and generated >= self.max_tokens) or len(self.all_token_ids) >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
         if generated < params.min_tokens:
-            return
+            return False
         if token == self.eos_token_id and not params.ignore_eos:
             self.status = RequestStatus.FINISHED_STOPPED
-        elif token in params.stop_token_ids:
+            return True
+        if token in params.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = token
+            return True
+        return False
 
     @property
     def finish_reason(self) -> str | None:

@@ -18,7 +18,6 @@ read them; the runner hears of it next step.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping
 
 from kvrelay.common.records import NodeLoad
@@ -214,7 +213,7 @@ class RequestTable:
         """Grant queued reservations that fit now, in arrival order; drop those past their wait.
         Returns (granted, expired ids)."""
         queued = self.handoff.queued
-        expired = queued.expire(time.monotonic() if now is None else now)
+        expired = queued.expire(self.handoff.clock() if now is None else now)
         granted: list[Reservation] = []
         if self.kv.pool.num_free_blocks == queued.free_blocks_at_last_try:
             return granted, expired  # nothing was freed since the head last failed to fit
@@ -260,7 +259,7 @@ class RequestTable:
 
     def expire_leases(self, now: float | None = None) -> list[str]:
         """Free reservations nobody filled and held blocks nobody released before their deadline."""
-        reserved, held = self.handoff.expired(time.monotonic() if now is None else now)
+        reserved, held = self.handoff.expired(self.handoff.clock() if now is None else now)
         self.finish_requests(reserved, RequestStatus.FINISHED_ABORTED)
         for rid in held:
             self.handoff.release(rid)

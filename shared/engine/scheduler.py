@@ -14,6 +14,9 @@ between those places, are the request table's (request_table.py), which the sche
 
 There is no prefill or decode phase: a prompt is simply a request far from its num_tokens, and chunked
 prefill is what happens when the budget runs out mid-prompt.
+
+LoRA: a step holds requests of at most `max_loras` distinct adapters (the model's slots); a running request of
+another adapter sits the step out, and a waiting one keeps its place in the queue while later ones are admitted.
 """
 
 from __future__ import annotations
@@ -39,14 +42,19 @@ if TYPE_CHECKING:
     from kvrelay.engine.spec_decode.scheduling import Speculation
 
 
+_ONE_TOKEN = Chunk(1)
+
+
 class Scheduler(RequestTable):
     """`speculation`: what speculative decoding adds to each chunk (None: it is off); `handoff`: see
-    RequestTable."""
+    RequestTable; `max_loras`: distinct LoRA adapters one step may run (0: LoRA is off)."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 speculation: Speculation | None = None, handoff: KVHandoff | None = None) -> None:
+                 speculation: Speculation | None = None, handoff: KVHandoff | None = None,
+                 max_loras: int = 0) -> None:
         super().__init__(config, kv, max_model_len, handoff)
         self.speculation = speculation
+        self.max_loras = max_loras
 
     # -- schedule -------------------------------------------------------------------------------------
 
@@ -76,15 +84,20 @@ class Scheduler(RequestTable):
         if n <= 0:
             return None
         if self.speculation is None:
-            return Chunk(n)
+            return _ONE_TOKEN if n == 1 else Chunk(n)  # a decode's chunk: one frozen record shared by all
         return self.speculation.extend(req, num_computed, n, budget, len(self.running))
+
+    def _lora_fits(self, req: Request, plan: StepPlan) -> bool:
+        """Whether the step has room for the request's adapter (it runs one already, or has a slot left)."""
+        name = req.lora_name
+        return not name or not self.max_loras or name in plan.loras or len(plan.loras) < self.max_loras
 
     def _schedule_running(self, plan: StepPlan) -> None:
         # A snapshot: preemption removes requests from self.running while we walk it.
         for req in list(self.running):
             if plan.budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != RequestStatus.RUNNING or not self._lora_fits(req, plan):
                 continue
             chunk = self._plan_chunk(req, req.num_computed_tokens, plan.budget)
             if chunk is None:
@@ -93,7 +106,7 @@ class Scheduler(RequestTable):
             if new_blocks is None:
                 continue
             rid = req.request_id
-            plan.add(rid, chunk)
+            plan.add(rid, chunk, req.lora_name)
             if rid in self._unseen or rid in self.kv.rewritten:
                 self._unseen.discard(rid)
                 self.kv.rewritten.discard(rid)
@@ -134,13 +147,13 @@ class Scheduler(RequestTable):
         return cdiv(max(0, req.num_prompt_tokens - num_computed), self.kv.block_size) + 1
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
-        compiling: list[Request] = []
+        compiling: list[Request] = []  # and those whose adapter has no slot this step: they keep their places
         seqs = self.config.max_num_seqs
         keep = self.config.admission_headroom
-        headroom = self._admission_headroom(plan) if keep else 0
+        headroom = self._admission_headroom(plan) if keep and len(self.waiting) else 0
         while len(self.waiting) and plan.budget > 0 and len(self.running) + self.beam_groups.seats() < seqs:
             req = self.waiting.peek()
-            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR or not self._lora_fits(req, plan):
                 compiling.append(self.waiting.pop())
                 continue
             if req.beam_group is not None:
@@ -163,7 +176,7 @@ class Scheduler(RequestTable):
             if keep:
                 headroom += self._blocks_to_grow(req, hit.num_tokens + chunk.num_new)
             self._admit(req, hit)
-            plan.add(req.request_id, chunk)
+            plan.add(req.request_id, chunk, req.lora_name)
             plan.new.append(self._new_request_data(req))
         for req in reversed(compiling):  # back in their places, ahead of later arrivals
             self.waiting.add_front(req)
@@ -190,7 +203,7 @@ class Scheduler(RequestTable):
             self.waiting.remove(m)
             self._admit(m, hit)
             if n:
-                plan.add(m.request_id, Chunk(n))
+                plan.add(m.request_id, Chunk(n), m.lora_name)
                 plan.new.append(self._new_request_data(m))
             else:  # no budget left this step: it starts next step
                 self._unseen.add(m.request_id)
@@ -205,34 +218,41 @@ class Scheduler(RequestTable):
             block_ids=tuple(self.kv.block_ids(req.request_id)),
             num_computed_tokens=req.num_computed_tokens,
             num_external_tokens=req.num_prompt_tokens - (req.num_cached_tokens or 0) if req.kv_received else 0,
+            lora_name=req.lora_name,
         )
 
     # -- update ---------------------------------------------------------------------------------------
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
+        # Every request of every step comes through here: the lookups are bound once.
+        request_of, sampled_of, logprobs_of = self.requests.get, result.sampled_token_ids.get, result.logprobs.get
+        drafts_of, prompt_logprobs_of, drafted_of = (sched.scheduled_spec_tokens.get, result.prompt_logprobs.get,
+                                                     result.spec_token_ids.get)
         for rid in sched.num_scheduled_tokens:
-            req = self.requests.get(rid)
+            req = request_of(rid)
             if req is None or req.is_finished:
                 continue
-            tokens = result.sampled_token_ids.get(rid)
+            tokens = sampled_of(rid)
             if not tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            logprobs = result.logprobs.get(rid, ())
+            logprobs = logprobs_of(rid, ())
             if req.beam_group is not None:
                 outputs.extend(self._beam_candidates(req, logprobs[0].top))
                 continue
-            drafts = sched.scheduled_spec_tokens.get(rid, ())
+            drafts = drafts_of(rid, ())
             if drafts:
                 self.counters.count_verification(len(drafts), len(tokens) - 1)
                 req.num_computed_tokens -= len(drafts) - (len(tokens) - 1)  # the rejected drafts' KV is void
             new = req.append_sampled(tokens, self.max_model_len)
-            outputs.append(EngineCoreOutput.of(req, new, logprobs[: len(new)], result.prompt_logprobs.get(rid)))
+            outputs.append(EngineCoreOutput.of(req, new, logprobs[: len(new)], prompt_logprobs_of(rid)))
             if req.is_finished:
                 self.running.remove(req)
                 self._free(req)
                 continue
-            req.spec_token_ids = list(result.spec_token_ids.get(rid, ()))
+            drafted = drafted_of(rid)
+            if drafted or req.spec_token_ids:
+                req.spec_token_ids = list(drafted or ())
             if self.speculation is not None:
                 self._settle_blocks(req, drafts, self.speculation.slots_to_keep(req, rid in sched.propose_req_ids))
         return outputs

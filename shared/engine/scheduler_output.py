@@ -30,6 +30,7 @@ class NewRequestData:
     # Of those, the trailing ones whose KV arrived from a prefill node: a draft model has none of its own
     # KV for them and computes it.
     num_external_tokens: int = 0
+    lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
 
 
 @dataclass(frozen=True)

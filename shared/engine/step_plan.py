@@ -37,8 +37,11 @@ class StepPlan:
     new: list[NewRequestData] = field(default_factory=list)
     cached: list[CachedRequestData] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    loras: set[str] = field(default_factory=set)  # the LoRA adapters of the requests scheduled
 
-    def add(self, req_id: str, chunk: Chunk) -> None:
+    def add(self, req_id: str, chunk: Chunk, lora_name: str = "") -> None:
+        if lora_name:
+            self.loras.add(lora_name)
         self.tokens[req_id] = chunk.num_tokens
         self.budget -= chunk.num_tokens
         if chunk.drafts:

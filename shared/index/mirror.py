@@ -50,9 +50,10 @@ _PLUS = ord("+")
 
 
 @dataclass
-class _State:
+class MirrorState:
     """Block hash -> bitmask of holders; bit b is node names[b]. Replaced whole by a snapshot, changed in
-    place by events (lookups take one reference and tolerate a change under way: it is a routing hint)."""
+    place by events (lookups take one reference and tolerate a change under way: it is a routing hint).
+    `apply` takes the events stream's records; the fleet simulator (kvrelay.sim) feeds it the same records."""
 
     holders: dict[bytes, int] = field(default_factory=dict)
     names: list[str | None] = field(default_factory=list)
@@ -102,6 +103,23 @@ class _State:
                 mask |= 1 << bit
         return mask
 
+    def lookup(self, block_hashes: Sequence[bytes], nodes: Collection[str] | None = None) -> dict[str, int]:
+        """BlockIndex.lookup's answer from this map (block_hashes not empty)."""
+        get, names = self.holders.get, self.names
+        active = get(block_hashes[0], 0)
+        if nodes is not None:
+            active &= self.mask(nodes)
+        out: dict[str, int] = {}
+        matched = 1
+        while active and matched < len(block_hashes):
+            held = get(block_hashes[matched], 0)
+            if held & active != active:
+                _name_bits(out, active & ~held, names, matched)
+                active &= held
+            matched += 1
+        _name_bits(out, active, names, matched)
+        return out
+
 
 class MirrorIndex(BlockIndex):
     def __init__(
@@ -114,7 +132,7 @@ class MirrorIndex(BlockIndex):
         self.block_ms = block_ms
         self._client = connect(url, socket_timeout_s + block_ms / 1000)  # its own: XREAD blocks on it
         self._head = self._client.register_script(_SNAPSHOT_HEAD_LUA)
-        self._state = _State()
+        self._state = MirrorState()
         self.seq = 0  # the last event applied
         self._last_id: bytes | str = "0-0"
         self._synced = False
@@ -153,21 +171,7 @@ class MirrorIndex(BlockIndex):
             return {}
         if not self.ready.is_set():
             raise IndexUnavailable(f"index mirror of {self.url}: not loaded yet ({self.error or 'loading'})")
-        state = self._state
-        get, names = state.holders.get, state.names
-        active = get(block_hashes[0], 0)
-        if nodes is not None:
-            active &= state.mask(nodes)
-        out: dict[str, int] = {}
-        matched = 1
-        while active and matched < len(block_hashes):
-            held = get(block_hashes[matched], 0)
-            if held & active != active:
-                _name_bits(out, active & ~held, names, matched)
-                active &= held
-            matched += 1
-        _name_bits(out, active, names, matched)
-        return out
+        return self._state.lookup(block_hashes, nodes)
 
     # ---------------------------------------------------------------- what else a BlockIndex answers
 
@@ -229,7 +233,7 @@ class MirrorIndex(BlockIndex):
         pipe = self._client.pipeline(transaction=False)
         for node in nodes:
             pipe.smembers(self.keys.node(node))
-        state = _State()
+        state = MirrorState()
         for node, hashes in zip(nodes, pipe.execute()):
             if hashes:
                 state.apply(node, b"".join(b"+" + h for h in hashes))

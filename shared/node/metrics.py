@@ -12,6 +12,10 @@ Where a number is counted:
   num_accepted_tokens / num_draft_tokens, mean accepted run num_accepted_tokens / num_drafts.
 - vllm:cache_config_info (vLLM's) and kvrelay:engine_config_info: the engine's settings as it runs with them,
   as labels of a gauge at 1 (what --max-num-seqs, --seed, --device ... came to, on the node itself).
+- vllm:lora_requests_info (vLLM's, with LoRA on): the adapters of running and waiting requests and max_lora as
+  labels (comma-separated names), the value the time they last changed; kvrelay:lora_adapter_loads (adapters read
+  from their files), kvrelay:lora_adapter_load_seconds, kvrelay:lora_adapter_evictions{tier} (tier "memory":
+  dropped from the in-memory cache, read again when asked for; "slot": taken out of a model slot for another).
 
 The endpoint answers from before the model loads: /health is 503 {"status": "loading"} until the node serves.
 """
@@ -77,6 +81,16 @@ class NodeMetrics:
                                 registry=reg)
         self.engine_info = Gauge("kvrelay:engine_config_info", "The engine's settings, as labels", _ENGINE_INFO,
                                  registry=reg)
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests (adapters as labels)",
+                               ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=reg)
+        self.lora_loads = Counter("kvrelay:lora_adapter_loads", "LoRA adapters read from their files", registry=reg)
+        self.lora_load_seconds = Histogram("kvrelay:lora_adapter_load_seconds", "Time to read and check an adapter",
+                                           buckets=_TRANSFER_BUCKETS, registry=reg)
+        self.lora_evictions = Counter("kvrelay:lora_adapter_evictions", "LoRA adapters evicted", ["tier"],
+                                      registry=reg)
+        self.max_loras = 0
+        self._lora_labels: tuple[str, str, str] | None = None
+        self._last_lora: tuple[int, int, int] = (0, 0, 0)
         self._last_stats: tuple[int, ...] = (0,) * 6
         self._last_per_pos: list[int] = []
         # Export every series from the start (at 0), as vLLM does: dashboards and rate() need them present.
@@ -95,6 +109,10 @@ class NodeMetrics:
                                str(num_blocks)).set(1)
         self.engine_info.labels(device, dtype, str(max_model_len), str(s.max_num_seqs), str(s.max_num_batched_tokens),
                                 str(config.model.seed), s.policy.value).set(1)
+        if config.lora.enable_lora:
+            self.max_loras = config.lora.max_loras
+            for tier in ("memory", "slot"):
+                self.lora_evictions.labels(tier)
 
     # -- engine thread -------------------------------------------------------------------------------
     def observe_stats(self, load, stats) -> None:
@@ -119,6 +137,26 @@ class NodeMetrics:
             if count > old or pos >= len(self._last_per_pos):
                 self.spec_accepted_per_pos.labels(name, str(pos)).inc(count - old)
         self._last_per_pos = list(per_pos)
+
+    def observe_lora(self, running: set[str], waiting: set[str], stats, load_seconds: list[float]) -> None:
+        """After each engine iteration with LoRA on (kvrelay.engine.lora.LoRAStats: cumulative)."""
+        labels = (",".join(sorted(running)), ",".join(sorted(waiting)), str(self.max_loras))
+        if labels != self._lora_labels:
+            if self._lora_labels is not None:
+                self.lora_info.remove(*self._lora_labels)
+            self.lora_info.labels(*labels).set_to_current_time()
+            self._lora_labels = labels
+        now = (stats.loads, stats.cpu_evictions, stats.slot_evictions)
+        loads, memory, slot = (new - old for new, old in zip(now, self._last_lora))
+        if loads:
+            self.lora_loads.inc(loads)
+        if memory:
+            self.lora_evictions.labels("memory").inc(memory)
+        if slot:
+            self.lora_evictions.labels("slot").inc(slot)
+        self._last_lora = now
+        for seconds in load_seconds:
+            self.lora_load_seconds.observe(seconds)
 
     def observe_output(self, out, since_arrival: float, last_token_at: float | None, now: float,
                        computes_prompt: bool) -> None:

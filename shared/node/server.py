@@ -4,7 +4,13 @@ sequence, or many sequences over one stream with GenerateMany: kvrelay.node.mult
 Role servers (prefill_node.server, decode_node.server) subclass NodeServer and fill in Prefill, Reserve and
 Generate with a hand-off; an RPC meant for the other role answers FAILED_PRECONDITION naming the role.
 Every handler turns engine errors into gRPC status codes at this edge: a bad request (ValueError) is
-INVALID_ARGUMENT with the engine's message, a draining node UNAVAILABLE, and only a bug is INTERNAL.
+INVALID_ARGUMENT with the engine's message, an unknown LoRA adapter NOT_FOUND, a draining node UNAVAILABLE,
+and only a bug is INTERNAL.
+
+LoRA adapters are loaded and unloaded at runtime (LoadLoRAAdapter, UnloadLoRAAdapter): an adapter's files are
+read and checked off the engine thread (a malformed one is INVALID_ARGUMENT and nothing changes), then
+registered between two steps; an unload refuses new requests for the adapter at once and removes it once its
+running requests are done.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.async_engine import AsyncEngine, BlockEventSink, EngineDead, EngineDraining, EngineHooks
 from kvrelay.engine.config import dtype_name
 from kvrelay.engine.core import EngineCore
+from kvrelay.engine.lora import UnknownAdapter
 from kvrelay.engine.reservation_queue import DuplicateRequest, QueueFull
 from kvrelay.engine.scheduler_output import EngineCoreOutput
 from kvrelay.kv_transfer.base import KVConnector
@@ -60,6 +67,8 @@ def _status(error: Exception) -> tuple[grpc.StatusCode, str, wire.NodeErrorKind]
         return error.code, str(error), error.kind
     if isinstance(error, DuplicateRequest):
         return grpc.StatusCode.ALREADY_EXISTS, str(error), kind.DUPLICATE
+    if isinstance(error, UnknownAdapter):
+        return grpc.StatusCode.NOT_FOUND, str(error.args[0]), kind.NODE
     if isinstance(error, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error), kind.NODE
     if isinstance(error, QueueFull):
@@ -112,6 +121,7 @@ class NodeSettings:
     metrics_address: str = ""
     transfer_timeout: float = 30.0  # how long a Prefill waits for its acks once the first token is out
     kv_lease_s: float = 30.0
+    lora_unload_timeout_s: float = 600.0  # how long an unload waits for the adapter's running requests
 
 
 class NodeServer(pb_grpc.EngineServicer):
@@ -156,11 +166,14 @@ class NodeServer(pb_grpc.EngineServicer):
     def node_info(self) -> wire.NodeInfo:
         s, core = self.settings, self.core
         layout = self.connector.layout
+        lora = core.config.lora if core.lora is not None else None
         return wire.NodeInfo(
             node_id=s.node_id, role=self.role, model_id=core.info.model_id, block_size=layout.block_size,
             dtype=dtype_name(core.info.dtype), max_model_len=core.max_model_len, vocab_size=core.vocab_size,
             capacity_tokens=core.num_blocks * layout.block_size, layout=layout, connector=s.connector_name,
             kv_address=self.connector.address, grpc_address=s.grpc_address, metrics_address=s.metrics_address,
+            lora_adapters=self.engine.load().lora_adapters, max_loras=lora.max_loras if lora else 0,
+            max_lora_rank=lora.max_lora_rank if lora else 0, lora_capacity=lora.cpu_capacity if lora else 0,
         )
 
     def health(self) -> dict:
@@ -219,19 +232,50 @@ class NodeServer(pb_grpc.EngineServicer):
             prompt, params = checked_prompt(request)
             beams = wire.beam_search_from_proto(request.beam_search)
             stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt, arrival,
-                                          beam_search=beams)
+                                          beam_search=beams, lora_name=request.lora_name)
         elif request.HasField("handoff"):
             stream = self.generate_handoff(request, arrival)
         else:
             prompt, params = checked_prompt(request)
             if params.n != 1:
                 raise ValueError("n: Generate streams one sequence (TokenChunk has no index); send n requests")
-            stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt, arrival)
+            stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt, arrival,
+                                          lora_name=request.lora_name)
         num_output = 0
         async with aclosing(stream):
             async for out in stream:
                 num_output += len(out.new_token_ids)
                 yield wire.chunk_to_proto(token_chunk(out, num_output))
+
+    @unary_rpc
+    async def LoadLoRAAdapter(self, request, context):  # noqa: N802
+        name, path = request.lora_name, request.lora_path
+        if not name or not path:
+            raise ValueError("lora_name and lora_path: both are required")
+        known = await self.engine.call(lambda core: core.lora.paths.get(name) if core.lora is not None else None)
+        if known != path:  # the same adapter again is a no-op (a gateway loads it wherever it routes it)
+            adapter = await asyncio.to_thread(self.core.read_lora, name, path)  # files read off the engine thread
+            await self.engine.call(lambda core: core.add_lora(name, adapter))
+        return pb.LoRAAdaptersResponse(lora_adapters=await self._lora_names())
+
+    @unary_rpc
+    async def UnloadLoRAAdapter(self, request, context):  # noqa: N802
+        name = request.lora_name
+        await self.engine.call(lambda core: core.begin_unload_lora(name))
+        timeout = request.timeout_ms / 1000 if request.timeout_ms else self.settings.lora_unload_timeout_s
+        deadline = time.monotonic() + timeout
+        while (left := await self.engine.call(lambda core: core.lora_in_use(name))) > 0:
+            if time.monotonic() > deadline:
+                await self.engine.call(lambda core: core.lora.unloading.discard(name))
+                raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"LoRA adapter {name!r}: {left} requests still use it after {timeout:g} s; "
+                                 "it stays loaded")
+            await asyncio.sleep(0.02)
+        await self.engine.call(lambda core: core.remove_lora(name))
+        return pb.LoRAAdaptersResponse(lora_adapters=await self._lora_names())
+
+    async def _lora_names(self) -> list[str]:
+        return await self.engine.call(lambda core: core.lora.names() if core.lora is not None else [])
 
     @unary_rpc
     async def Abort(self, request, context):  # noqa: N802

@@ -118,7 +118,7 @@ def test_round_robin_and_least_loaded():
     d = route(ll, prompt(9, 300))
     assert d.decode.node_id == "d1" and d.prefill.node_id != "p1"
     with pytest.raises(ValueError, match="routing_policy"):
-        make_policy("random")
+        make_policy("no_such_policy")
 
 
 def test_refused_nodes_and_no_capacity():

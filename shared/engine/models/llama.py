@@ -3,12 +3,15 @@
 One implementation with per-architecture switches: Qwen2 adds q/k/v biases, Qwen3 normalises q and k per
 head before rotary. q/k/v and gate/up are fused into single matmuls; the loader slices the HF tensors into
 them. The batch is flat (no padding): T tokens of many requests, positions absolute per request.
+
+LoRA: with adapters on (kvrelay.engine.lora), each projection holds its adapters' slots (`lora`), and a forward
+given the step's per-row slots (`LoRABatch`) adds each row's adapter update after the base matmul.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +19,7 @@ import torch
 from torch import nn
 
 from kvrelay.engine.attention.base import AttentionBackend, AttentionMetadata
+from kvrelay.engine.lora.layers import LoRABatch, LoRAProjection
 from kvrelay.engine.models.ops import LayerOps
 
 from . import cpu_linear
@@ -67,12 +71,16 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: cpu_linear.PackedWeight | None = None  # the weight in the CPU kernels' layouts (after_load)
+        self.lora: LoRAProjection | None = None  # its LoRA adapters' slots (kvrelay.engine.lora), when on
 
     def after_load(self, arena: cpu_linear.PackArena | None = None) -> None:
         self.packed = cpu_linear.pack(self.weight, arena=arena)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.linear(x, self.weight, self.bias, self.packed)
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        y = cpu_linear.linear(x, self.weight, self.bias, self.packed)
+        if lora is not None and self.lora is not None:
+            self.lora.add(y, x, lora)
+        return y
 
 
 class LMHead(Linear):
@@ -148,10 +156,10 @@ class GateUpLinear(FusedLinear):
         if self.silu_packed is None:  # the plain layouts only where act() uses them
             super().after_load(arena)
 
-    def act(self, h: torch.Tensor) -> torch.Tensor:
-        if self.silu_packed is not None:  # a bf16 CPU weight: the activations are bf16 rows on the CPU too
-            return cpu_linear.silu_mul_linear(h, self.silu_packed)
-        return self.ops.silu_mul(self(h))
+    def act(self, h: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        if self.silu_packed is not None and (lora is None or self.lora is None):
+            return cpu_linear.silu_mul_linear(h, self.silu_packed)  # a bf16 CPU weight: bf16 rows on the CPU too
+        return self.ops.silu_mul(self(h, lora))
 
 
 class Attention(nn.Module):
@@ -179,10 +187,11 @@ class Attention(nn.Module):
         rope: object,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         t = h.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(h)
+        qkv = self.qkv_proj(h, lora)
         qk = qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d)
         if self.q_norm is not None and self.k_norm is not None:
             qk[:, :nh] = self.q_norm(qk[:, :nh])
@@ -190,7 +199,7 @@ class Attention(nn.Module):
         self.ops.rope_(qk, rope)  # q and k rotated together, in place
         v = qkv[:, (nh + nkv) * d :].view(t, nkv, d)
         out = self.backend.forward(qk[:, :nh], qk[:, nh:], v, kv_cache, meta, self.scale, **self.backend_kwargs)
-        return self.o_proj(out.reshape(t, nh * d))
+        return self.o_proj(out.reshape(t, nh * d), lora)
 
 
 class MLP(nn.Module):
@@ -207,14 +216,17 @@ class MLP(nn.Module):
         self.down_proj = Linear(size, cfg.hidden_size, cfg.mlp_bias, dtype)
         self.size = size
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         rows = h.shape[0]
         chunks = -(-rows * 2 * self.size * h.element_size() // self.CHUNK_BYTES)
         if chunks <= 1:
-            return self.down_proj(self.gate_up_proj.act(h))
+            return self.down_proj(self.gate_up_proj.act(h, lora), lora)
         step = -(-rows // chunks)
-        return torch.cat([self.down_proj(self.gate_up_proj.act(h[i : i + step]))
-                          for i in range(0, rows, step)])
+        return torch.cat([self._rows(h, i, i + step, lora) for i in range(0, rows, step)])
+
+    def _rows(self, h: torch.Tensor, start: int, stop: int, lora: LoRABatch | None) -> torch.Tensor:
+        part = None if lora is None else lora.rows(start, stop)
+        return self.down_proj(self.gate_up_proj.act(h[start:stop], part), part)
 
 
 class DecoderLayer(nn.Module):
@@ -233,11 +245,12 @@ class DecoderLayer(nn.Module):
         rope: object,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm.add_forward(h, residual)
-        h = self.self_attn(h, rope, kv_cache, meta)
+        h = self.self_attn(h, rope, kv_cache, meta, lora)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora), residual
 
 
 class DecoderModel(nn.Module):
@@ -321,18 +334,28 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         on_layer_done: Callable[[int], None] | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """`on_layer_done(i)` runs once layer i has written its KV: a prefill node starts sending that
-        layer's blocks while the next layers compute."""
+        layer's blocks while the next layers compute. `lora`: each row's adapter slot (None: no row has one)."""
         h = self.model.embed_tokens(input_ids)
         rope = self.ops.rope_prepare(self.rope.cos, self.rope.sin, positions)
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            h, residual = layer(h, residual, rope, kv_cache, meta)
+            h, residual = layer(h, residual, rope, kv_cache, meta, lora)
             if on_layer_done is not None:
                 on_layer_done(i)
         h, _ = self.model.norm.add_forward(h, residual)
         return h
+
+    def lora_targets(self) -> Iterator[tuple[int, Linear, dict[str, tuple[int, int]]]]:
+        """The projections LoRA adapters may target, per layer: (layer, module, {HF name: (first row, rows)})."""
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            yield i, attn.qkv_proj, attn.qkv_proj.shards
+            yield i, attn.o_proj, {"o_proj": (0, attn.o_proj.weight.shape[0])}
+            yield i, mlp.gate_up_proj, mlp.gate_up_proj.shards
+            yield i, mlp.down_proj, {"down_proj": (0, mlp.down_proj.weight.shape[0])}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -33,5 +33,8 @@ bool small_gemm_available();
 // Whether bf16 kernels run on AMX tiles here (built for them, the OS lets this process use them, not switched off).
 bool amx_tiles();
 at::Tensor skinny_linear(TensorArg x, TensorArg w, OptTensorArg bias);
+// y[t] += B[slots[t]] A[slots[t]] x[t] for the rows with a LoRA slot >= 0 (lora.cpp).
+void lora_add(TensorArg y, TensorArg x, TensorArg a, TensorArg bt, TensorArg slots,
+              const std::vector<int64_t>& shard_cols);
 
 }  // namespace kvrelay

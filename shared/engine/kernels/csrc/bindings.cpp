@@ -21,5 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_available", &kvrelay::small_gemm_available, "whether small_gemm was built (AVX2 + FMA or AVX512)");
   m.def("amx_tiles", &kvrelay::amx_tiles, "whether bf16 kernels run on AMX tiles here");
   m.def("skinny_linear", &kvrelay::skinny_linear, nogil, "y = x w^T + b for a few rows, each independent of the others");
+  m.def("lora_add", &kvrelay::lora_add, nogil,
+        "y += B[slot] A[slot] x per row, rows of many LoRA adapters (and of none: slot -1) in one batch");
   m.def("rope_write_kv", &kvrelay::rope_write_kv, nogil, "rotate q, k in place and write k, v into the paged cache");
 }

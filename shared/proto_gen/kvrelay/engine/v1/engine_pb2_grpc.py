@@ -74,6 +74,16 @@ class EngineStub:
                 request_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/kvrelay.engine.v1.Engine/LoadLoRAAdapter',
+                request_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.LoRAAdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/kvrelay.engine.v1.Engine/UnloadLoRAAdapter',
+                request_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.LoRAAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -127,6 +137,18 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +191,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.AbortRequest.FromString,
                     response_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.AbortResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.LoRAAdaptersResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.LoRAAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +419,60 @@ class Engine:
             '/kvrelay.engine.v1.Engine/Abort',
             kvrelay_dot_engine_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
             kvrelay_dot_engine_dot_v1_dot_engine__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.engine.v1.Engine/LoadLoRAAdapter',
+            kvrelay_dot_engine_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            kvrelay_dot_engine_dot_v1_dot_engine__pb2.LoRAAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.engine.v1.Engine/UnloadLoRAAdapter',
+            kvrelay_dot_engine_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            kvrelay_dot_engine_dot_v1_dot_engine__pb2.LoRAAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

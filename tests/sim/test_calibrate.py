@@ -1,0 +1,46 @@
+"""Calibration times real engine steps of the shapes it asks for (a tiny model: a smoke run), and writes a
+profile the simulator loads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig
+from kvrelay.engine.core import EngineCore
+from kvrelay.sim import calibrate
+from kvrelay.sim.timemodel import StepShape, load_profile
+from tests.helpers.models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("m") / "m")
+
+
+def test_each_timed_step_has_the_shape_asked_for(tiny_model):
+    core = EngineCore(EngineConfig(model=ModelConfig(model=str(tiny_model), dtype="float32", device="cpu"),
+                                   cache=CacheConfig(num_gpu_blocks_override=64)))
+    grid = [("prefill", 16, 0), ("prefill", 32, 64), ("decode", 3, 48), ("mixed", 2, 64), ("prefill", 64, 4096)]
+    points = calibrate.measure(core, 1, grid, repeats=1)
+    assert [p.kind for p in points] == ["prefill", "prefill", "decode", "mixed"]  # 4,096 does not fit: skipped
+    assert points[0].shape == StepShape.of([(16, 0)]) and points[1].shape == StepShape.of([(32, 64)])
+    assert points[2].shape == StepShape.of([(1, 49)] * 3)  # the second decode step of prompts of 48
+    assert points[3].shape == StepShape.of([(1, 65)] * 2 + [(32, 0)])
+    assert all(p.seconds > 0 for p in points)
+
+
+def test_calibrate_writes_a_profile_the_simulator_loads(tiny_model, tmp_path, capsys):
+    p = argparse.ArgumentParser()
+    calibrate.add_arguments(p)
+    out = tmp_path / "local.json"
+    calibrate.run(p.parse_args(["--model", str(tiny_model), "--dtype", "float32", "--threads", "1", "--quick",
+                                "--repeats", "1", "--skip-transfer", "--kv-cache-memory", "8MiB", "--out", str(out)]))
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    profile = load_profile(str(out))
+    assert summary["profile"] == str(out) and profile.source == "calibrated" and set(profile.steps) == {1}
+    assert profile.model.num_layers == 3 and profile.kv_cache_blocks > 0 and profile.machine["cpu_model"]
+    assert profile.fit["1"]["points"] >= 3 and "same-host KV transfer" in profile.figures["modelled"]
+    assert profile.step_model(1).time(StepShape.of([(1, 100)])) > 0

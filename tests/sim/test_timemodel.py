@@ -1,0 +1,79 @@
+"""Step shapes, the step and transfer models, profiles and the calibration fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvrelay.sim.calibrate import Point, fit_linear
+from kvrelay.sim.gpus import H100, H200, SHIPPED, roofline_profile
+from kvrelay.sim.timemodel import PROFILES_DIR, LinearStep, Profile, StepShape, load_profile
+from tests.sim.helpers import tiny_profile
+
+
+def test_step_shape_counts():
+    s = StepShape.of([(1, 99), (1, 9), (64, 128), (16, 0)])
+    assert (s.tokens, s.rows, s.prefill_tokens, s.decode_context) == (82, 4, 80, 110)
+    assert s.prefill_pairs == 64 * (128 + 65 / 2) + 16 * (17 / 2)
+    assert s.prefill_context == 192 + 16
+
+
+def test_linear_step():
+    m = LinearStep(0.01, 0.001, 0.002, 1e-6, 1e-5)
+    assert m.time(StepShape.of([(1, 99)])) == pytest.approx(0.01 + 0.001 + 0.002 + 1e-5 * 100)
+
+
+def test_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill():
+    p = roofline_profile("h100", H100)
+    m, model = p.step_model(), p.model
+    one = m.time(StepShape.of([(1, 1000)]))
+    weights_s = model.weight_bytes / (2 * H100.hbm_bytes_per_s * 0.75)
+    assert weights_s < one < weights_s + 0.006  # a lone decode reads the weights once (+ overhead, all-reduces)
+    big = m.time(StepShape.of([(8192, 0)]))
+    flops_s = 2 * (model.params - model.vocab_size * model.hidden_size) * 8192 / (2 * H100.peak_bf16_flops * 0.55)
+    assert flops_s < big < 1.4 * flops_s
+    # H200: the same FLOP/s, more bandwidth and memory: faster decodes, equal prefills, a bigger KV cache.
+    h200 = roofline_profile("h200", H200)
+    assert h200.step_model().time(StepShape.of([(1, 1000)] * 32)) < m.time(StepShape.of([(1, 1000)] * 32))
+    assert h200.kv_cache_blocks > 2 * p.kv_cache_blocks
+
+
+def test_shipped_gpu_profiles_are_the_roofline_of_their_stated_assumptions():
+    for name, gpu in SHIPPED.items():
+        shipped = json.loads((PROFILES_DIR / f"{name}.json").read_text())
+        assert shipped == json.loads(json.dumps(roofline_profile(name, gpu).to_json()))
+        assert load_profile(name).step_model().time(StepShape.of([(1, 100)])) > 0
+
+
+def test_profile_json_round_trip(tmp_path):
+    p = tiny_profile()
+    path = p.save(tmp_path / "p.json")
+    assert Profile.from_json(json.loads(path.read_text())) == p
+    assert load_profile(str(path)) == p
+    with pytest.raises(ValueError, match="no step model for 3 threads"):
+        Profile.from_json({**p.to_json(), "steps": {"1": p.to_json()["steps"]["1"],
+                                                    "2": p.to_json()["steps"]["1"]}}).step_model(3)
+
+
+def test_fit_recovers_a_linear_model_and_keeps_coefficients_non_negative():
+    truth = LinearStep(0.004, 2e-4, 5e-4, 3e-8, 2e-6)
+    shapes = [StepShape.of([(n, c)]) for n in (16, 64, 256, 1024) for c in (0, 1024)] + \
+             [StepShape.of([(1, c)] * r) for r in (1, 8, 32) for c in (256, 1536)]
+    model, fit = fit_linear([Point(1, "x", s, truth.time(s)) for s in shapes])
+    for a, b in zip(vars(model).values(), vars(truth).values()):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-12)
+    assert fit["mape"] < 1e-6
+    # A term the data says is negative is dropped, not kept below zero.
+    skewed = [Point(1, "x", s, max(1e-4, truth.time(s) - 5e-4 * s.rows)) for s in shapes]
+    model, _ = fit_linear(skewed)
+    assert min(vars(model).values()) >= 0
+
+
+def test_transfer_time_overlaps_the_step():
+    from kvrelay.sim.fleet import Fleet, FleetSpec
+
+    fleet = Fleet(FleetSpec(prefill=1, decode=1), tiny_profile())
+    wire = 10 * 4096 / 1e9  # 10 blocks of 4 KiB at 1 GB/s, 2 layers
+    assert fleet.transfer_s(10, step_s=1.0) == pytest.approx(0.001 + wire / 2)  # all but the last layer hidden
+    assert fleet.transfer_s(10, step_s=0.0) == pytest.approx(0.001 + wire)  # nothing to hide behind
