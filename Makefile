@@ -33,11 +33,11 @@ run: install
 
 # Everything: what CI runs. Tests that start processes are marked `fleet` (tests/conftest.py).
 test: install
-	$(BIN)/python -m pytest -q -ra --durations=25 tests
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile --durations=25 tests
 
 # The edit loop: unit and engine tests, no process started.
 test-fast: install
-	$(BIN)/python -m pytest -q -ra -m "not fleet" tests
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile -m "not fleet" tests
 
 lint: install
 	$(BIN)/ruff check .

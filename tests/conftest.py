@@ -24,7 +24,7 @@ _FLEET_FOLDERS = {"e2e", "node"}
 
 
 @functools.cache
-def _starts_processes(obj, depth: int = 2) -> bool:
+def _starts_processes(obj, depth: int = 3) -> bool:
     """Whether `obj` (a test, a fixture, a helper) starts a process: its source says so, or, `depth` calls deep, a
     function or class of the project's it names does."""
     parts = [c for c in inspect.getmro(obj) if c.__module__.startswith(("tests", "kvrelay"))] if inspect.isclass(obj) \
@@ -53,6 +53,7 @@ def _named_callables(obj) -> list:
     for name in names:
         value = scope.get(name)
         candidates = [getattr(value, n, None) for n in names] if inspect.ismodule(value) else [value]
+        candidates = [inspect.unwrap(c) if callable(c) and hasattr(c, "__wrapped__") else c for c in candidates]
         found += [v for v in candidates if (inspect.isfunction(v) or inspect.isclass(v))
                   and getattr(v, "__module__", "").startswith(("tests", "kvrelay"))]
     return found
