@@ -97,6 +97,16 @@ class Dispatcher(NodeListener):
 
     # -- spans of the router's in-flight counts ---------------------------------------------------------
 
+    @staticmethod
+    def _queue(sim, engine_req: Request) -> bool:
+        """Queue a request on a node's scheduler, as the node's Generate/Prefill does; False at its waiting bound."""
+        try:
+            sim.scheduler.check_room_to_wait(1)
+            sim.scheduler.add_request(engine_req)
+        except QueueFull:
+            return False
+        return True
+
     def _hold(self, req: SimRequest, span: str, count) -> None:
         count.__enter__()
         req.tracks[span] = count
@@ -146,11 +156,7 @@ class Dispatcher(NodeListener):
             sim = self.fleet.nodes.get(node.node_id)
             if sim is None or sim.draining:
                 continue
-            engine_req = Request(req.rid, req.prompt, req.params, None, self.loop.now)
-            try:
-                sim.scheduler.check_room_to_wait(1)
-                sim.scheduler.add_request(engine_req)
-            except QueueFull:
+            if not self._queue(sim, Request(req.rid, req.prompt, req.params, None, self.loop.now)):
                 continue
             router = req.gateway.router
             self._hold(req, "sequence", router.track_sequence(sim.node_id))
@@ -201,10 +207,7 @@ class Dispatcher(NodeListener):
                 continue
             engine_req = Request(req.rid, req.prompt, req.params, None, self.loop.now)
             engine_req.kv_send, engine_req.max_tokens = spec, 1
-            try:
-                sim.scheduler.check_room_to_wait(1)
-                sim.scheduler.add_request(engine_req)
-            except QueueFull:
+            if not self._queue(sim, engine_req):
                 continue
             router = req.gateway.router
             self._hold(req, "prefill", router.track_prefill(sim.node_id, len(req.prompt) - res.num_cached_tokens))
