@@ -25,7 +25,7 @@ from kvrelay.engine.request import KVSendSpec, Request, RequestStatus
 from kvrelay.engine.reservation_queue import QueueFull
 from kvrelay.engine.scheduler_output import EngineCoreOutput, KVSend, Reservation
 from kvrelay.gateway.errors import NoCapacity
-from kvrelay.sim.node import NodeListener, SimNode
+from kvrelay.sim.node import SimNode
 
 if TYPE_CHECKING:
     from kvrelay.gateway.discovery import Node
@@ -85,7 +85,7 @@ class SimRequest:
         return node.node_id if node is not None else None
 
 
-class Dispatcher(NodeListener):
+class Dispatcher:
     def __init__(self, fleet: FleetView) -> None:
         self.fleet = fleet
         self.loop = fleet.loop

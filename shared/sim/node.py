@@ -11,6 +11,7 @@ fleet, and steps again while it has work. Time is the simulator's clock (kvrelay
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvrelay.engine.block_pool import BlockPool
 from kvrelay.engine.config import SchedulerConfig
@@ -23,15 +24,13 @@ from kvrelay.sim.events import EventLoop
 from kvrelay.sim.timemodel import LinearStep, RooflineStep, StepShape
 
 
-class NodeListener:
-    """What a node tells the fleet after each step."""
+class NodeListener(Protocol):
+    """What a node tells the fleet after each step (the simulator's Dispatcher)."""
 
     def on_step(self, node: SimNode, outputs: list[EngineCoreOutput], sends: tuple[KVSend, ...],
-                expired: list[str]) -> None:
-        raise NotImplementedError
+                expired: list[str]) -> None: ...
 
-    def on_block_events(self, node: SimNode, events: list) -> None:
-        raise NotImplementedError
+    def on_block_events(self, node: SimNode, events: list) -> None: ...
 
 
 @dataclass

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from kvrelay.sim.fleet import FleetSpec
+from kvrelay.sim.results import pct
 from kvrelay.sim.run import simulate
 from kvrelay.sim.timemodel import load_profile
 from kvrelay.sim.trace import PromptSource, TraceRequest
@@ -52,8 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _stats(ttft: list[float], itl: list[float], output_tokens: int, span_s: float) -> dict:
-    def pct(v, q):
-        return round(float(np.percentile(v, q)), 6) if v else None
     return {"ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "itl_p50_s": pct(itl, 50),
             "itl_p90_s": pct(itl, 90), "output_tok_s": round(output_tokens / span_s, 3) if span_s > 0 else 0.0}
 
