@@ -91,11 +91,13 @@ def keep_freed_memory() -> bool:
 
 
 def release_freed_memory() -> bool:
-    """glibc only: hand the memory freed so far back to the kernel, from every malloc arena.
+    """glibc only: hand back to the kernel the memory freed so far that the heap keeps (`malloc_trim`): the main
+    heap's free top, and the whole free pages inside every arena's heaps.
 
     The other side of `keep_freed_memory`: a process that builds engine after engine on different threads (a test
-    run) keeps each arena's freed chunks (one arena per thread, up to 8 per core), and its RSS grows by a model
-    per arena. Returns whether glibc did it (False off glibc)."""
+    run) keeps each arena's freed chunks (one arena per thread, up to 8 per core), and its RSS grows by about a
+    model per arena. A thread arena's free top is not trimmed this way, so some of that stays. Returns whether
+    glibc did it (False off glibc)."""
     try:
         malloc_trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
