@@ -23,6 +23,10 @@ class GatewayConfig:
     # NAME (the first model's) or NAME=MODEL (MODEL as given, or its id); a model named nowhere is served as its id
     served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
+    api_keys_file: str | None = None  # JSON/YAML list of keys with tenants, models, limits (gateway.auth)
+    public_metrics: bool = False  # /metrics answers without a key (else only /health does, once keys exist)
+    tenant_cache_isolation: bool = True  # each tenant's prompts hash into KV blocks of their own
+    shed_at: float = 0.75  # share of max_concurrent_requests past which admission is fair across tenants
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int | None = None  # None: no gRPC API
@@ -59,3 +63,13 @@ class GatewayConfig:
     stall_timeout: float = 5.0  # a node whose calls are this quiet gets a health probe
     probe_timeout: float = 2.0  # ... which it must answer within this (every health probe: liveness, discovery)
     lookup_timeout: float = 0.5  # an index lookup slower than this routes without prefix information
+    # Limits on input size and shape (gateway.input_limits); 0: no limit.
+    max_body_bytes: int = 8 << 20
+    max_messages: int = 2048
+    max_prompt_chars: int = 4 << 20  # a prompt's text, before tokenizing
+    max_logit_bias: int = 1024  # entries
+    max_stop: int = 64  # stop strings and stop token ids, each
+    max_tools: int = 128
+    max_tool_bytes: int = 64 << 10  # one tool's JSON
+    max_schema_bytes: int = 64 << 10  # a response_format / structured-output schema's JSON
+    max_schema_depth: int = 32

@@ -12,6 +12,11 @@ adapter's name to routing and to every node call.
 
 Admission: at most `max_concurrent_requests` generations run at once (past it: 429 with Retry-After; while
 draining: 503); each may have a deadline (`request_timeout_s`) that every node call of its sequences obeys.
+Past `shed_at` of that bound, admission is fair across tenants (the calling key's, gateway.auth): sheddable keys
+(priority < 0) are refused first, and a tenant already holding its equal share of the bound is refused while
+others are admitted, unless its key's priority band is above 0. Each tenant's prompts are salted with its name
+(`tenant_cache_isolation`), so tenants never share, or time, each other's cached KV blocks. When a generation
+ends, what it used (prompt + completion tokens) goes to `usage_sink` (the key's tokens per minute).
 
 Shutdown: `draining` refuses new generations (503, Retry-After); once the drain's grace is over, `cut()` cancels
 the tasks still running one. Each ends as a shutdown, not a failure: a stream with a final error event (OpenAI's
@@ -24,13 +29,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
 from kvrelay.common.tokenizer import Tokenizer
 from kvrelay.common.wire import TokenChunk
+from kvrelay.gateway.auth import DEFAULT_TENANT, Principal, current_principal
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.dispatch import Dispatcher
 from kvrelay.gateway.errors import BadRequest, Overloaded, ShuttingDown
@@ -74,6 +80,8 @@ def new_request_id(prefix: str) -> str:
 class Admission:
     max_concurrent_requests: int = GatewayConfig.max_concurrent_requests  # 0: no bound
     request_timeout_s: float = GatewayConfig.request_timeout  # 0: no deadline
+    shed_at: float = GatewayConfig.shed_at  # past this share of the bound: fair across tenants, sheddable first
+    tenant_cache_isolation: bool = GatewayConfig.tenant_cache_isolation
 
 
 class Activity:
@@ -85,6 +93,7 @@ class Activity:
         self.active = 0  # generations in progress (graceful shutdown waits for them)
         self.was_cut = False  # the drain's grace ran out and cut() ended what was still running
         self._running: dict[asyncio.Task, int] = {}  # task -> its generations in progress
+        self.by_tenant: dict[str, int] = {}  # tenant -> its generations in progress
 
     def cut(self) -> int:
         """End every generation still in progress (the drain's grace is over); how many tasks were cut."""
@@ -95,15 +104,20 @@ class Activity:
         return len(tasks)
 
     @contextmanager
-    def in_progress(self) -> Iterator[None]:
+    def in_progress(self, tenant: str = DEFAULT_TENANT) -> Iterator[None]:
         """Counts a generation while it runs (graceful shutdown waits for them; cut() ends them)."""
         task = asyncio.current_task()
         self.active += 1
         self._running[task] = self._running.get(task, 0) + 1
+        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + 1
         try:
             yield
         finally:
             self.active -= 1
+            if self.by_tenant[tenant] > 1:
+                self.by_tenant[tenant] -= 1
+            else:
+                del self.by_tenant[tenant]
             if self._running[task] > 1:
                 self._running[task] -= 1
             else:
@@ -115,8 +129,10 @@ class GatewayCore:
 
     def __init__(self, tokenizer: Tokenizer, router: Router, dispatcher: Dispatcher, metrics=None,
                  max_model_len: int | None = None, default_max_model_len: int = 2048,
-                 admission: Admission | None = None, activity: Activity | None = None) -> None:
+                 admission: Admission | None = None, activity: Activity | None = None,
+                 usage_sink: Callable[[Principal | None, int], None] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.usage_sink = usage_sink
         self.router = router
         self.dispatcher = dispatcher
         self.metrics = metrics
@@ -145,8 +161,8 @@ class GatewayCore:
     def cut(self) -> int:
         return self.activity.cut()
 
-    def in_progress(self):
-        return self.activity.in_progress()
+    def in_progress(self, tenant: str = DEFAULT_TENANT):
+        return self.activity.in_progress(tenant)
 
     @staticmethod
     def shutdown_error() -> ShuttingDown:
@@ -208,19 +224,40 @@ class GatewayCore:
     def generate(self, inp: GenerateInput) -> Generation:
         if self.draining:
             raise ShuttingDown("the gateway is shutting down; retry on another replica")
+        principal = current_principal.get()
+        self._admit(principal)
+        if principal is not None and self.admission.tenant_cache_isolation and principal.tenant != DEFAULT_TENANT:
+            inp = replace(inp, cache_salt=f"{principal.tenant}\x00{inp.cache_salt}")
+        return Generation(self, inp, principal)
+
+    def _admit(self, principal: Principal | None) -> None:
         limit = self.admission.max_concurrent_requests
-        if limit and self.active >= limit:
+        if not limit:
+            return
+        active = self.active
+        if active >= limit:
             raise Overloaded(f"the gateway is at its limit of {limit} concurrent requests "
                              "(--max-concurrent-requests); retry later")
-        return Generation(self, inp)
+        if principal is None or active < limit * self.admission.shed_at:
+            return
+        if principal.sheddable:
+            raise Overloaded(f"the gateway is past {self.admission.shed_at:.0%} of its {limit} concurrent requests "
+                             "and sheds traffic of priority < 0 first; retry later", code="shed")
+        tenant = principal.tenant
+        holding = self.activity.by_tenant.get(tenant, 0)
+        share = limit / len(self.activity.by_tenant.keys() | {tenant})
+        if principal.priority <= 0 and holding >= share:
+            raise Overloaded(f"tenant {tenant!r} holds its fair share ({holding} of {limit} concurrent requests) "
+                             "while the gateway is under pressure; retry later", code="tenant_share")
 
 
 class Generation:
     """One request's choices. Iterate `deltas()` once; `usage` and `choices` are complete afterwards."""
 
-    def __init__(self, core: GatewayCore, inp: GenerateInput) -> None:
+    def __init__(self, core: GatewayCore, inp: GenerateInput, principal: Principal | None = None) -> None:
         self.core = core
         self.inp = inp
+        self.principal = principal
         self.request_id = inp.request_id or new_request_id("req")
         n = inp.params.n
         self.choices = [ChoiceOutput(i, core.tokenizer, core.texts, inp.prompt_token_ids, inp.options)
@@ -246,7 +283,7 @@ class Generation:
         return {"x-kvrelay-decode-node": trace["decode"], "x-kvrelay-prefill-node": trace["prefill"] or "local"}
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        with self.core.in_progress():
+        with self.core.in_progress(self.principal.tenant if self.principal is not None else DEFAULT_TENANT):
             try:
                 decision = await self.core.dispatcher.route(self.inp.prompt_token_ids, self.inp.cache_salt,
                                                             self.deadline, user=self.inp.user,
@@ -270,6 +307,8 @@ class Generation:
                 raise self.core.shutdown_error() from None
             finally:
                 self._observe()
+                if self.core.usage_sink is not None:
+                    self.core.usage_sink(self.principal, self.usage.total_tokens)
 
     async def _choice_stream(self, decision, index: int) -> AsyncIterator[tuple[int, TokenChunk]]:
         params = self.inp.params

@@ -41,6 +41,33 @@ class Unauthorized(GatewayError):
     code = "invalid_api_key"
 
 
+class Forbidden(GatewayError):
+    """A valid key that may not do this (another tenant's model, an admin route)."""
+
+    status = HTTPStatus.FORBIDDEN
+    type = "permission_error"
+    code = "forbidden"
+
+
+class PayloadTooLarge(GatewayError):
+    status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimited(GatewayError):
+    """A key past its requests or tokens per minute (gateway.ratelimit); `type` says which, as OpenAI's does."""
+
+    status = HTTPStatus.TOO_MANY_REQUESTS
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, kind: str, retry_after: int, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.type = kind
+        self.headers = headers or {}
+
+
 class NotFound(GatewayError):
     status = HTTPStatus.NOT_FOUND
     type = "not_found_error"

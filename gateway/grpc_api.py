@@ -3,6 +3,11 @@
 The request is turned into the attribute names of the OpenAI request models, so validation, sampling
 params and stop handling are literally the HTTP path's (serving_common). A cancelled call cancels the
 handler, which aborts its sequences on the nodes.
+
+Keys are the HTTP API's (gateway.auth), sent as 'authorization: Bearer <key>' metadata: UNAUTHENTICATED without
+a valid one, PERMISSION_DENIED for a model the key may not use; a generation takes from the key's rate limits
+(RESOURCE_EXHAUSTED past them, with the x-ratelimit-* values and retry-after as trailing metadata). Requests are
+parsed here, not by gRPC, so a message that is not a valid GenerateRequest is INVALID_ARGUMENT with the reason.
 """
 
 from __future__ import annotations
@@ -15,7 +20,11 @@ from types import SimpleNamespace
 import grpc
 
 from kvrelay.gateway.core import GenerateInput, Generation, new_request_id
-from kvrelay.gateway.errors import BadRequest, GatewayError, Unauthorized
+from google.protobuf.message import DecodeError
+
+from kvrelay.gateway.auth import check_model, current_principal
+from kvrelay.gateway.errors import BadRequest, GatewayError
+from kvrelay.gateway.http_guard import error_headers
 from kvrelay.gateway.outputs import Delta, LogprobEntry
 from kvrelay.gateway.serving_common import observe_error, output_options, sampling_params
 from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as pb
@@ -24,7 +33,8 @@ from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-           404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 502: grpc.StatusCode.UNAVAILABLE,
+           403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+           413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 502: grpc.StatusCode.UNAVAILABLE,
            503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "seed", "max_tokens", "logprobs", "skip_special_tokens")
@@ -47,37 +57,47 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         self.gateway = gateway
         self.core = gateway.core
 
-    async def ListModels(self, request, context):
-        await self._auth(context)
-        names = [*self.gateway.served_names, *(a.name for a in self.gateway.adapters.served())]
-        return pb.ModelsResponse(models=names, max_model_len=self.core.max_model_len)
-
-    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
-        await self._auth(context)
+    async def ListModels(self, raw: bytes, context):
+        await _parse(pb.ModelsRequest, raw, context)
         try:
+            principal = self._auth(context)
+        except GatewayError as e:
+            await self._abort(context, e)
+        names = [*self.gateway.served_names, *(a.name for a in self.gateway.adapters.served())]
+        return pb.ModelsResponse(models=[n for n in names if principal.may_use(n)],
+                                 max_model_len=self.core.max_model_len)
+
+    async def Generate(self, raw: bytes, context) -> AsyncIterator[pb.GenerateResponse]:
+        request = await _parse(pb.GenerateRequest, raw, context)
+        try:
+            principal = self._auth(context)
             target = self.gateway.models.resolve(request.model or None)
+            check_model(principal, target.name)
+            await self.gateway.limiter.admit(principal)
             model = target.name
             gen = target.endpoint.core.generate(self._input(request, target))
         except GatewayError as e:
-            observe_error(self.gateway.metrics, e)
-            await context.abort(_STATUS.get(int(e.status), grpc.StatusCode.INTERNAL), e.message)
+            await self._abort(context, e)
         try:
             async for msg in self._responses(gen, model, request.stream):
                 yield msg
             self.gateway.metrics.observe_request("success")
         except GatewayError as e:
-            observe_error(self.gateway.metrics, e)
-            await context.abort(_STATUS.get(int(e.status), grpc.StatusCode.INTERNAL), e.message)
+            await self._abort(context, e)
 
-    async def _auth(self, context) -> None:
-        key = self.gateway.config.api_key
-        if not key:
-            return
+    def _auth(self, context):
+        """The caller's principal (gateway.auth), also as `current_principal` for this call."""
         meta = dict(context.invocation_metadata() or ())
-        scheme, _, token = str(meta.get("authorization", "")).partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != key:
-            err = Unauthorized("missing or wrong API key in the 'authorization: Bearer <key>' metadata")
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, err.message)
+        principal = self.gateway.keys.authenticate(meta.get("authorization"))
+        current_principal.set(principal)
+        return principal
+
+    async def _abort(self, context, e: GatewayError) -> None:
+        observe_error(self.gateway.metrics, e)
+        trailers = tuple((k.lower(), v) for k, v in error_headers(e).items())
+        if trailers:
+            context.set_trailing_metadata(trailers)
+        await context.abort(_STATUS.get(int(e.status), grpc.StatusCode.INTERNAL), e.message)
 
     def _input(self, msg: pb.GenerateRequest, target) -> GenerateInput:
         core = target.endpoint.core
@@ -146,9 +166,34 @@ def _logprob(e: LogprobEntry) -> pb.TokenLogprob:
     return pb.TokenLogprob(token_id=e.token_id, token=e.token, logprob=e.logprob, top=top)
 
 
+async def _parse(cls, raw: bytes, context):
+    try:
+        return cls.FromString(raw)
+    except (DecodeError, ValueError) as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a valid {cls.DESCRIPTOR.name}: {e}")
+
+
+def _identity(raw: bytes) -> bytes:
+    return raw
+
+
+def _handlers(servicer: GatewayServicer) -> grpc.GenericRpcHandler:
+    """The service's methods, taking their requests as bytes (parsed by the servicer: see the module's doc)."""
+    methods = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_identity,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=_identity,
+            response_serializer=pb.ModelsResponse.SerializeToString),
+    }
+    return grpc.method_handlers_generic_handler("kvrelay.gateway.v1.Gateway", methods)
+
+
 async def start_grpc_server(gateway, host: str, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_GatewayServicer_to_server(GatewayServicer(gateway), server)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length",
+                                                                 gateway.config.max_body_bytes or -1)])
+    server.add_generic_rpc_handlers((_handlers(GatewayServicer(gateway)),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the gRPC API to {host}:{port}")

@@ -11,21 +11,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import time
+import uuid
 from pathlib import Path
 
 from kvrelay.common.tokenizer import Tokenizer
 from kvrelay.gateway.adapters import Adapters
+from kvrelay.gateway.auth import KeyStore
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.core import Activity, Admission, GatewayCore
 from kvrelay.gateway.discovery import Discovery, DiscoveryConfig
 from kvrelay.gateway.dispatch import DispatchConfig, Dispatcher
 from kvrelay.gateway.fleet_metrics import FleetMetrics
+from kvrelay.gateway.input_limits import InputLimits
 from kvrelay.gateway.liveness import Liveness
 from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.models import ModelEndpoint, ModelView, ServedModels, assign_names
 from kvrelay.gateway.node_client import NodeClients, Timeouts
 from kvrelay.gateway.policies import make_policy
+from kvrelay.gateway.ratelimit import RateLimiter
 from kvrelay.gateway.router import Router, wait_for_nodes
 from kvrelay.gateway.serving_chat import ChatServing
 from kvrelay.gateway.serving_completions import CompletionServing
@@ -65,6 +71,9 @@ class Gateway:
             raise ValueError(f"model: the same model given twice ({', '.join(model_ids)})")
         names = assign_names(model_ids, specs, config.served_model_names)
         self.metrics = GatewayMetrics(names[0][0], config.routing_policy)
+        self.keys = KeyStore(config.api_key, config.api_keys_file)
+        self.limiter = RateLimiter(config.redis_url, f"gw-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.input_limits = InputLimits.from_config(config)
         self.clients = NodeClients(Timeouts(prefill_s=config.prefill_timeout))
         self.registry = open_registry(config.redis_url) if config.redis_url else None
         self.discovery = Discovery(DiscoveryConfig(
@@ -101,7 +110,9 @@ class Gateway:
         tokenizer = tokenizer or Tokenizer(resolved.path)
         core = GatewayCore(tokenizer, router, dispatcher, self.metrics, config.max_model_len,
                            _model_context(resolved.path),
-                           Admission(config.max_concurrent_requests, config.request_timeout), self.activity)
+                           Admission(config.max_concurrent_requests, config.request_timeout, config.shed_at,
+                                     config.tenant_cache_isolation), self.activity,
+                           usage_sink=self.limiter.charge_tokens)
         chat = ChatServing(core, parser)
         return ModelEndpoint(model_id, str(resolved.path), names, tokenizer, index, router, dispatcher, core, chat,
                              CompletionServing(core), TokenizeServing(core, chat.render_for_tokenize))
@@ -120,6 +131,8 @@ class Gateway:
         errors = {ep.router.index_error for ep in self.models.endpoints if ep.router.index_error}
         for error in sorted(errors):
             reasons.append(f"block index unreachable, routing without prefix information: {error}")
+        if self.limiter.degraded_reason:
+            reasons.append(self.limiter.degraded_reason)
         down = [n.node_id for n in self.discovery.nodes() if not n.healthy and n.refused is None]
         if down:
             reasons.append(f"nodes out of rotation: {', '.join(down)}")
@@ -130,6 +143,8 @@ class Gateway:
             if not await asyncio.to_thread(index.wait_ready, _MIRROR_READY_S):
                 logger.warning("index mirror not loaded after %.0f s; routing without prefix hints until it is",
                                _MIRROR_READY_S)
+        await self.limiter.start()
+        self._watch_sighup()
         await self.discovery.start()
         self.liveness.start()
         if self.config.startup_timeout > 0 and not await wait_for_nodes(self.discovery, self.config.startup_timeout):
@@ -141,7 +156,17 @@ class Gateway:
                     sum(n.routable and n.role == "prefill" for n in nodes),
                     sum(n.routable and n.role == "decode" for n in nodes), self.config.routing_policy)
 
+    def _watch_sighup(self) -> None:
+        """SIGHUP re-reads --api-keys-file (only where the loop runs in the main thread: `kvrelay gateway`)."""
+        if self.keys.keys_file is None:
+            return
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.keys.reload)
+        except (RuntimeError, ValueError):
+            logger.info("not in the main thread: --api-keys-file is not reloaded on SIGHUP")
+
     async def stop(self) -> None:
+        await self.limiter.stop()
         await self.liveness.stop()
         await self.discovery.stop()
         for ep in self.models.endpoints:

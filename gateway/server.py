@@ -19,7 +19,6 @@ so no traceback is logged.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Awaitable
@@ -36,7 +35,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from kvrelay.gateway.config import GatewayConfig
-from kvrelay.gateway.errors import BadRequest, GatewayError, Unauthorized
+from kvrelay.gateway.auth import check_admin, check_model, current_principal
+from kvrelay.gateway.errors import GatewayError
+from kvrelay.gateway.http_guard import GuardMiddleware, RequestIdMiddleware, error_body, error_headers
 from kvrelay.gateway.metrics import CONTENT_TYPE
 from kvrelay.gateway.protocol import (
     ChatCompletionRequest,
@@ -62,9 +63,8 @@ from kvrelay.gateway.serving_common import observe_error
 logger = logging.getLogger(__name__)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
-                                             for code in (400, 401, 404, 429, 502, 503, 504)}
+                                             for code in (400, 401, 403, 404, 413, 429, 502, 503, 504)}
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
-_MAX_REQUEST_ID = 128
 _CUT_S = 3.0  # after cut(): how long the requests it ended get to send their last event
 
 
@@ -104,9 +104,11 @@ def build_app(gateway: Gateway, grpc_port: int | None = None) -> FastAPI:
                   description="OpenAI-compatible API over disaggregated prefill and decode pools")
     app.state.gateway = gateway
     _install_error_handlers(app, gateway)
-    app.add_middleware(_ApiKeyMiddleware, gateway=gateway)
-    app.add_middleware(_RequestIdMiddleware)
     cfg = gateway.config
+    app.add_middleware(GuardMiddleware, keys=gateway.keys, limiter=gateway.limiter,
+                       max_body_bytes=cfg.max_body_bytes, public_metrics=cfg.public_metrics,
+                       on_refused=gateway.metrics.observe_request)
+    app.add_middleware(RequestIdMiddleware)
     if cfg.allowed_origins:  # outermost: a browser's preflight must not need the API key
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
                            allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
@@ -122,7 +124,7 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError):
         observe_error(gateway.metrics, exc)
-        return error_response(int(exc.status), exc.message, exc.type, exc.param, exc.code, exc.retry_after)
+        return JSONResponse(error_body(exc), status_code=int(exc.status), headers=error_headers(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -142,57 +144,6 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
-class _ApiKeyMiddleware:
-    """401 for /v1 without 'Authorization: Bearer <key>', before the body is even parsed (so a caller without
-    the key learns nothing about the API). Plain ASGI: no per-request cost beyond the header check."""
-
-    def __init__(self, app, gateway: Gateway) -> None:
-        self.app, self.gateway = app, gateway
-        self.key = (gateway.config.api_key or "").encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if self.key and scope["type"] == "http" and scope["path"].startswith("/v1/") and not self._ok(scope):
-            self.gateway.metrics.observe_request("unauthorized")
-            err = Unauthorized("Incorrect or missing API key; send it as 'Authorization: Bearer <key>'")
-            await error_response(401, err.message, err.type, None, err.code)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _ok(self, scope) -> bool:
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
-
-
-class _RequestIdMiddleware:
-    """Echoes a valid X-Request-Id on every response; refuses an unusable one (400) before any work."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        raw = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        if raw is None:
-            await self.app(scope, receive, send)
-            return
-        value = raw.decode("latin-1")
-        if not 0 < len(value) <= _MAX_REQUEST_ID or not value.isprintable():
-            err = BadRequest(f"X-Request-Id: must be 1 to {_MAX_REQUEST_ID} printable characters", param="X-Request-Id")
-            await error_response(400, err.message, err.type, err.param)(scope, receive, send)
-            return
-
-        async def send_with_id(message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                message = {**message, "headers": [*headers, (b"x-request-id", raw)]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
 def header_request_id(request: Request) -> str | None:
     return request.headers.get("x-request-id") or None
 
@@ -201,7 +152,7 @@ def _tokenize_routes(gateway: Gateway) -> APIRouter:
     router = APIRouter()
 
     def serving(model: str | None):
-        return gateway.models.resolve(model).endpoint.tokenize
+        return resolve(gateway, model).endpoint.tokenize
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest):
@@ -225,7 +176,9 @@ def _openai_routes(gateway: Gateway) -> APIRouter:
     @router.get("/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
         created = int(gateway.started_at)
-        return ModelList(data=[ModelCard(created=created, **card) for card in gateway.models.cards()])
+        principal = current_principal.get()
+        return ModelList(data=[ModelCard(created=created, **card) for card in gateway.models.cards()
+                               if principal is None or principal.may_use(card["id"])])
 
     @router.post("/chat/completions", response_model=ChatCompletionResponse,
                  responses={**_ERRORS, 200: {"content": _SSE}})
@@ -238,25 +191,36 @@ def _openai_routes(gateway: Gateway) -> APIRouter:
 
     @router.post("/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        check_admin(current_principal.get())
         base = gateway.models.base_model_id(body.base_model_name) if body.base_model_name else None
         await gateway.adapters.load(body.lora_name, body.lora_path, gateway.served_names, base)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @router.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        check_admin(current_principal.get())
         await gateway.adapters.unload(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     return router
 
 
+def resolve(gateway: Gateway, model: str | None):
+    """What `model` names, if the caller's key may use it (404 unknown, 403 not this key's)."""
+    target = gateway.models.resolve(model)
+    check_model(current_principal.get(), target.name)
+    return target
+
+
 def _chat(gateway: Gateway, body: ChatCompletionRequest, request: Request) -> Awaitable:
-    target = gateway.models.resolve(body.model)
+    gateway.input_limits.check_chat(body)
+    target = resolve(gateway, body.model)
     return target.endpoint.chat.create(body, target, header_request_id(request))
 
 
 def _completions(gateway: Gateway, body: CompletionRequest, request: Request) -> Awaitable:
-    target = gateway.models.resolve(body.model)
+    gateway.input_limits.check_completion(body)
+    target = resolve(gateway, body.model)
     return target.endpoint.completions.create(body, target, header_request_id(request))
 
 

@@ -37,6 +37,15 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "--model's (a plain NAME is the first model's)")
     g.add_argument("--api-key", default=os.environ.get("KVRELAY_API_KEY", d.api_key),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $KVRELAY_API_KEY; unset: open)")
+    g.add_argument("--api-keys-file", default=d.api_keys_file, metavar="FILE",
+                   help="many keys: a JSON or YAML list of {key | key_sha256, tenant, models, priority, rpm, tpm, "
+                        "admin}; re-read on SIGHUP. Once any key exists every route but /health needs one")
+    g.add_argument("--public-metrics", action="store_true", default=d.public_metrics,
+                   help="/metrics answers without a key (for a Prometheus that sends none)")
+    g.add_argument("--tenant-cache-isolation", action=argparse.BooleanOptionalAction,
+                   default=d.tenant_cache_isolation,
+                   help="each tenant's prompts hash into KV blocks of their own: no tenant reuses, or can time, "
+                        "another's cached prefixes")
     g.add_argument("--grpc-port", type=int, default=d.grpc_port,
                    help="port of the gRPC API for internal callers (default: no gRPC API)")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len,
@@ -94,6 +103,19 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "probe_timeout": "seconds a node has to answer a health probe (every one: stalled calls, failed calls, "
                          "nodes out of rotation, nodes gone from the registry)",
         "lookup_timeout": "an index lookup slower than this routes without prefix information (Redis hung)",
+        "shed_at": "share of --max-concurrent-requests past which admission is fair across tenants: keys of "
+                   "priority < 0 are refused first, then tenants holding more than an equal share",
+    })
+    add_field_flags(p.add_argument_group("limits on input (0: none; each breach is a 400 or 413 naming the field)"), d, {
+        "max_body_bytes": "request body size, bytes (413 past it)",
+        "max_messages": "messages in one chat request",
+        "max_prompt_chars": "characters of prompt or message text, checked before tokenizing",
+        "max_logit_bias": "logit_bias entries",
+        "max_stop": "stop sequences",
+        "max_tools": "tools in one request",
+        "max_tool_bytes": "bytes of one tool's JSON",
+        "max_schema_bytes": "bytes of a structured-output schema, regex, grammar or choice list",
+        "max_schema_depth": "nesting depth of a structured-output or tool parameters schema",
     })
 
 
@@ -115,6 +137,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 def check_gateway(config: GatewayConfig) -> None:
     """The ports, before the tokenizer and the index load (kvrelay.cli.preflight)."""
+    from kvrelay.gateway.auth import KeysFileError, KeyStore
+
+    try:
+        KeyStore(config.api_key, config.api_keys_file)
+    except KeysFileError as e:
+        raise UsageError(str(e)) from None
     if config.grpc_port == config.port:
         raise UsageError(f"{config.port} is --port too: give the gRPC API a port of its own", "--grpc-port")
     check_port(config.host, config.port, "--port")

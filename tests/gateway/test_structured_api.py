@@ -161,21 +161,25 @@ AUTH = {"Authorization": "Bearer k"}
 
 
 def test_tokenize_detokenize_version(http, default_tokenizer):
-    r = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+    r = http.post("/tokenize", headers=AUTH, json={"prompt": "Hello world", "return_token_strs": True})
     assert r.status_code == 200
     body = r.json()
     assert body["tokens"] == default_tokenizer.encode("Hello world") and body["count"] == len(body["tokens"])
     assert body["token_strs"] == default_tokenizer.hf.convert_ids_to_tokens(body["tokens"])
     assert body["max_model_len"] > 0
     msgs = [{"role": "user", "content": "Hi"}]
-    r = http.post("/tokenize", json={"messages": msgs})
+    r = http.post("/tokenize", headers=AUTH, json={"messages": msgs})
     assert r.json()["tokens"] == default_tokenizer.apply_chat_template(msgs)
-    assert http.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "Hello world"}
-    bad = http.post("/detokenize", json={"tokens": [10**7]})
+    assert http.post("/detokenize", headers=AUTH, json={"tokens": body["tokens"]}).json() == {"prompt": "Hello world"}
+    bad = http.post("/detokenize", headers=AUTH, json={"tokens": [10**7]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
-    assert http.get("/version").json()["version"]
-    assert http.post("/tokenize", json={"prompt": "x", "model": "other"}).status_code == 404
-    assert http.post("/tokenize", json={"prompt": "x", "messages": msgs}).json()["error"]["param"] == "prompt"
+    assert http.get("/version", headers=AUTH).json()["version"]
+    assert http.post("/tokenize", headers=AUTH, json={"prompt": "x", "model": "other"}).status_code == 404
+    assert http.post("/tokenize", headers=AUTH, json={"prompt": "x", "messages": msgs}).json()["error"]["param"] == "prompt"
+    for path in ("/tokenize", "/detokenize", "/version", "/metrics", "/openapi.json", "/docs"):  # keys exist: closed
+        r = http.post(path, json={}) if "tokenize" in path else http.get(path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    assert http.get("/health").status_code in (200, 503)  # the one open route
 
 
 @pytest.mark.parametrize(("body", "param"), [
