@@ -24,6 +24,10 @@ class GatewayConfig:
     served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
     api_keys_file: str | None = None  # JSON/YAML list of keys with tenants, models, limits (gateway.auth)
+    # Mutual TLS to the nodes (kvrelay.common.tls): the fleet's CA, this gateway's certificate and key (PEM files)
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
     public_metrics: bool = False  # /metrics answers without a key (else only /health does, once keys exist)
     tenant_cache_isolation: bool = True  # each tenant's prompts hash into KV blocks of their own
     shed_at: float = 0.75  # share of max_concurrent_requests past which admission is fair across tenants

@@ -18,11 +18,10 @@ from contextlib import aclosing
 from types import SimpleNamespace
 
 import grpc
-
-from kvrelay.gateway.core import GenerateInput, Generation, new_request_id
 from google.protobuf.message import DecodeError
 
 from kvrelay.gateway.auth import check_model, current_principal
+from kvrelay.gateway.core import GenerateInput, Generation, new_request_id
 from kvrelay.gateway.errors import BadRequest, GatewayError
 from kvrelay.gateway.http_guard import error_headers
 from kvrelay.gateway.outputs import Delta, LogprobEntry
@@ -34,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
            403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
-           413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 502: grpc.StatusCode.UNAVAILABLE,
-           503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+           413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+           502: grpc.StatusCode.UNAVAILABLE, 503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "seed", "max_tokens", "logprobs", "skip_special_tokens")
 

@@ -23,6 +23,7 @@ import grpc
 from kvrelay.common import wire
 from kvrelay.common.records import NodeLoad
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
+from kvrelay.common.tls import TLSFiles
 from kvrelay.common.wire import Health, NodeInfo, PrefillResult, ReserveResult, TokenChunk
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.node_errors import CallWatch, NodeRpcError
@@ -92,10 +93,12 @@ class EngineRequest:
 class NodeClient:
     """The engine service of one node, over one channel."""
 
-    def __init__(self, address: str, timeouts: Timeouts | None = None) -> None:
+    def __init__(self, address: str, timeouts: Timeouts | None = None, tls: TLSFiles | None = None) -> None:
         self.address = address
         self.timeouts = timeouts or Timeouts()
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = (grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) if tls is None else
+                         grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                                 options=[*_CHANNEL_OPTIONS, *tls.channel_options()]))
         self._stub = pb_grpc.EngineStub(self._channel)
         self._streams: SequenceStream | None = None
         self._many = True  # False once the node answered that it has no GenerateMany
@@ -230,14 +233,15 @@ class NodeClient:
 class NodeClients:
     """Clients by address, created on first use and kept: channels are expensive, streams are cheap."""
 
-    def __init__(self, timeouts: Timeouts | None = None) -> None:
+    def __init__(self, timeouts: Timeouts | None = None, tls: TLSFiles | None = None) -> None:
         self.timeouts = timeouts or Timeouts()
+        self.tls = tls
         self._clients: dict[str, NodeClient] = {}
 
     def get(self, address: str) -> NodeClient:
         client = self._clients.get(address)
         if client is None:
-            client = self._clients[address] = NodeClient(address, self.timeouts)
+            client = self._clients[address] = NodeClient(address, self.timeouts, self.tls)
         return client
 
     async def drop(self, address: str) -> None:

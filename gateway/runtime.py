@@ -17,6 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
+from kvrelay.common.tls import tls_from_flags
 from kvrelay.common.tokenizer import Tokenizer
 from kvrelay.gateway.adapters import Adapters
 from kvrelay.gateway.auth import KeyStore
@@ -74,7 +75,8 @@ class Gateway:
         self.keys = KeyStore(config.api_key, config.api_keys_file)
         self.limiter = RateLimiter(config.redis_url, f"gw-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.input_limits = InputLimits.from_config(config)
-        self.clients = NodeClients(Timeouts(prefill_s=config.prefill_timeout))
+        self.clients = NodeClients(Timeouts(prefill_s=config.prefill_timeout),
+                                   tls_from_flags(config.tls_ca_file, config.tls_cert_file, config.tls_key_file))
         self.registry = open_registry(config.redis_url) if config.redis_url else None
         self.discovery = Discovery(DiscoveryConfig(
             model_id=model_ids[0], block_size=config.block_size, other_models=tuple(model_ids[1:]),

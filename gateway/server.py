@@ -34,8 +34,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.auth import check_admin, check_model, current_principal
+from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.errors import GatewayError
 from kvrelay.gateway.http_guard import GuardMiddleware, RequestIdMiddleware, error_body, error_headers
 from kvrelay.gateway.metrics import CONTENT_TYPE

@@ -24,6 +24,10 @@ Lifecycle:
    free the reserved and held blocks, as with any connector.
 5. close(): stop accepting, end every connection, unlink the socket.
 
+Only fleet members of the same user: the control socket is its owner's alone (mode 0600, so another user cannot
+even connect), and the receiver also checks each connecting process's uid (SO_PEERCRED) and refuses any other.
+The segment has no name anyone could open: only a process handed its descriptor can map it.
+
 CPU caches only: CUDA IPC between processes on one device is not implemented (use ucx with CUDA memory).
 """
 
@@ -32,7 +36,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
+import os
 import socket
+import struct
 import threading
 from functools import lru_cache
 
@@ -76,6 +82,7 @@ class ShmConnector(KVConnector):
         self._path = new_socket_path(folder)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(str(self._path))
+        os.chmod(self._path, 0o600)
         self._listener.listen(64)
         self._segment: Segment | None = None
         self._dst: list[np.ndarray] = []  # own caches as flat bytes: what received layers are copied into
@@ -178,6 +185,12 @@ class ShmConnector(KVConnector):
                 sock, _ = self._listener.accept()
             except OSError:
                 return  # closed
+            uid = _peer_uid(sock)
+            if uid != os.getuid():
+                logger.warning("refused a KV control connection from uid %s (this node runs as uid %d)", uid,
+                               os.getuid())
+                sock.close()
+                continue
             inbound = Inbound(Channel(sock), self)
             with self._lock:
                 if self._closed:
@@ -236,3 +249,12 @@ class ShmConnector(KVConnector):
 @lru_cache(maxsize=64)
 def _plan(src: tuple[int, ...], dst: tuple[int, ...], src_blocks: int, dst_blocks: int, block_nbytes: int) -> tuple:
     return copy_plan(list(src), list(dst), src_blocks, dst_blocks, block_nbytes)
+
+
+def _peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a unix socket (SO_PEERCRED: pid, uid, gid)."""
+    try:
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except OSError:
+        return None
+    return uid

@@ -43,6 +43,15 @@ def add_field_flags(group: argparse.ArgumentParser | argparse._ArgumentGroup, de
         group.add_argument("--" + name.replace("_", "-"), type=type(value), default=value, help=text)
 
 
+def add_tls_flags(group) -> None:
+    """The fleet's mutual TLS (kvrelay.common.tls): one set of flags for gateways and nodes."""
+    group.add_argument("--tls-ca-file", default=None, metavar="PEM",
+                       help="the fleet's CA certificate: with the two below, gRPC between gateways and nodes is "
+                            "mutual TLS, and peers without a certificate the CA signed are refused")
+    group.add_argument("--tls-cert-file", default=None, metavar="PEM", help="this process's certificate")
+    group.add_argument("--tls-key-file", default=None, metavar="PEM", help="this process's private key")
+
+
 def flag_name(field: str) -> str:
     """The flag of a config field: `kv_cache_memory` -> `--kv-cache-memory`."""
     return "--" + field.replace("_", "-")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,15 +112,23 @@ def gateway_flags(config: UpConfig) -> list[str]:
         flags += ["--served-model-name", *names]
     if config.allowed_origins:
         flags += ["--allowed-origins", *config.allowed_origins]
+    if config.api_keys_file:
+        flags += ["--api-keys-file", os.path.abspath(config.api_keys_file)]
     return flags
 
 
-def plan_children(config: UpConfig, redis_url: str, where: Placement, ports: FleetPorts | None = None) -> list[Child]:
-    """The node and gateway processes, with their ports picked up front so the gateway can be told them."""
+def plan_children(config: UpConfig, redis_url: str, where: Placement, ports: FleetPorts | None = None,
+                  api_key: str | None = None) -> list[Child]:
+    """The node and gateway processes, with their ports picked up front so the gateway can be told them.
+    `api_key`: the gateway's --api-key (default: the config's)."""
+    api_key = api_key or config.api_key
     ports = ports or FleetPorts.pick(config, where)
     children = []
+    # Secrets (the Redis password in the URL, the API key) travel in the environment, not on command lines that
+    # every user of the machine can read.
+    env = {"KVRELAY_REDIS_URL": redis_url}
     for place in where.models():
-        common = ["--redis-url", redis_url, "--host", config.host, "--num-threads", str(place.threads),
+        common = ["--host", config.host, "--num-threads", str(place.threads),
                   "--shutdown-grace", str(config.shutdown_grace), *engine_flags(config, place.model)]
         for role, name in place.own_node_names():
             grpc_port, metrics_port = ports.nodes[name]
@@ -127,12 +136,13 @@ def plan_children(config: UpConfig, redis_url: str, where: Placement, ports: Fle
                                    "--connector", place.connector, "--node-id", name, *common)
             if role == "decode":  # prefill nodes never decode
                 argv += _set_flags(config, ("speculative_config",))
-            children.append(Child(name, argv, metrics_url=f"http://{config.host}:{metrics_port}"))
+            children.append(Child(name, argv, metrics_url=f"http://{config.host}:{metrics_port}", env=dict(env)))
     gateway = kvrelay_command("gateway", "--host", config.host, "--port", str(ports.http), "--grpc-port",
-                              str(ports.grpc), "--redis-url", redis_url, "--shutdown-grace",
+                              str(ports.grpc), "--shutdown-grace",
                               str(config.shutdown_grace), *gateway_flags(config))
-    # The key travels in the environment, not on a command line every user of the machine can read.
-    children.append(Child("gateway", gateway, env={"KVRELAY_API_KEY": config.api_key} if config.api_key else {}))
+    if api_key:
+        env["KVRELAY_API_KEY"] = api_key
+    children.append(Child("gateway", gateway, env=env))
     return children
 
 
@@ -146,6 +156,8 @@ class Fleet:
         # Set by the first Ctrl-C / SIGTERM (a plain flag: a signal handler must take no lock); every loop here
         # looks at it at least every quarter second.
         self.stop_requested = False
+        # With a keys file only, the launcher's own admin key (its readiness checks), known to nobody else.
+        self.api_key = config.api_key or (secrets.token_urlsafe(32) if config.api_keys_file else None)
 
     @property
     def url(self) -> str:
@@ -153,26 +165,40 @@ class Fleet:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def nodes(self) -> list[Child]:
         return [c for c in self.children if c.name != "gateway"]
 
     def start(self) -> None:
         redis_url = self.config.redis_url or self._start_redis()
-        self.children = plan_children(self.config, redis_url, self.placement, self.ports)
+        self.children = plan_children(self.config, redis_url, self.placement, self.ports, self.api_key)
+        if self.config.fleet_tls:
+            self._add_certificates()
         for child in self.children:
             self._spawn(child)
 
     def _start_redis(self) -> str:
-        from kvrelay.index.redis_server import start_redis
+        from kvrelay.index.redis_server import redact, start_redis
 
         socket_path = self.log_dir / "redis.sock"
         if len(str(socket_path)) > 100:  # a unix socket's path must fit in 108 bytes
             socket_path = Path("/tmp") / f"kvrelay-redis-{os.getpid()}.sock"
-        self.redis = start_redis(socket_path, workdir=self.log_dir)
-        logger.info("embedded Redis at %s (pid %d)", self.redis.url, self.redis.pid)
+        # Only the fleet may use it: a password of its own (which travels in the children's environment).
+        self.redis = start_redis(socket_path, workdir=self.log_dir, password=secrets.token_hex(24))
+        logger.info("embedded Redis at %s (pid %d)", redact(self.redis.url), self.redis.pid)
         return self.redis.url
+
+    def _add_certificates(self) -> None:
+        """A CA for this fleet alone and a certificate for each child (kvrelay.common.tls), in <logs>/tls."""
+        from kvrelay.common.tls import make_fleet_pki
+
+        pki = make_fleet_pki(self.log_dir / "tls", [c.name for c in self.children])
+        for child in self.children:
+            files = pki[child.name]
+            child.argv += ["--tls-ca-file", files.ca_file, "--tls-cert-file", files.cert_file,
+                           "--tls-key-file", files.key_file]
+        logger.info("mutual TLS between the gateway and the nodes (certificates in %s)", self.log_dir / "tls")
 
     def _spawn(self, child: Child) -> None:
         # die_with_parent: a launcher killed outright (SIGKILL) takes its fleet with it.

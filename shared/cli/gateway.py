@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import os
 
-from kvrelay.cli.args import HelpFormatter, UsageError, add_field_flags
+from kvrelay.cli.args import HelpFormatter, UsageError, add_field_flags, add_tls_flags
 from kvrelay.cli.log import exit_now
 from kvrelay.cli.preflight import check_port
 from kvrelay.gateway.config import INDEX_BACKENDS, ROUTING_POLICIES, TOOL_CALL_PARSERS, GatewayConfig
@@ -40,6 +40,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-keys-file", default=d.api_keys_file, metavar="FILE",
                    help="many keys: a JSON or YAML list of {key | key_sha256, tenant, models, priority, rpm, tpm, "
                         "admin}; re-read on SIGHUP. Once any key exists every route but /health needs one")
+    add_tls_flags(g)
     g.add_argument("--public-metrics", action="store_true", default=d.public_metrics,
                    help="/metrics answers without a key (for a Prometheus that sends none)")
     g.add_argument("--tenant-cache-isolation", action=argparse.BooleanOptionalAction,
@@ -68,7 +69,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-credentials", action="store_true", default=d.allow_credentials,
                    help="CORS: allow credentials (cookies, auth)")
     r = p.add_argument_group("nodes and routing")
-    r.add_argument("--redis-url", default=d.redis_url, help="the Redis of the block index and node registry")
+    r.add_argument("--redis-url", default=os.environ.get("KVRELAY_REDIS_URL", d.redis_url),
+                   help="the Redis of the block index and node registry: redis://[user:password@]host:port/db, "
+                        "rediss:// for TLS, unix://[user:password@]/path (default: $KVRELAY_REDIS_URL)")
     r.add_argument("--index-backend", choices=INDEX_BACKENDS, default=d.index_backend,
                    help="mirror: follow the index's event stream into this process and look up locally; "
                         "redis: one Redis round trip per routing decision")
@@ -106,7 +109,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "shed_at": "share of --max-concurrent-requests past which admission is fair across tenants: keys of "
                    "priority < 0 are refused first, then tenants holding more than an equal share",
     })
-    add_field_flags(p.add_argument_group("limits on input (0: none; each breach is a 400 or 413 naming the field)"), d, {
+    limits = p.add_argument_group("limits on input (0: none; each breach is a 400 or 413 naming the field)")
+    add_field_flags(limits, d, {
         "max_body_bytes": "request body size, bytes (413 past it)",
         "max_messages": "messages in one chat request",
         "max_prompt_chars": "characters of prompt or message text, checked before tokenizing",

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvrelay.cli.args import HelpFormatter, add_field_flags
+from kvrelay.cli.args import HelpFormatter, add_field_flags, add_tls_flags
 from kvrelay.cli.log import exit_now
 from kvrelay.cli.preflight import check_engine, check_port
+from kvrelay.common.tls import tls_from_flags
 from kvrelay.engine.args import add_engine_args, engine_config
 from kvrelay.kv_transfer import CONNECTORS, ConnectorConfig
 from kvrelay.node.config import NodeConfig, RegistryConfig
@@ -54,6 +55,7 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--seed", type=int, default=d.engine.model.seed, help="sampler seed for requests that bring none")
     g.add_argument("--shutdown-grace", "--shutdown-timeout", dest="shutdown_timeout", type=float,
                    default=d.shutdown_timeout_s, help="seconds in-flight requests get to finish after SIGTERM")
+    add_tls_flags(g)
     g.add_argument("--ready-file", default=d.ready_file,
                    help="write a JSON file with the node's addresses once it serves (for launchers and tests)")
     k = p.add_argument_group("KV transfer")
@@ -79,9 +81,10 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     k.add_argument("--kv-connect-timeout", type=float, default=c.connect_timeout,
                    help="seconds to reach a peer connector")
     r = p.add_argument_group("registry")
-    r.add_argument("--redis-url", default=d.registry.redis_url,
-                   help="Redis of the block index and node registry (e.g. redis://host:6379/0, unix:///path); "
-                        "without it the node runs unregistered")
+    r.add_argument("--redis-url", default=os.environ.get("KVRELAY_REDIS_URL", d.registry.redis_url),
+                   help="Redis of the block index and node registry (redis://[user:password@]host:6379/0, rediss:// "
+                        "for TLS, unix://[user:password@]/path; default: $KVRELAY_REDIS_URL); without it the node "
+                        "runs unregistered")
     r.add_argument("--heartbeat-seconds", type=float, default=d.registry.heartbeat_s,
                    help="registry heartbeat (load) interval")
     r.add_argument("--registry-ttl", type=float, default=d.registry.ttl_s,
@@ -138,6 +141,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         host=args.host, port=args.port, metrics_port=args.metrics_port, node_id=args.node_id,
         served_model_name=args.served_model_name, num_threads=args.num_threads, local_nodes=args.local_nodes,
         shutdown_timeout_s=args.shutdown_timeout, ready_file=args.ready_file,
+        tls=tls_from_flags(args.tls_ca_file, args.tls_cert_file, args.tls_key_file),
     )
 
 

@@ -86,6 +86,13 @@ def preflight(config: UpConfig) -> FleetPorts:
                     ("--migration-limit", config.migration_limit, 0),
                     ("--shutdown-grace", config.shutdown_grace, 0.0),
                     ("--ready-timeout", config.ready_timeout, 1.0), ("--keep-logs", config.keep_logs, 1)])
+    if config.api_keys_file:
+        from kvrelay.gateway.auth import KeysFileError, KeyStore
+
+        try:
+            KeyStore(keys_file=config.api_keys_file)
+        except KeysFileError as e:
+            raise UsageError(str(e)) from None
     for model in config.fleet_models():
         check_fleet_shape(model.prefill, model.decode, model.colocated)
         check_engine(node_engine(config, model))
@@ -181,7 +188,11 @@ def banner(fleet: Fleet) -> str:
     models = ", ".join(_served_names(fleet)) if config.models else model
     nodes = "; ".join(f"{name} gRPC {config.host}:{grpc}, metrics {config.host}:{metrics}"
                       for name, (grpc, metrics) in ports.nodes.items())
-    if config.api_key:
+    if config.api_keys_file:
+        key_line = (f"  API keys        : {config.api_keys_file} (SIGHUP to the gateway re-reads it; the snippets "
+                    "read yours from $KVRELAY_API_KEY)\n")
+        curl_key, py_key = "-H \"Authorization: Bearer $KVRELAY_API_KEY\" ", "os.environ['KVRELAY_API_KEY']"
+    elif config.api_key:
         key_line = f"  API key         : {mask(config.api_key)} (the snippets read it from $KVRELAY_API_KEY)\n"
         curl_key, py_key = "-H \"Authorization: Bearer $KVRELAY_API_KEY\" ", "os.environ['KVRELAY_API_KEY']"
     else:
@@ -313,6 +324,12 @@ def register(sub) -> None:
                    help="the gateway's gRPC API port (default: --port + 1 when free, else a free one)")
     g.add_argument("--api-key", default=os.environ.get("KVRELAY_API_KEY", d.api_key),
                    help="require 'Authorization: Bearer KEY' from clients (default: $KVRELAY_API_KEY; unset: open)")
+    g.add_argument("--api-keys-file", default=d.api_keys_file, metavar="FILE",
+                   help="many keys with tenants, models, priorities and limits (a JSON or YAML list of {key | "
+                        "key_sha256, tenant, models, priority, rpm, tpm, admin}; see `kvrelay gateway --help`)")
+    f.add_argument("--fleet-tls", action=argparse.BooleanOptionalAction, default=d.fleet_tls,
+                   help="make a CA for this fleet and run gRPC between the gateway and the nodes over mutual TLS: "
+                        "nothing without the fleet's certificate can call a node")
     g.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=[*TOOL_CALL_PARSERS, "none"],
                    help=f"how tool_choice 'auto' finds the model's tool calls (the gateway's default: "
                         f"{_GATEWAY.tool_call_parser})")

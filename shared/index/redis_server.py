@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -85,8 +86,32 @@ class RedisServer:
         return f"RedisServer(pid={self.pid}, url={self.url!r})"
 
 
-def _server_args(binary: str, workdir: Path, unix_socket_path: str | None, port: int) -> list[str]:
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir)]
+ACL_USER = "kvrelay"
+
+
+def _acl_config(workdir: Path, password: str) -> Path:
+    """A config file only its owner can read: the default user off, one ACL user with `password` (which so
+    never appears on a command line)."""
+    path = workdir / "redis-acl.conf"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"user default off\nuser {ACL_USER} on >{password} ~* &* +@all\n")
+    return path
+
+
+def redact(url: str) -> str:
+    """A Redis URL fit for logs: its password replaced by ***."""
+    parsed = urlsplit(url)
+    if not parsed.password:
+        return url
+    netloc = parsed.netloc.replace(f":{parsed.password}@", ":***@", 1)
+    return urlunsplit(parsed._replace(netloc=netloc))
+
+
+def _server_args(binary: str, workdir: Path, unix_socket_path: str | None, port: int,
+                 config_file: Path | None = None) -> list[str]:
+    args = [binary, *([str(config_file)] if config_file else []), "--port", str(port), "--bind", "127.0.0.1",
+            "--dir", str(workdir)]
     args += ["--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"]
     if unix_socket_path:
         args += ["--unixsocket", unix_socket_path, "--unixsocketperm", "700"]
@@ -114,23 +139,28 @@ def start_redis(
     port: int | None = None,
     workdir: str | os.PathLike[str] | None = None,
     startup_timeout_s: float = 10.0,
+    password: str | None = None,
 ) -> RedisServer:
     """Start redis-server on a unix socket (TCP off), or on 127.0.0.1:`port` (a free one if None) when no
     socket is given. Returns once it answers PING; raises ProcessStartError (with its log) if it does not.
-    A stale socket file at the path is replaced."""
+    A stale socket file at the path is replaced. `password`: only the ACL user `kvrelay` with this password may
+    connect (the URL carries both); without it any local client of the socket's owner (or of the port) may."""
     binary = find_redis_server()
     owns_workdir = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="kvrelay-redis-")) if workdir is None else Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
+    auth = f"{ACL_USER}:{password}@" if password else ""
     if unix_socket_path is not None:
         sock = os.path.abspath(os.fspath(unix_socket_path))
         Path(sock).parent.mkdir(parents=True, exist_ok=True)
-        tcp_port, url = 0, f"unix://{sock}?db=0"
+        tcp_port, url = 0, f"unix://{auth}{sock}?db=0"
     else:
         sock = None
         tcp_port = port or free_port()
-        url = f"redis://127.0.0.1:{tcp_port}/0"
-    process = ChildProcess.start("redis", _server_args(binary, wd, sock, tcp_port), log_dir=wd, die_with_parent=True)
+        url = f"redis://{auth}127.0.0.1:{tcp_port}/0"
+    config_file = _acl_config(wd, password) if password else None
+    process = ChildProcess.start("redis", _server_args(binary, wd, sock, tcp_port, config_file), log_dir=wd,
+                                 die_with_parent=True)
     try:
         _wait_ready(process, url, startup_timeout_s)
     except BaseException:
@@ -138,5 +168,5 @@ def start_redis(
         if owns_workdir:
             shutil.rmtree(wd, ignore_errors=True)
         raise
-    log.info("redis-server %s pid %d at %s", binary, process.pid, url)
+    log.info("redis-server %s pid %d at %s", binary, process.pid, redact(url))
     return RedisServer(process, url, wd, owns_workdir)

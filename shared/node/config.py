@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvrelay.common.tls import TLSFiles
 from kvrelay.engine.config import EngineConfig, SchedulerConfig, SchedulingPolicy
 from kvrelay.kv_transfer.types import ConnectorConfig
 
@@ -43,3 +44,4 @@ class NodeConfig:
     local_nodes: int = 1  # nodes sharing this machine's cores (oversubscribed OpenMP threads slow every node)
     shutdown_timeout_s: float = 30.0  # how long in-flight requests get to finish after SIGTERM
     ready_file: str | None = None  # JSON with the node's addresses, written once it serves
+    tls: TLSFiles | None = None  # mutual TLS: only callers with a certificate of the fleet's CA (common.tls)

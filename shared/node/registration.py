@@ -26,6 +26,7 @@ from kvrelay.index import IndexUnavailable, NodeRegistration, create_index, crea
 from kvrelay.index.base import BlockIndex, RegistryBackend
 from kvrelay.index.heartbeat import Heartbeat
 from kvrelay.index.publisher import IndexPublisher
+from kvrelay.index.redis_server import redact
 from kvrelay.node.config import RegistryConfig
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def _start(config: RegistryConfig, info: wire.NodeInfo, load_fn: Callable[[], No
     try:
         index.clear_node(reg.node_id)
         registry.register(reg, config.ttl_s, load_fn())
-        logger.info("registered %s in %s (lease %.1fs)", reg.node_id, config.redis_url, config.ttl_s)
+        logger.info("registered %s in %s (lease %.1fs)", reg.node_id, redact(config.redis_url), config.ttl_s)
     except IndexUnavailable as e:
         publisher.request_resync()  # clears and republishes once Redis answers
         logger.warning("registry unreachable at start, will keep trying: %s", e)

@@ -115,7 +115,9 @@ async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
     torch.set_num_threads(config.num_threads or default_num_threads(config.local_nodes))
     grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
     try:
-        port = grpc_server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        port = (grpc_server.add_secure_port(address, config.tls.server_credentials()) if config.tls is not None
+                else grpc_server.add_insecure_port(address))
     except RuntimeError as e:
         raise ValueError(f"port: cannot listen on {config.host}:{config.port} ({e})") from None
     try:

@@ -253,6 +253,38 @@ def test_allowed_origins_answer_cors(fleets):
     assert "access-control-allow-origin" not in other.headers
 
 
+def test_only_the_fleet_reaches_its_nodes_and_its_redis(fleets, tmp_path):
+    """mTLS: a node refuses a caller without the fleet's certificate (none, or one of another CA); the embedded
+    Redis refuses a client without the fleet's password."""
+    import grpc
+    import redis
+
+    from kvrelay.common.tls import TLSFiles, make_fleet_pki
+    from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
+    from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
+
+    up = fleets[0]
+    address = re.search(r"gRPC (\S+),", up.banner["nodes"]).group(1)
+    run = Path(up.banner["logs"])
+    mine = TLSFiles(str(run / "tls" / "ca.pem"), str(run / "tls" / "gateway.pem"), str(run / "tls" / "gateway.key"))
+    stranger = make_fleet_pki(tmp_path / "other-ca", ["intruder"])["intruder"]
+    outsiders = [grpc.insecure_channel(address),
+                 grpc.secure_channel(address, stranger.channel_credentials(), options=stranger.channel_options()),
+                 grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(mine.ca_file).read_bytes()),
+                                     options=mine.channel_options())]  # the right CA, but no client certificate
+    for channel in outsiders:
+        with channel, pytest.raises(grpc.RpcError) as e:
+            pb_grpc.EngineStub(channel).Reserve(pb.ReserveRequest(request_id="x", prompt_token_ids=[1] * 64),
+                                                timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    with grpc.secure_channel(address, mine.channel_credentials(), options=mine.channel_options()) as channel:
+        assert pb_grpc.EngineStub(channel).GetNodeInfo(pb.NodeInfoRequest(), timeout=10).node_id == "colocated-0"
+    sock = run / "redis.sock"
+    if len(str(sock)) <= 100:  # else it is in /tmp (a unix socket's path must be short)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(unix_socket_path=str(sock)).ping()
+
+
 def _no_traceback(up: Up) -> None:
     for path in [up.process.log_path, *up.log_dir.rglob("*.log")]:
         text = path.read_text(errors="replace")

@@ -175,7 +175,8 @@ def test_tokenize_detokenize_version(http, default_tokenizer):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert http.get("/version", headers=AUTH).json()["version"]
     assert http.post("/tokenize", headers=AUTH, json={"prompt": "x", "model": "other"}).status_code == 404
-    assert http.post("/tokenize", headers=AUTH, json={"prompt": "x", "messages": msgs}).json()["error"]["param"] == "prompt"
+    r = http.post("/tokenize", headers=AUTH, json={"prompt": "x", "messages": msgs})
+    assert r.json()["error"]["param"] == "prompt"
     for path in ("/tokenize", "/detokenize", "/version", "/metrics", "/openapi.json", "/docs"):  # keys exist: closed
         r = http.post(path, json={}) if "tokenize" in path else http.get(path)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path

@@ -18,6 +18,7 @@ import torch
 
 from kvrelay.common.records import KVLayout
 from kvrelay.kv_transfer import ConnectorConfig, TransferError, create_connector
+from kvrelay.kv_transfer._shm_io import parse_address
 from kvrelay.kv_transfer.shm import ShmConnector
 from tests.helpers.transfer import PeerProcess, make_caches
 
@@ -243,3 +244,50 @@ def test_the_caches_are_backed_before_the_engine_writes_them(tmp_path):
         assert all(int(c.count_nonzero()) == 0 for c in caches)  # still the zeros a fresh cache holds
     finally:
         connector.close()
+
+
+# ------------------------------------------------------------------------------------- other users
+
+
+_OTHER_UID = 65534  # nobody
+_CONNECT = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    s.connect(sys.argv[1])
+except PermissionError:
+    print("refused")
+    sys.exit(0)
+s.settimeout(5)
+print("closed" if s.recv(1) == b"" else "answered")
+"""
+
+
+def _as_other_user(path: str) -> str:
+    import shutil
+    import subprocess
+
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if os.getuid() != 0 or python is None:
+        pytest.skip("needs root (to run a client as another user) and a system python3")
+    out = subprocess.run([python, "-c", _CONNECT, path], user=_OTHER_UID, group=_OTHER_UID, extra_groups=[],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_another_user_cannot_reach_the_kv_control_socket(tmp_path):
+    folder = Path("/dev/shm") / f"kvrelay-test-{os.getpid()}-{tmp_path.name}"
+    folder.mkdir(mode=0o777)
+    os.chmod(folder, 0o777)  # the folder lets anyone in: the socket itself must keep them out
+    connector = ShmConnector(config(folder))
+    try:
+        _, path = parse_address(connector.address)
+        path = str(path)
+        assert (os.stat(path).st_mode & 0o777) == 0o600
+        assert _as_other_user(path) == "refused"
+        os.chmod(path, 0o666)  # even with the mode opened up, the receiver checks who connects
+        assert _as_other_user(path) == "closed"
+    finally:
+        connector.close()
+        folder.rmdir()
