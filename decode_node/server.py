@@ -24,7 +24,7 @@ from contextlib import aclosing, suppress
 
 import grpc
 
-from kvrelay.common import wire
+from kvrelay.common import tracing, wire
 from kvrelay.kv_transfer.types import TransferError
 from kvrelay.node.server import (
     NodeServer,
@@ -63,14 +63,21 @@ class DecodeServer(NodeServer):
             with self._lock:
                 self._expected[rid] = res.deadline
 
+        span = self.start_span("node.reserve", request)
         try:
             res = await self.engine.reserve(rid, prompt, params, lease_s, request.cache_salt, on_reserved=expect,
                                             wait_s=wait_s, lora_name=request.lora_name)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as e:
+            tracing.end(span, error=e)
             # The caller left while the reservation waited: after the abort the engine runs (queued before
             # this), nothing may still expect its layers.
             self.engine.run_nowait(lambda core: self._forget_transfer(rid))
             raise
+        except BaseException as e:
+            tracing.end(span, error=e)
+            raise
+        tracing.end(span, {"kvrelay.cached_tokens": res.num_cached_tokens if res is not None else None,
+                           "kvrelay.reserved_blocks": len(res.dst_block_ids) if res is not None else None})
         if res is None:
             load = self.engine.load()
             need = self.connector.layout.blocks_for(len(prompt))
@@ -114,7 +121,7 @@ class DecodeServer(NodeServer):
         self._forget_transfer(request_id)  # first, so that no layer lands in blocks about to be freed
 
     # -- hand-off -------------------------------------------------------------------------------------
-    async def generate_handoff(self, request: pb.GenerateRequest, arrival: float):
+    async def generate_handoff(self, request: pb.GenerateRequest, arrival: float, span=None):
         rid, handoff = request.request_id, request.handoff
         deadline = self._claim(rid)
         if deadline is None:
@@ -127,7 +134,8 @@ class DecodeServer(NodeServer):
                 raise ValueError(f"first_token_id: {handoff.first_token_id} is outside the vocabulary "
                                  f"[0, {self.core.vocab_size})")
             waited = True  # the wait below closes the transfer whatever its outcome
-            await self._wait_kv(rid, deadline)
+            with tracing.span("kv_receive", span, {"kvrelay.connector": self.settings.connector_name}):
+                await self._wait_kv(rid, deadline)
             logprobs = (wire.logprobs_from_proto(handoff.first_logprobs)
                         if handoff.HasField("first_logprobs") else None)
             try:

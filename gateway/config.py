@@ -48,7 +48,8 @@ class GatewayConfig:
     startup_timeout: float = 0.0  # wait this long for a decode node before serving (0: serve at once)
     kv_lease_ms: int = 0  # reservation lease asked of decode nodes (0: the node's default)
     prefill_timeout: float = 300.0
-    log_requests: bool = False
+    log_requests: bool = False  # uvicorn's access log, and one JSON line per generation (logger kvrelay.access)
+    otlp_traces_endpoint: str | None = None  # OTLP collector for this gateway's spans (kvrelay.common.tracing)
     # /metrics also serves every known node's series, labelled node_id and role (kvrelay.gateway.fleet_metrics):
     # `kvrelay up` turns it on; off where Prometheus scrapes the nodes itself, which would count them twice.
     fleet_metrics: bool = False

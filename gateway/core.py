@@ -26,6 +26,7 @@ shape: ShuttingDown) and [DONE], a plain request with a 503; closing its node st
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -33,6 +34,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 
+from kvrelay.common import tracing
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
 from kvrelay.common.tokenizer import Tokenizer
 from kvrelay.common.wire import TokenChunk
@@ -45,6 +47,7 @@ from kvrelay.gateway.outputs import ChoiceOutput, Delta, OutputOptions, TokenTex
 from kvrelay.gateway.router import Router
 
 logger = logging.getLogger(__name__)
+access_log = logging.getLogger("kvrelay.access")  # one JSON line per generation (GatewayConfig.log_requests)
 
 _DONE = object()
 
@@ -269,6 +272,9 @@ class Generation:
         self._last: dict[int, float] = {}
         self._itls: list[float] = []
         self.traces: list[dict] = [{} for _ in range(n)]  # per choice: the nodes that served it
+        # Read here, in the request's own context: the client's trace, or the HTTP server span around the call.
+        self._trace_parent = tracing.request_parent(tracing.incoming_traceparent.get())
+        self._span = None  # the request's span (kvrelay.common.tracing), while deltas() runs
 
     @property
     def usage(self) -> Usage:
@@ -283,11 +289,14 @@ class Generation:
         return {"x-kvrelay-decode-node": trace["decode"], "x-kvrelay-prefill-node": trace["prefill"] or "local"}
 
     async def deltas(self) -> AsyncIterator[Delta]:
+        self._span = tracing.start_span("llm_request", self._trace_parent, self._request_attributes(), server=True)
+        error: BaseException | None = None
         with self.core.in_progress(self.principal.tenant if self.principal is not None else DEFAULT_TENANT):
             try:
-                decision = await self.core.dispatcher.route(self.inp.prompt_token_ids, self.inp.cache_salt,
-                                                            self.deadline, user=self.inp.user,
-                                                            lora_name=self.inp.lora_name)
+                with tracing.span("route", self._span):
+                    decision = await self.core.dispatcher.route(self.inp.prompt_token_ids, self.inp.cache_salt,
+                                                                self.deadline, user=self.inp.user,
+                                                                lora_name=self.inp.lora_name)
                 if self.inp.beam_search is not None:
                     source = self._beam_stream(decision)
                 else:
@@ -300,21 +309,26 @@ class Generation:
                         delta = self._consume(index, chunk)
                         if delta is not None:
                             yield delta
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as e:
+                error = e
                 if not self.core.was_cut:
                     raise
                 asyncio.current_task().uncancel()  # cut() cancelled us: end as a shutdown, not as a failure
                 raise self.core.shutdown_error() from None
+            except BaseException as e:
+                error = e
+                raise
             finally:
                 self._observe()
                 if self.core.usage_sink is not None:
                     self.core.usage_sink(self.principal, self.usage.total_tokens)
+                self._finish(error)
 
     async def _choice_stream(self, decision, index: int) -> AsyncIterator[tuple[int, TokenChunk]]:
         params = self.inp.params
         child = params.for_child(index) if params.n > 1 else params
         req = EngineRequest(f"{self.request_id}-{index}", self.inp.prompt_token_ids, child, self.inp.cache_salt,
-                            deadline=self.deadline, lora_name=self.inp.lora_name)
+                            deadline=self.deadline, lora_name=self.inp.lora_name, span=self._span)
         choice = self.choices[index]
         async with aclosing(self.core.dispatcher.stream(decision, req, self.traces[index])) as stream:
             async for chunk in stream:
@@ -326,7 +340,7 @@ class Generation:
         local = replace(decision, prefill=None, prefill_fallbacks=())
         req = EngineRequest(f"{self.request_id}-beams", self.inp.prompt_token_ids, self.inp.params,
                             self.inp.cache_salt, beam_search=self.inp.beam_search, deadline=self.deadline,
-                            lora_name=self.inp.lora_name)
+                            lora_name=self.inp.lora_name, span=self._span)
         async with aclosing(self.core.dispatcher.stream(local, req, self.traces[0])) as stream:
             async for chunk in stream:
                 for i, beam in enumerate(chunk.beams[: len(self.choices)]):
@@ -346,6 +360,34 @@ class Generation:
         if delta.text or delta.token_ids or delta.finish_reason:
             return delta
         return None
+
+    def _request_attributes(self) -> dict:
+        """vLLM's span attributes where they exist (gen_ai.*), ours (kvrelay.*) for the rest."""
+        p = self.inp.params
+        return {"gen_ai.request.id": self.request_id, "gen_ai.request.temperature": p.temperature,
+                "gen_ai.request.top_p": p.top_p, "gen_ai.request.max_tokens": p.max_tokens,
+                "gen_ai.request.n": p.n, "gen_ai.usage.prompt_tokens": len(self.inp.prompt_token_ids),
+                "kvrelay.tenant": self.principal.tenant if self.principal is not None else None,
+                "kvrelay.lora_name": self.inp.lora_name or None}
+
+    def _finish(self, error: BaseException | None) -> None:
+        """End the request's span and write its access-log line."""
+        u, now = self.usage, time.perf_counter()
+        ttft = None if self._first is None else self._first - self._start
+        status = "ok" if error is None else getattr(error, "code", None) or type(error).__name__
+        tracing.end(self._span, {"gen_ai.usage.completion_tokens": u.completion_tokens,
+                                 "kvrelay.cached_tokens": u.cached_tokens,
+                                 "gen_ai.latency.time_to_first_token": ttft, "gen_ai.latency.e2e": now - self._start,
+                                 "kvrelay.decode_node_id": self.traces[0].get("decode"),
+                                 "kvrelay.prefill_node_id": self.traces[0].get("prefill")}, error)
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info(json.dumps({
+                "request_id": self.request_id, "tenant": self.principal.tenant if self.principal else None,
+                "key": self.principal.key_id if self.principal else None, "status": status,
+                "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                "cached_tokens": u.cached_tokens, "ttft_s": None if ttft is None else round(ttft, 4),
+                "e2e_s": round(now - self._start, 4), "decode_node": self.traces[0].get("decode"),
+                "prefill_node": self.traces[0].get("prefill"), "lora": self.inp.lora_name or None}))
 
     def _observe(self) -> None:
         metrics = self.core.metrics

@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
+from kvrelay.common import tracing
 from kvrelay.common.wire import PrefillResult, ReserveResult, TokenChunk
 from kvrelay.gateway.adapters import Adapters
 from kvrelay.gateway.config import GatewayConfig
@@ -102,7 +103,7 @@ class _Sequence:
         self.extended = k > 0
         self.current = EngineRequest(f"{orig.request_id}.m{self.moves}", [*orig.prompt_token_ids, *self.generated],
                                      params, orig.cache_salt, beam_search=orig.beam_search,
-                                     deadline=orig.deadline, lora_name=orig.lora_name)
+                                     deadline=orig.deadline, lora_name=orig.lora_name, span=orig.span)
 
 
 class Dispatcher:
@@ -175,6 +176,9 @@ class Dispatcher:
                            failure.message)
             raise seq.cause or failure
         stage = "mid_stream" if seq.generated else "before_first_token"
+        tracing.end(tracing.start_span("migrate", seq.current.span, {
+            "kvrelay.migration.stage": stage, "kvrelay.migration.tokens_streamed": len(seq.generated),
+            "kvrelay.migration.failed_node": failure.node_id, "kvrelay.migration.reason": failure.message}))
         seq.move(failure)
         logger.warning("migrating %s (%s, %d tokens streamed) to %s: %s", seq.original.request_id, stage,
                        len(seq.generated), seq.current.request_id, failure.message)
@@ -248,9 +252,12 @@ class Dispatcher:
             start = time.monotonic()
             try:  # tracked while queued too, so that a burst spreads over the decode nodes
                 await self._ensure_adapter(node, req)
-                with self.liveness.watch(node) as watch, self._track(node):
-                    res = await self.clients.get(node.address).reserve(req, self.config.lease_ms,
-                                                                        self.config.queue_timeout_s, watch)
+                with self.liveness.watch(node) as watch, self._track(node), \
+                        tracing.span("reserve", req.span, {"kvrelay.node_id": node.node_id}) as span:
+                    res = await self.clients.get(node.address).reserve(
+                        _hop(req, span), self.config.lease_ms, self.config.queue_timeout_s, watch)
+                    if span is not None:
+                        span.set_attribute("kvrelay.cached_tokens", res.num_cached_tokens)
             except NodeRpcError as e:
                 holders.remove(node)
                 self._hop_failed(node, e, req, "reserve")
@@ -271,8 +278,14 @@ class Dispatcher:
         try:
             await self._ensure_adapter(node, req)
             with self.router.track_prefill(node.node_id, uncached), self._track(node), \
-                    self.liveness.watch(node) as watch:
-                result = await self.clients.get(node.address).prefill(req, reservation, watch)
+                    self.liveness.watch(node) as watch, \
+                    tracing.span("prefill", req.span, {"kvrelay.node_id": node.node_id,
+                                                       "kvrelay.decode_node_id": decode.node_id,
+                                                       "kvrelay.uncached_tokens": uncached}) as span:
+                result = await self.clients.get(node.address).prefill(_hop(req, span), reservation, watch)
+                if span is not None:
+                    span.set_attributes({"kvrelay.kv_transfer.bytes": result.bytes_transferred,
+                                         "kvrelay.kv_transfer.seconds": result.transfer_seconds})
         except NodeRpcError as e:
             logger.warning("prefill of %s on %s failed, trying the next node: %s", req.request_id, node.node_id, e)
             self._count("transfer_failures")
@@ -293,8 +306,10 @@ class Dispatcher:
     async def _continue(self, decode: Node, req: EngineRequest, handoff: PrefillResult) -> AsyncIterator[TokenChunk]:
         skip = 1  # the decode node streams from the handed-off token on; the caller already has it
         try:
-            with self.liveness.watch(decode) as watch:
-                async with aclosing(self.clients.get(decode.address).generate(req, handoff, watch)) as stream:
+            with self.liveness.watch(decode) as watch, \
+                    tracing.span("decode", req.span, {"kvrelay.node_id": decode.node_id}) as span:
+                client = self.clients.get(decode.address)
+                async with aclosing(client.generate(_hop(req, span), handoff, watch)) as stream:
                     async for chunk in stream:
                         if skip:
                             chunk, skip = _drop_first(chunk), 0
@@ -318,8 +333,11 @@ class Dispatcher:
             started = False
             try:
                 await self._ensure_adapter(node, req)
-                with self.liveness.watch(node) as watch, self._track(node):
-                    async with aclosing(self.clients.get(node.address).generate(req, watch=watch)) as stream:
+                with self.liveness.watch(node) as watch, self._track(node), \
+                        tracing.span("decode", req.span, {"kvrelay.node_id": node.node_id,
+                                                          "kvrelay.local_prefill": True}) as span:
+                    client = self.clients.get(node.address)
+                    async with aclosing(client.generate(_hop(req, span), watch=watch)) as stream:
                         with self.router.track_prefill(node.node_id, num_prompt - cached):
                             first = await anext(stream, None)
                         if first is None:
@@ -459,3 +477,8 @@ class _Tracked:
 
 def _drop_first(chunk: TokenChunk) -> TokenChunk:
     return replace(chunk, token_ids=chunk.token_ids[1:], logprobs=chunk.logprobs[1:])
+
+
+def _hop(req: EngineRequest, span) -> EngineRequest:
+    """The request as one node call sends it: with that call's span as the node's parent."""
+    return req if span is None else replace(req, traceparent=tracing.traceparent(span))

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvrelay.common.tracing import incoming_traceparent
 from kvrelay.gateway.auth import check_model, current_principal
 from kvrelay.gateway.core import GenerateInput, Generation, new_request_id
 from kvrelay.gateway.errors import BadRequest, GatewayError
@@ -89,6 +90,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         meta = dict(context.invocation_metadata() or ())
         principal = self.gateway.keys.authenticate(meta.get("authorization"))
         current_principal.set(principal)
+        if meta.get("traceparent"):
+            incoming_traceparent.set(str(meta["traceparent"])[:64])
         return principal
 
     async def _abort(self, context, e: GatewayError) -> None:

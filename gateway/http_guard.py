@@ -7,11 +7,13 @@ Plain ASGI middleware (no per-request cost beyond the checks), in this order:
   without a key learns nothing about the API. The principal it finds is `auth.current_principal` for the request.
   A body over --max-body-bytes is a 413 (by Content-Length before reading, and while reading for a chunked body).
   A generation (chat, completions) then takes one request from the key's rate limits (gateway.ratelimit): a
-  429 with Retry-After past them; every answer to a limited key carries the x-ratelimit-* headers.
+  429 with Retry-After past them; every answer to a limited key carries the x-ratelimit-* headers. A client's
+  W3C `traceparent` header makes the request's trace a child of the client's (kvrelay.common.tracing).
 """
 
 from __future__ import annotations
 
+from kvrelay.common.tracing import incoming_traceparent
 from kvrelay.gateway.auth import KeyStore, current_principal
 from kvrelay.gateway.errors import BadRequest, GatewayError, PayloadTooLarge
 from kvrelay.gateway.ratelimit import RateDecision, RateLimiter
@@ -96,12 +98,16 @@ class GuardMiddleware:
             await send_error(err, send)
             return
         token = current_principal.set(principal)
+        parent = headers.get(b"traceparent")
+        trace_token = incoming_traceparent.set(parent.decode("latin-1")[:64]) if parent else None
         extra = [(k.encode(), v.encode()) for k, v in decision.headers().items()]
         try:
             await self.app(scope, self._limited(receive) if self.max_body_bytes else receive,
                            self._with_headers(send, extra) if extra else send)
         finally:
             current_principal.reset(token)
+            if trace_token is not None:
+                incoming_traceparent.reset(trace_token)
 
     def _check_length(self, raw: bytes | None) -> None:
         if raw is None or not self.max_body_bytes:

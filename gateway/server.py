@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
+from kvrelay.common import tracing
 from kvrelay.gateway.auth import check_admin, check_model, current_principal
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.errors import GatewayError
@@ -353,6 +354,11 @@ def make_server(config: GatewayConfig, gateway: Gateway | None = None, log_level
 
 
 def serve(config: GatewayConfig, log_level: str = "info") -> int:
-    # server.run() picks uvloop and httptools when installed (uvicorn[standard]): ~1 ms less per request.
-    make_server(config, log_level=log_level).run()
+    logging.getLogger("kvrelay.access").setLevel(logging.INFO if config.log_requests else logging.WARNING)
+    tracing.setup_tracing("kvrelay-gateway", config.otlp_traces_endpoint)
+    try:
+        # server.run() picks uvloop and httptools when installed (uvicorn[standard]): ~1 ms less per request.
+        make_server(config, log_level=log_level).run()
+    finally:
+        tracing.shutdown_tracing()
     return 0

@@ -103,7 +103,8 @@ def gateway_flags(config: UpConfig) -> list[str]:
     models = config.fleet_models()
     flags = ["--block-size", str(config.block_size), "--migration-limit", str(config.migration_limit),
              "--routing-policy", config.routing_policy, "--fleet-metrics",
-             *_set_flags(config, ("max_concurrent_requests", "request_timeout", "tool_call_parser"))]
+             *_set_flags(config, ("max_concurrent_requests", "request_timeout", "tool_call_parser",
+                                  "otlp_traces_endpoint"))]
     for m in models:
         flags += ["--model", m.model]
     names = [name if i == 0 or "=" in name else f"{name}={m.model}"
@@ -128,7 +129,8 @@ def plan_children(config: UpConfig, redis_url: str, where: Placement, ports: Fle
     # every user of the machine can read.
     env = {"KVRELAY_REDIS_URL": redis_url}
     for place in where.models():
-        common = ["--host", config.host, "--num-threads", str(place.threads),
+        common = [*_set_flags(config, ("otlp_traces_endpoint",)), "--host", config.host, "--num-threads",
+                  str(place.threads),
                   "--shutdown-grace", str(config.shutdown_grace), *engine_flags(config, place.model)]
         for role, name in place.own_node_names():
             grpc_port, metrics_port = ports.nodes[name]

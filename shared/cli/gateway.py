@@ -51,7 +51,13 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="port of the gRPC API for internal callers (default: no gRPC API)")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="context limit (default: the nodes' smallest)")
-    g.add_argument("--log-requests", action="store_true", default=d.log_requests, help="log every HTTP request")
+    g.add_argument("--log-requests", action="store_true", default=d.log_requests,
+                   help="log every HTTP request, and one JSON line per generation (request id, tenant, key, status, "
+                        "tokens, TTFT, duration, nodes) on the logger kvrelay.access")
+    g.add_argument("--otlp-traces-endpoint", default=d.otlp_traces_endpoint, metavar="URL",
+                   help="send OpenTelemetry traces to this OTLP collector (gRPC, e.g. http://127.0.0.1:4317; HTTP "
+                        "when it ends in /v1/traces or OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); a "
+                        "client's traceparent header is the parent of the request's trace")
     g.add_argument("--fleet-metrics", action=argparse.BooleanOptionalAction, default=d.fleet_metrics,
                    help="/metrics also serves every known node's series (vllm:* and the node's kvrelay:*), labelled "
                         "node_id and role, scraped on demand: one URL for a whole `kvrelay up` fleet. Leave it off "

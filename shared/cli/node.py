@@ -56,6 +56,9 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--shutdown-grace", "--shutdown-timeout", dest="shutdown_timeout", type=float,
                    default=d.shutdown_timeout_s, help="seconds in-flight requests get to finish after SIGTERM")
     add_tls_flags(g)
+    g.add_argument("--otlp-traces-endpoint", default=d.otlp_traces_endpoint, metavar="URL",
+                   help="send OpenTelemetry spans (node.reserve, node.prefill, kv_transfer, node.generate, kv_receive) "
+                        "to this OTLP collector; the gateway's spans are their parents")
     g.add_argument("--ready-file", default=d.ready_file,
                    help="write a JSON file with the node's addresses once it serves (for launchers and tests)")
     k = p.add_argument_group("KV transfer")
@@ -142,6 +145,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         served_model_name=args.served_model_name, num_threads=args.num_threads, local_nodes=args.local_nodes,
         shutdown_timeout_s=args.shutdown_timeout, ready_file=args.ready_file,
         tls=tls_from_flags(args.tls_ca_file, args.tls_cert_file, args.tls_key_file),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 

@@ -327,6 +327,9 @@ def register(sub) -> None:
     g.add_argument("--api-keys-file", default=d.api_keys_file, metavar="FILE",
                    help="many keys with tenants, models, priorities and limits (a JSON or YAML list of {key | "
                         "key_sha256, tenant, models, priority, rpm, tpm, admin}; see `kvrelay gateway --help`)")
+    f.add_argument("--otlp-traces-endpoint", default=d.otlp_traces_endpoint, metavar="URL",
+                   help="every process sends its OpenTelemetry spans to this OTLP collector: one trace per request "
+                        "across the gateway and the nodes (e.g. http://127.0.0.1:4317)")
     f.add_argument("--fleet-tls", action=argparse.BooleanOptionalAction, default=d.fleet_tls,
                    help="make a CA for this fleet and run gRPC between the gateway and the nodes over mutual TLS: "
                         "nothing without the fleet's certificate can call a node")

@@ -44,4 +44,5 @@ class NodeConfig:
     local_nodes: int = 1  # nodes sharing this machine's cores (oversubscribed OpenMP threads slow every node)
     shutdown_timeout_s: float = 30.0  # how long in-flight requests get to finish after SIGTERM
     ready_file: str | None = None  # JSON with the node's addresses, written once it serves
+    otlp_traces_endpoint: str | None = None  # OTLP collector for this node's spans (kvrelay.common.tracing)
     tls: TLSFiles | None = None  # mutual TLS: only callers with a certificate of the fleet's CA (common.tls)

@@ -31,6 +31,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from kvrelay.common import tracing
 from kvrelay.common.system import advertised
 from kvrelay.engine.config import dtype_name
 from kvrelay.engine.core import EngineCore
@@ -143,6 +144,8 @@ async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
     metrics = NodeMetrics(served, config.connector.name)
     metrics.observe_config(config.engine, str(core.info.device), dtype_name(core.info.dtype), core.max_model_len,
                            core.num_blocks)
+    tracing.setup_tracing(f"kvrelay-{server_cls.role}", config.otlp_traces_endpoint,
+                          {"kvrelay.node_id": settings.node_id})
     publisher = open_publisher(config.registry, settings.node_id, core.info.model_id)
     servicer = server_cls(core, connector, metrics, settings, block_events=publisher)
     pb_grpc.add_EngineServicer_to_server(servicer, grpc_server)
@@ -175,6 +178,7 @@ async def serve(config: NodeConfig, server_cls: type[NodeServer]) -> int:
         write_ready_file(config.ready_file, node)
     await stop.wait()
     await node.drain(config.shutdown_timeout_s)
+    tracing.shutdown_tracing()
     # asyncio.run restores the default handlers on the way out: a late SIGTERM must not turn exit 0 into -15.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvrelay.common import wire
+from kvrelay.common import tracing, wire
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.async_engine import AsyncEngine, BlockEventSink, EngineDead, EngineDraining, EngineHooks
 from kvrelay.engine.config import dtype_name
@@ -147,7 +147,9 @@ class NodeServer(pb_grpc.EngineServicer):
     def leases_expired(self, request_ids: list[str]) -> None:
         """Engine thread: these reservations or held blocks outlived their lease and were freed."""
 
-    def generate_handoff(self, request: pb.GenerateRequest, arrival: float) -> AsyncIterator[EngineCoreOutput]:
+    def generate_handoff(self, request: pb.GenerateRequest, arrival: float,
+                         span=None) -> AsyncIterator[EngineCoreOutput]:
+        """`span`: the sequence's node.generate span (kvrelay.common.tracing), the parent of the role's own."""
         raise self.wrong_role("Generate with a hand-off")
 
     def before_abort(self, request_id: str) -> None:
@@ -226,6 +228,23 @@ class NodeServer(pb_grpc.EngineServicer):
         """One sequence's stream, for Generate and GenerateMany alike."""
         arrival = time.monotonic()
         require_request_id(request.request_id)
+        span = self.start_span("node.generate", request)
+        try:
+            async with aclosing(self._token_chunks(request, arrival, span)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except BaseException as e:
+            tracing.end(span, error=e)
+            raise
+        tracing.end(span)
+
+    def start_span(self, name: str, request):
+        """A span of this node for `request`, child of the gateway's call (its traceparent); None untraced."""
+        return tracing.start_span(name, tracing.parent_from(request.traceparent), {
+            "kvrelay.node_id": self.settings.node_id, "gen_ai.request.id": request.request_id,
+            "gen_ai.usage.prompt_tokens": len(request.prompt_token_ids)}, server=True)
+
+    async def _token_chunks(self, request: pb.GenerateRequest, arrival: float, span) -> AsyncIterator[pb.TokenChunk]:
         if request.HasField("beam_search"):
             if request.HasField("handoff"):
                 raise ValueError("beam_search: runs on one node from the prompt; it takes no hand-off")
@@ -234,7 +253,7 @@ class NodeServer(pb_grpc.EngineServicer):
             stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt, arrival,
                                           beam_search=beams, lora_name=request.lora_name)
         elif request.HasField("handoff"):
-            stream = self.generate_handoff(request, arrival)
+            stream = self.generate_handoff(request, arrival, span)
         else:
             prompt, params = checked_prompt(request)
             if params.n != 1:
@@ -244,8 +263,13 @@ class NodeServer(pb_grpc.EngineServicer):
         num_output = 0
         async with aclosing(stream):
             async for out in stream:
+                if num_output == 0 and span is not None:
+                    span.set_attributes({"gen_ai.latency.time_to_first_token": time.monotonic() - arrival,
+                                         "kvrelay.cached_tokens": out.num_cached_tokens or 0})
                 num_output += len(out.new_token_ids)
                 yield wire.chunk_to_proto(token_chunk(out, num_output))
+        if span is not None:
+            span.set_attribute("gen_ai.usage.completion_tokens", num_output)
 
     @unary_rpc
     async def LoadLoRAAdapter(self, request, context):  # noqa: N802

@@ -218,7 +218,7 @@ class Load(_message.Message):
     def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_reserved: _Optional[int] = ..., num_held: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_capacity: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ..., lora_paths: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "lease_ms", "queue_timeout_ms", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "lease_ms", "queue_timeout_ms", "lora_name", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,7 @@ class ReserveRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -233,7 +234,8 @@ class ReserveRequest(_message.Message):
     lease_ms: int
     queue_timeout_ms: int
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lease_ms: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lease_ms: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("request_id", "node_id", "kv_address", "num_cached_tokens", "dst_block_ids", "layout", "lease_expires_unix_ms")
@@ -254,7 +256,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "decode_kv_address", "decode_cached_tokens", "dst_block_ids", "decode_layout", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "decode_kv_address", "decode_cached_tokens", "dst_block_ids", "decode_layout", "lora_name", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +266,7 @@ class PrefillRequest(_message.Message):
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -273,7 +276,8 @@ class PrefillRequest(_message.Message):
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     decode_layout: KVLayout
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_kv_address: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_kv_address: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprobs", "num_cached_tokens", "bytes_transferred", "transfer_seconds", "prefill_seconds", "finish_reason", "last_layer_seconds", "prompt_logprobs")
@@ -308,7 +312,7 @@ class Handoff(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "handoff", "beam_search", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "handoff", "beam_search", "lora_name", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +320,7 @@ class GenerateRequest(_message.Message):
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -323,7 +328,8 @@ class GenerateRequest(_message.Message):
     handoff: Handoff
     beam_search: BeamSearchParams
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., beam_search: _Optional[_Union[BeamSearchParams, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., beam_search: _Optional[_Union[BeamSearchParams, _Mapping]] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "prompt_logprobs", "beams")
