@@ -1,9 +1,11 @@
 """Decode role: reservations, admission of transferred requests, token streaming.
 
-Reservation lifecycle (the transfer id is the request id):
+Reservation lifecycle:
 1. Reserve: the engine sets aside blocks under a lease and, on the engine thread, the connector starts
-   expecting a transfer into exactly those blocks; the id joins `_expected`. With queue_timeout_ms and no
-   room, the reservation first waits in the engine's queue (first come, first served) for blocks.
+   expecting a transfer into exactly those blocks; the id joins `_expected`. The transfer's id is the request id
+   and 128 random bits, returned to the caller of Reserve only (over the fleet's authenticated channel): a
+   process that did not reserve cannot name a transfer, so it cannot write into reserved blocks. With
+   queue_timeout_ms and no room, the reservation first waits in the engine's queue (first come, first served).
 2. A prefill node writes the blocks layer by layer.
 3. Generate with a hand-off claims the id, waits for the transfer, admits the request with the first
    token and streams the rest.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
 from contextlib import aclosing, suppress
@@ -46,6 +49,7 @@ class DecodeServer(NodeServer):
 
     def __init__(self, *args, **kwargs) -> None:
         self._expected: dict[str, float] = {}  # request id -> lease deadline (monotonic)
+        self._transfer_ids: dict[str, str] = {}  # request id -> the transfer id its Reserve handed out
         self._lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
@@ -58,8 +62,12 @@ class DecodeServer(NodeServer):
         lease_s = request.lease_ms / 1000 if request.lease_ms else self.settings.kv_lease_s
         wait_s = request.queue_timeout_ms / 1000
 
+        tid = f"{rid}.{secrets.token_hex(16)}"
+
         def expect(res) -> None:  # engine thread: no layer can arrive before the blocks are named
-            self.connector.expect(rid, list(res.dst_block_ids))
+            with self._lock:
+                self._transfer_ids[rid] = tid
+            self.connector.expect(tid, list(res.dst_block_ids))
             with self._lock:
                 self._expected[rid] = res.deadline
 
@@ -91,7 +99,7 @@ class DecodeServer(NodeServer):
         return wire.reserve_result_to_proto(wire.ReserveResult(
             request_id=rid, node_id=self.settings.node_id, kv_address=self.connector.address,
             num_cached_tokens=res.num_cached_tokens, dst_block_ids=res.dst_block_ids,
-            layout=self.connector.layout, lease_expires_unix_ms=expires_ms,
+            layout=self.connector.layout, lease_expires_unix_ms=expires_ms, transfer_id=tid,
         ))
 
     def _claim(self, rid: str) -> float | None:
@@ -99,17 +107,21 @@ class DecodeServer(NodeServer):
         with self._lock:
             return self._expected.pop(rid, None)
 
+    def _tid(self, rid: str, forget: bool = False) -> str:
+        with self._lock:
+            return (self._transfer_ids.pop(rid, rid) if forget else self._transfer_ids.get(rid, rid))
+
     def _forget_transfer(self, rid: str) -> None:
         """Stop accepting layers for a reservation that will not be admitted: closed here, or abandoned when a
         Generate waits for them (its wait answers at once; nothing happens to a transfer already over)."""
         if self._claim(rid) is not None:
             self._close_transfer(rid)
         else:
-            self.connector.abandon_received(rid)
+            self.connector.abandon_received(self._tid(rid))
 
     def _close_transfer(self, rid: str) -> None:
         try:
-            self.connector.wait_received(rid, 0)  # waiting 0 s answers at once and forgets the transfer
+            self.connector.wait_received(self._tid(rid, forget=True), 0)  # 0 s: answers at once, forgets it
         except TransferError:
             self.metrics.observe_transfer_failure("recv")
 
@@ -155,7 +167,7 @@ class DecodeServer(NodeServer):
         # The KV may take as long as the lease allows (a Generate may come before the prefill is done), and
         # the wait must close the transfer before the lease frees the blocks a late layer would land in.
         timeout = max(0.0, deadline - time.monotonic() - _LEASE_MARGIN_S)
-        waiting = self.blocking(self.connector.wait_received, rid, timeout)
+        waiting = self.blocking(self.connector.wait_received, self._tid(rid), timeout)
         try:
             result = await asyncio.shield(waiting)
         except asyncio.CancelledError:
@@ -168,5 +180,8 @@ class DecodeServer(NodeServer):
         except TransferError as e:
             self.metrics.observe_transfer_failure("recv")
             raise transfer_failure(e, f"the KV of {rid!r} did not arrive") from None
+        finally:
+            if waiting.done():
+                self._tid(rid, forget=True)
         self.metrics.observe_transfer("recv", result.nbytes, result.seconds)
 

@@ -164,7 +164,7 @@ class NodeClient:
             cache_salt=req.cache_salt, decode_kv_address=reservation.kv_address,
             decode_cached_tokens=reservation.num_cached_tokens, dst_block_ids=reservation.dst_block_ids,
             decode_layout=wire.layout_to_proto(reservation.layout), lora_name=req.lora_name,
-            traceparent=req.traceparent,
+            traceparent=req.traceparent, transfer_id=reservation.transfer_id,
         ), req.timeout(self.timeouts.prefill_s), watch)
         return wire.prefill_result_from_proto(msg)
 

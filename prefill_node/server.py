@@ -1,6 +1,6 @@
 """Prefill role: compute prompts and hand their KV to decode nodes.
 
-Prefill lifecycle (the transfer id is the request id):
+Prefill lifecycle (the transfer id is the decode node's, from its Reserve: the request id and a secret):
 1. Check the request against the reservation it names: decode layout, cached tokens, destination blocks.
 2. The engine computes the prompt (its own prefix cache first); as each layer of the last chunk is written
    the runner enqueues the blocks the decode node lacks on the connector; the first token is sampled.
@@ -69,7 +69,7 @@ class PrefillServer(NodeServer):
             prefill_s = time.perf_counter() - t0
             with tracing.span("kv_transfer", span, {"kvrelay.connector": self.settings.connector_name,
                                                     "kvrelay.decode_kv_address": request.decode_kv_address}) as sent:
-                transfer = await self._finish_transfer(rid, request.decode_kv_address)
+                transfer = await self._finish_transfer(rid, spec.transfer_id, request.decode_kv_address)
                 if sent is not None:
                     sent.set_attributes({"kvrelay.kv_transfer.bytes": transfer.nbytes,
                                          "kvrelay.kv_transfer.seconds": transfer.seconds})
@@ -113,28 +113,30 @@ class PrefillServer(NodeServer):
                              f"{cached} cached tokens are {need}")
         if len(set(dst)) != len(dst):
             raise ValueError("dst_block_ids: duplicate block ids")
-        return KVSendSpec(request.decode_kv_address, request.request_id, cached // bs, dst)
+        # The decode node's transfer id carries a secret only a caller of its Reserve knows (an older gateway's
+        # requests fall back to the request id, which the decode node then refuses).
+        return KVSendSpec(request.decode_kv_address, request.transfer_id or request.request_id, cached // bs, dst)
 
     async def _compute(self, rid: str, prompt: list[int], params: SamplingParams, spec: KVSendSpec,
                        salt: str, arrival: float, lora_name: str = ""):
         try:
             out = await self.engine.prefill(rid, prompt, params, spec, salt, arrival, lora_name)
         except asyncio.CancelledError:
-            self._settle_later(rid)  # the client left: the transfer may still read the blocks
+            self._settle_later(rid, spec.transfer_id)  # the client left: the transfer may still read the blocks
             raise
         if not out.new_token_ids:
             await self.engine.release_held(rid)
             raise RpcFailure(grpc.StatusCode.ABORTED, f"request {rid!r} was aborted during its prefill")
         return out
 
-    async def _finish_transfer(self, rid: str, peer: str):
+    async def _finish_transfer(self, rid: str, tid: str, peer: str):
         # The wait runs in a thread that a cancelled RPC cannot stop; a client that leaves hands that same
         # wait to _settle, since the connector answers one waiter per transfer.
-        waiting = self._wait_sent(rid)
+        waiting = self._wait_sent(tid)
         try:
             result = await asyncio.shield(waiting)
         except asyncio.CancelledError:
-            self._settle_later(rid, waiting)
+            self._settle_later(rid, tid, waiting)
             raise
         except TransferError as e:
             self.metrics.observe_transfer_failure("send")
@@ -146,17 +148,17 @@ class PrefillServer(NodeServer):
         self.metrics.observe_transfer("send", result.nbytes, result.seconds)
         return result
 
-    def _wait_sent(self, rid: str) -> asyncio.Future:
+    def _wait_sent(self, tid: str) -> asyncio.Future:
         """The wait for the decode node's acknowledgements, as a future that outlives a cancelled caller."""
-        return self.blocking(self.connector.wait, rid, self.settings.transfer_timeout)
+        return self.blocking(self.connector.wait, tid, self.settings.transfer_timeout)
 
-    def _settle_later(self, rid: str, waiting: asyncio.Future | None = None) -> None:
+    def _settle_later(self, rid: str, tid: str, waiting: asyncio.Future | None = None) -> None:
         self._settling.add(rid)
-        task = asyncio.get_running_loop().create_task(self._settle(rid, waiting))
+        task = asyncio.get_running_loop().create_task(self._settle(rid, tid, waiting))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _settle(self, rid: str, waiting: asyncio.Future | None) -> None:
+    async def _settle(self, rid: str, tid: str, waiting: asyncio.Future | None) -> None:
         """Release a departed client's blocks once nothing reads them any more. `waiting`: the transfer wait
         already under way, if the client left during it."""
         try:
@@ -164,7 +166,7 @@ class PrefillServer(NodeServer):
                 # A barrier first: the step running when the client left may have started the send, and only
                 # once it is over does the connector know the transfer (the abort queued before it, too).
                 await self.engine.call(lambda core: None)
-                waiting = self._wait_sent(rid)
+                waiting = self._wait_sent(tid)
             try:
                 await waiting
             except TransferError:

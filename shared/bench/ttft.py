@@ -81,6 +81,7 @@ def disaggregated(prefill: Node, decode: Node, rid: str, prompt: list[int]) -> d
     pre = prefill.stub().Prefill(pb.PrefillRequest(
         request_id=rid, prompt_token_ids=prompt, params=params, decode_kv_address=res.kv_address,
         decode_cached_tokens=res.num_cached_tokens, dst_block_ids=res.dst_block_ids, decode_layout=res.layout,
+        transfer_id=res.transfer_id,
     ), timeout=600)
     ttft = time.perf_counter() - t0
     list(decode.stub().Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params,

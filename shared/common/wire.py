@@ -77,6 +77,7 @@ class ReserveResult:
     dst_block_ids: tuple[int, ...]
     layout: KVLayout | None
     lease_expires_unix_ms: int = 0
+    transfer_id: str = ""  # what the prefill node sends the KV under (the request id and a secret)
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,7 @@ def reserve_result_to_proto(r: ReserveResult) -> pb.ReserveResponse:
     return pb.ReserveResponse(
         request_id=r.request_id, node_id=r.node_id, kv_address=r.kv_address, num_cached_tokens=r.num_cached_tokens,
         dst_block_ids=list(r.dst_block_ids), layout=layout_to_proto(r.layout),
-        lease_expires_unix_ms=r.lease_expires_unix_ms,
+        lease_expires_unix_ms=r.lease_expires_unix_ms, transfer_id=r.transfer_id,
     )
 
 
@@ -289,7 +290,7 @@ def reserve_result_from_proto(msg: pb.ReserveResponse) -> ReserveResult:
         request_id=msg.request_id, node_id=msg.node_id, kv_address=msg.kv_address,
         num_cached_tokens=msg.num_cached_tokens, dst_block_ids=tuple(msg.dst_block_ids),
         layout=layout_from_proto(msg.layout) if msg.HasField("layout") else None,
-        lease_expires_unix_ms=msg.lease_expires_unix_ms,
+        lease_expires_unix_ms=msg.lease_expires_unix_ms, transfer_id=msg.transfer_id,
     )
 
 

@@ -74,7 +74,7 @@ def prefill_request(rid: str, prompt: list[int], params: SamplingParams, res: pb
                     with_layout: bool = True) -> pb.PrefillRequest:
     req = pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=sampling_to_proto(params),
                             decode_kv_address=res.kv_address, decode_cached_tokens=res.num_cached_tokens,
-                            dst_block_ids=res.dst_block_ids)
+                            dst_block_ids=res.dst_block_ids, transfer_id=res.transfer_id)
     if with_layout:
         req.decode_layout.CopyFrom(res.layout)
     return req

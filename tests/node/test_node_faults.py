@@ -174,6 +174,24 @@ def test_decode_unreachable(nodes):
 
 
 @pytest.mark.timeout(60)
+def test_only_the_reservations_transfer_id_fills_its_blocks(nodes):
+    """The decode node expects the KV under the transfer id its Reserve handed out (the request id and 128 random
+    bits): a process that did not reserve, guessing the request id or anything near it, writes nothing."""
+    P, D = nodes["P"], nodes["D"]
+    res = reserve(D, "guess", PROMPT, GREEDY)
+    assert res.transfer_id.startswith("guess.") and len(res.transfer_id) == len("guess.") + 32
+    for tid in ("guess", res.transfer_id[:-1] + "x", "guess." + "0" * 32):
+        req = prefill_request("guess", PROMPT, GREEDY, res)
+        req.transfer_id = tid
+        error = rpc_error(P.stub().Prefill, req, timeout=30)
+        assert error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION), error
+        wait_for(lambda: all_blocks_free(P), 5, "the prefill node to free the held blocks")
+    assert D.stub().Abort(pb.AbortRequest(request_id="guess"), timeout=5).aborted
+    wait_for(lambda: all_blocks_free(D), 5, "the decode node to free the reservation")
+    assert len(disaggregated(P, D, "after-guess", PROMPT, GREEDY).tokens) == 4  # the right id still works
+
+
+@pytest.mark.timeout(60)
 def test_layout_mismatch_is_refused(nodes):
     P, X = nodes["P"], nodes["X"]
     short = PROMPT[:10]  # one block on either side, so only the layouts differ

@@ -238,7 +238,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lease_ms: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("request_id", "node_id", "kv_address", "num_cached_tokens", "dst_block_ids", "layout", "lease_expires_unix_ms")
+    __slots__ = ("request_id", "node_id", "kv_address", "num_cached_tokens", "dst_block_ids", "layout", "lease_expires_unix_ms", "transfer_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class ReserveResponse(_message.Message):
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     node_id: str
     kv_address: str
@@ -253,10 +254,11 @@ class ReserveResponse(_message.Message):
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     layout: KVLayout
     lease_expires_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    transfer_id: str
+    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "decode_kv_address", "decode_cached_tokens", "dst_block_ids", "decode_layout", "lora_name", "traceparent")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "decode_kv_address", "decode_cached_tokens", "dst_block_ids", "decode_layout", "lora_name", "traceparent", "transfer_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +269,7 @@ class PrefillRequest(_message.Message):
     DECODE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -277,7 +280,8 @@ class PrefillRequest(_message.Message):
     decode_layout: KVLayout
     lora_name: str
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_kv_address: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    transfer_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_kv_address: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprobs", "num_cached_tokens", "bytes_transferred", "transfer_seconds", "prefill_seconds", "finish_reason", "last_layer_seconds", "prompt_logprobs")
