@@ -1,9 +1,11 @@
 """Requests and tokens per minute per API key, one limit for the whole fleet however many gateways serve it.
 
 Each key with `rpm` or `tpm` (gateway.auth) has two token buckets in Redis, refilled continuously at the limit per
-minute and holding at most one minute's worth: `kvr:rl:{<key>}:r` and `:t`. One server-side script reads and
-updates both in one round trip, with Redis's own clock, so every gateway sees the same buckets (AIBrix keeps its
-per-user RPM/TPM in Redis the same way).
+minute: `kvr:rl:{<key>}:r` and `:t`. A bucket holds a burst of ten seconds' worth (at least 10 requests or 1000
+tokens, and never more than the limit): a full minute's worth at once would let a key that was quiet flood the
+nodes with a minute of traffic in a second (OpenAI too enforces its per-minute limits over shorter periods).
+One server-side script reads and updates both in one round trip, with Redis's own clock, so every gateway sees
+the same buckets (AIBrix keeps its per-user RPM/TPM in Redis the same way).
 
 - Admission takes one request if the tokens bucket is not in debt; otherwise, or without a request left, it is a
   429 with Retry-After (the seconds until the bucket refills enough) and OpenAI's body: type `requests` or
@@ -39,17 +41,17 @@ _PRESENCE_TTL_S = 15.0  # a gateway not seen for this long no longer counts in t
 _RETRY_REDIS_S = 1.0
 _REDIS_TIMEOUT_S = 0.25
 
-# KEYS: requests bucket, tokens bucket. ARGV: requests per minute (0: none), tokens per minute (0: none),
-# 'admit' or 'charge', tokens to charge. Returns {requests ok, requests level, tokens ok, tokens level}.
+# KEYS: requests bucket, tokens bucket. ARGV: requests per minute and burst (0: no limit), tokens per minute and
+# burst, 'admit' or 'charge', tokens to charge. Returns {requests ok, requests level, tokens ok, tokens level}.
 _SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function bucket(key, cap, cost, mode)
-  if cap <= 0 then return {1, '-1'} end
+local function bucket(key, limit, cap, cost, mode)
+  if limit <= 0 then return {1, '-1'} end
   local v = redis.call('HMGET', key, 'l', 't')
   local level = tonumber(v[1]) or cap
   local ts = tonumber(v[2]) or now
-  level = math.min(cap, level + math.max(0, now - ts) * cap / 60000.0)
+  level = math.min(cap, level + math.max(0, now - ts) * limit / 60000.0)
   local ok = 1
   if mode == 'take' then
     if level >= cost then level = level - cost else ok = 0 end
@@ -62,22 +64,32 @@ local function bucket(key, cap, cost, mode)
   redis.call('PEXPIRE', key, 120000)
   return {ok, tostring(level)}
 end
-local rcap, tcap = tonumber(ARGV[1]), tonumber(ARGV[2])
-if ARGV[3] == 'admit' then
-  local tok = bucket(KEYS[2], tcap, 0, 'peek')
+local rlim, rcap, tlim, tcap = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if ARGV[5] == 'admit' then
+  local tok = bucket(KEYS[2], tlim, tcap, 0, 'peek')
   local req
-  if tok[1] == 1 then req = bucket(KEYS[1], rcap, 1, 'take') else req = bucket(KEYS[1], rcap, 0, 'peek') end
+  if tok[1] == 1 then req = bucket(KEYS[1], rlim, rcap, 1, 'take')
+  else req = bucket(KEYS[1], rlim, rcap, 0, 'peek') end
   return {req[1], req[2], tok[1], tok[2]}
 end
-local tok = bucket(KEYS[2], tcap, tonumber(ARGV[4]), 'debit')
+local tok = bucket(KEYS[2], tlim, tcap, tonumber(ARGV[6]), 'debit')
 return {1, '-1', tok[1], tok[2]}
 """
+
+
+def burst(limit: float, floor: float) -> float:
+    """What a bucket of `limit` per minute holds at most: ten seconds' worth, at least `floor`, at most the limit."""
+    return min(float(limit), max(limit / 6.0, floor))
+
+
+_FLOORS = {"r": 10.0, "t": 1000.0}
 
 
 @dataclass(frozen=True)
 class BucketState:
     limit: int  # per minute
     level: float  # what is left now (negative: in debt)
+    capacity: float | None = None  # the most it holds (None: the limit)
 
     @property
     def remaining(self) -> int:
@@ -86,7 +98,8 @@ class BucketState:
     @property
     def reset_s(self) -> float:
         """Seconds until the bucket is full again."""
-        return max(0.0, (self.limit - self.level) * 60.0 / self.limit)
+        cap = self.limit if self.capacity is None else self.capacity
+        return max(0.0, (cap - self.level) * 60.0 / self.limit)
 
     def wait_s(self, need: float) -> int:
         """Whole seconds (at least 1) until the bucket holds `need`."""
@@ -121,14 +134,14 @@ def duration(seconds: float) -> str:
 class _LocalBucket:
     """The same bucket as the script's, in this process (the degraded share while Redis is away)."""
 
-    def __init__(self, cap: float) -> None:
-        self.cap = cap
+    def __init__(self, limit: float, cap: float) -> None:
+        self.limit, self.cap = limit, cap
         self.level = cap
         self.ts = time.monotonic()
 
     def update(self, cost: float, mode: str) -> tuple[bool, float]:
         now = time.monotonic()
-        self.level = min(self.cap, self.level + (now - self.ts) * self.cap / 60.0)
+        self.level = min(self.cap, self.level + (now - self.ts) * self.limit / 60.0)
         self.ts = now
         ok = True
         if mode == "take":
@@ -230,15 +243,17 @@ class RateLimiter:
 
     async def _run(self, principal: Principal, op: str, tokens: int):
         rpm, tpm = principal.rpm or 0, principal.tpm or 0
+        rcap, tcap = burst(rpm, _FLOORS["r"]), burst(tpm, _FLOORS["t"])
         if self._script is not None and time.monotonic() >= self._retry_at:
             keys = [f"{_PREFIX}{{{principal.key_id}}}:r", f"{_PREFIX}{{{principal.key_id}}}:t"]
             try:
-                r_ok, r_level, t_ok, t_level = await self._script(keys=keys, args=[rpm, tpm, op, tokens])
+                r_ok, r_level, t_ok, t_level = await self._script(keys=keys,
+                                                                  args=[rpm, rcap, tpm, tcap, op, tokens])
                 if self.redis_error is not None:
                     logger.info("rate limits fleet-wide again: Redis answers")
                 self.redis_error = None
-                return ((bool(r_ok), BucketState(rpm, float(r_level)) if rpm else None),
-                        (bool(t_ok), BucketState(tpm, float(t_level)) if tpm else None))
+                return ((bool(r_ok), BucketState(rpm, float(r_level), rcap) if rpm else None),
+                        (bool(t_ok), BucketState(tpm, float(t_level), tcap) if tpm else None))
             except Exception as e:  # noqa: BLE001 - any Redis failure: the local share takes over
                 if self.redis_error is None:
                     logger.warning("Redis unreachable for rate limits; each gateway enforces 1/%d: %s",
@@ -254,12 +269,13 @@ class RateLimiter:
         def bucket(kind: str, limit: int | None, cost: float, mode: str) -> tuple[bool, BucketState | None]:
             if limit is None:
                 return True, None
-            cap = max(1, limit // share)
+            mine = max(1, limit // share)
+            cap = burst(mine, _FLOORS[kind] / share)
             b = self._local.get((principal.key_id, kind))
-            if b is None or b.cap != cap:
-                b = self._local[(principal.key_id, kind)] = _LocalBucket(cap)
+            if b is None or b.limit != mine:
+                b = self._local[(principal.key_id, kind)] = _LocalBucket(mine, cap)
             ok, level = b.update(cost, mode)
-            return ok, BucketState(cap, level)
+            return ok, BucketState(mine, level, cap)
 
         if op == "charge":
             return (True, None), bucket("t", principal.tpm, tokens, "debit")

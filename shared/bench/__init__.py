@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "spec-decode": "kvrelay.bench.spec_decode",
     "soak": "kvrelay.bench.soak",
     "lora": "kvrelay.bench.lora",
+    "tenants": "kvrelay.bench.tenants",
 }
 
 

@@ -6,6 +6,8 @@ Nothing here needs docker, kubectl or a cluster:
   the features deploy/k8s uses) and validated strictly against the Kubernetes OpenAPI schemas shipped by
   `kubernetes-validate`;
 - cross-references are checked: ports, probes, Services, HPAs and adapter rules, images, grace periods;
+- secrets: mutual TLS certificates, the Redis password and the API keys come from Secrets (files or
+  secretKeyRef), never from a literal in the manifests or a command line; Redis refuses clients without it;
 - every metric name in the dashboard and the adapter rules must be one the code registers with
   prometheus_client (found by parsing gateway/, prefill_node/, decode_node/, shared/, kv_transfer/), and
   every CLI flag and KVRELAY_* variable the manifests use must exist in `kvrelay <role> --help`.
@@ -55,6 +57,13 @@ TARGET_LABELS = {"job", "instance", "pod", "namespace", "container", "service", 
 # Seconds a process needs after its drain (--shutdown-timeout) to close gRPC, UCX and threads: an idle node
 # took 9-13 s from SIGTERM to exit on a loaded 2-core machine. Grace periods must cover it.
 TEARDOWN_MARGIN_S = 15
+# The Secrets operators create (deploy/README.md) and what the manifests read of them.
+FLEET_TLS_SECRET = "kvrelay-fleet-tls"  # kubernetes.io/tls + ca.crt, as cert-manager writes it
+TLS_FLAGS = {"--tls-ca-file": "ca.crt", "--tls-cert-file": "tls.crt", "--tls-key-file": "tls.key"}
+REDIS_PASSWORD_SECRET = ("kvrelay-redis", "password")  # (Secret, key)
+API_KEYS_SECRET = ("kvrelay-api-keys", "keys.yaml")
+# Environment variables that hold credentials by their name: only ever from a Secret.
+SECRET_ENV_NAME = re.compile(r"PASSWORD|PASSWD|_AUTH$|API_KEY|TOKEN|SECRET")
 
 
 # ================================================================================================ helpers
@@ -514,10 +523,53 @@ def compose_env(service: dict) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
+def env_defaults(command: str) -> set[str]:
+    """The KVRELAY_* variables `kvrelay <command>` takes as flag defaults: every KVRELAY_<FLAG> for the nodes,
+    those its help names as `(default: $KVRELAY_X)` elsewhere (the gateway's KVRELAY_REDIS_URL, KVRELAY_API_KEY)."""
+    return set(re.findall(r"\$(KVRELAY_[A-Z0-9_]+)", cli_help()[command]))
+
+
 def effective_flags(argv: list[str], env: dict[str, str], role: str) -> dict[str, str | None]:
-    """What the process runs with: nodes read KVRELAY_<FLAG> as defaults; command-line flags win."""
-    flags = {env_flag(k): v for k, v in env.items() if k.startswith("KVRELAY_")} if role in NODE_ROLES else {}
+    """What the process runs with: environment variables as defaults (every KVRELAY_<FLAG> for the nodes, the
+    gateway's few), command-line flags win."""
+    flags = {env_flag(k): v for k, v in env.items()
+             if k.startswith("KVRELAY_") and (role in NODE_ROLES or k in env_defaults(role))}
     return flags | parse_flags(argv)
+
+
+# The password: URL-safe characters, or a compose ${VAR:?message} that interpolates to them.
+_REDIS_URL = re.compile(r"redis://(?:(?P<user>[\w.-]+):(?P<password>\$\{[^}]*\}|[^@/\s]+)@)?"
+                        r"(?P<host>[\w.-]+):(?P<port>\d+)/\d+")
+
+
+def redis_url(url: str | None) -> dict[str, str | None]:
+    """redis://[user:password@]host:port/db -> its parts; fails on anything else."""
+    m = _REDIS_URL.fullmatch(url or "")
+    assert m, f"not a redis://[user:password@]host:port/db URL: {url}"
+    return m.groupdict()
+
+
+def redis_acl(argv: list[str]) -> dict[str, list[str]]:
+    """redis-server's `--user NAME RULE...` options (one ACL line each) -> {NAME: [RULE, ...]}."""
+    users: dict[str, list[str]] = {}
+    rules: list[str] | None = None
+    for i, tok in enumerate(argv):
+        if tok.startswith("--"):
+            rules = users.setdefault(argv[i + 1], []) if tok == "--user" and i + 1 < len(argv) else None
+        elif rules is not None and not (argv[i - 1] == "--user"):
+            rules.append(tok)
+    return users
+
+
+def check_redis_acl(argv: list[str], user: str, password: str, where: str) -> None:
+    """Redis runs with the passwordless default user off, and `user` on with exactly `password`."""
+    acl = redis_acl(argv)
+    assert "off" in acl.get("default", []) and "on" not in acl["default"], f"{where}: the default user is on: {acl}"
+    rules = acl.get(user)
+    assert rules and "on" in rules, f"{where}: no enabled Redis user {user!r} (the clients' URLs name it): {acl}"
+    passwords = [r[1:] for r in rules if r.startswith(">")]
+    assert passwords == [password], f"{where}: Redis user {user!r} must have the clients' password {password}"
+    assert "nopass" not in rules, where
 
 
 def container_port(spec) -> int:
@@ -544,6 +596,13 @@ def test_compose_services_are_consistent():
         if name == "redis":
             tag = svc["image"].split(":")[1]
             assert tuple(map(int, tag.split("-")[0].split(".")[:2])) >= (6, 2), "the index needs Redis >= 6.2"
+            # The healthcheck logs in (REDISCLI_AUTH: not on its command line) and fails on an error reply,
+            # on which redis-cli still exits 0.
+            test = " ".join(svc["healthcheck"]["test"])
+            assert re.search(r"redis-cli .*--user \w+ .*\| *grep -qx PONG", test), test
+            user = re.search(r"--user (\w+)", test).group(1)
+            assert "on" in redis_acl(compose_command(svc)).get(user, []), f"redis healthcheck: no user {user}"
+            assert compose_env(svc)["REDISCLI_AUTH"].startswith("${KVRELAY_REDIS_PASSWORD:?")
             continue
         # The kvrelay image, built from the repository root with the CPU Dockerfile.
         assert svc["image"] == f"{IMAGE_REPO}:{version()}-cpu"
@@ -563,8 +622,14 @@ def test_compose_services_are_consistent():
         assert health_port in exposed and exposed <= listening, f"{name}: exposes {exposed}, listens {listening}"
         # Binds every interface (the healthcheck and other containers reach it); Redis is the compose one.
         assert flags["--host"] == "0.0.0.0"
-        url = re.fullmatch(r"redis://([\w.-]+):(\d+)/\d+", flags["--redis-url"])
-        assert url and url.group(1) == "redis" and int(url.group(2)) in redis_ports, flags["--redis-url"]
+        url = redis_url(flags["--redis-url"])
+        assert url["host"] == "redis" and int(url["port"]) in redis_ports, flags["--redis-url"]
+        # The password is the required variable Redis gets too (compose stops while it is unset), and it
+        # stays out of the command line.
+        assert "--redis-url" not in parse_flags(argv[1:]), f"{name}: the Redis URL (password) in the command"
+        assert re.fullmatch(r"\$\{KVRELAY_REDIS_PASSWORD:\?[^}]*\}", url["password"] or ""), flags["--redis-url"]
+        redis_argv = compose_command(services["redis"])
+        check_redis_acl(redis_argv, url["user"], url["password"], f"compose {name}")
         # SIGKILL comes after in-flight requests had their --shutdown-timeout.
         grace = int(svc["stop_grace_period"].removesuffix("s"))
         assert grace >= float(flags["--shutdown-timeout"]) + TEARDOWN_MARGIN_S, f"{name}: stop_grace_period {grace}"
@@ -608,14 +673,12 @@ def strategic_merge(base, patch, field: str = ""):
         return out
     key = _MERGE_KEYS.get(field)
     if key and isinstance(base, list) and isinstance(patch, list):
-        out = [copy.deepcopy(b) for b in base]
-        for item in patch:
-            match = next((i for i, b in enumerate(out) if b.get(key) == item.get(key)), None)
-            if match is None:
-                out.append(copy.deepcopy(item))
-            else:
-                out[match] = strategic_merge(out[match], item)
-        return out
+        # As kustomize orders them: the patch's items first (merged into the base's of the same key), then the
+        # base's others. Order matters: an env value's $(VAR) only expands a variable defined above it.
+        patched = {item.get(key) for item in patch}
+        merged = [next((strategic_merge(b, item) for b in base if b.get(key) == item.get(key)), copy.deepcopy(item))
+                  for item in patch]
+        return merged + [copy.deepcopy(b) for b in base if b.get(key) not in patched]
     return copy.deepcopy(patch)  # scalars and other lists are replaced
 
 
@@ -713,7 +776,60 @@ def resolve_port(container: dict, port) -> int:
 
 
 def env_map(container: dict) -> dict[str, str]:
-    return {e["name"]: str(e.get("value", "$(fieldRef)")) for e in container.get("env", [])}
+    """name -> value, or "$(<source>)" for one from valueFrom (fieldRef, secretKeyRef...)."""
+    return {e["name"]: str(e["value"]) if "value" in e else f"$({next(iter(e['valueFrom']))})"
+            for e in container.get("env", [])}
+
+
+def secret_ref(container: dict, name: str) -> tuple[str, str] | None:
+    """(Secret, key) of env var `name` when it comes from a secretKeyRef."""
+    entry = next((e for e in container.get("env", []) if e["name"] == name), None)
+    assert entry is not None, f"{container['name']}: no env {name}"
+    ref = entry.get("valueFrom", {}).get("secretKeyRef")
+    return (ref["name"], ref["key"]) if ref else None
+
+
+def check_env(container: dict, where: str) -> None:
+    """$(VAR) in an env value names an entry above it (Kubernetes expands no other), and credentials come
+    from Secrets, never a literal in the manifest."""
+    seen: set[str] = set()
+    for entry in container.get("env", []):
+        for var in re.findall(r"\$\((\w+)\)", str(entry.get("value", ""))):
+            assert var in seen, f"{where}: env {entry['name']} uses $({var}), which is not defined above it"
+        if SECRET_ENV_NAME.search(entry["name"]):
+            assert secret_ref(container, entry["name"]), f"{where}: env {entry['name']} must be a secretKeyRef"
+        seen.add(entry["name"])
+
+
+def secret_file(spec: dict, container: dict, secret: str, key: str) -> str:
+    """Where the container reads `key` of Secret `secret`: mounted whole (no subPath, so an updated Secret
+    reaches running pods), read-only, required, readable by the pod's fsGroup and nobody else."""
+    volumes = [v for v in spec.get("volumes", []) if v.get("secret", {}).get("secretName") == secret]
+    assert len(volumes) == 1, f"{container['name']}: {len(volumes)} volumes of Secret {secret}"
+    source = volumes[0]["secret"]
+    mounts = [m for m in container.get("volumeMounts", []) if m["name"] == volumes[0]["name"]]
+    assert len(mounts) == 1, f"{container['name']}: Secret {secret} is mounted {len(mounts)} times"
+    mount = mounts[0]
+    assert mount.get("readOnly") is True and "subPath" not in mount, f"{container['name']}: {mount}"
+    assert not source.get("optional"), f"{container['name']}: Secret {secret} must be required"
+    mode = source.get("defaultMode", 0o644)
+    assert mode & 0o007 == 0 and mode & 0o040, f"{container['name']}: Secret {secret} defaultMode {oct(mode)}"
+    assert spec["securityContext"].get("fsGroup") is not None, f"{container['name']}: no fsGroup to read {secret}"
+    items = {i["key"]: i["path"] for i in source.get("items", [])} or {key: key}
+    assert key in items, f"{container['name']}: Secret {secret} mounted without {key}"
+    return f"{mount['mountPath'].rstrip('/')}/{items[key]}"
+
+
+def check_redis_client(container: dict, flags: dict, args: list[str], where: str) -> dict[str, str | None]:
+    """A kvrelay process's Redis URL: from the environment (a command line is visible to `ps`), with the user
+    and the password of the Secret, spliced in by $(VAR) from a secretKeyRef defined before it."""
+    assert "--redis-url" not in parse_flags(args), f"{where}: the Redis URL (password) in args; use KVRELAY_REDIS_URL"
+    url = redis_url(flags["--redis-url"])
+    assert url["user"] and url["password"], f"{where}: Redis URL without credentials"
+    var = re.fullmatch(r"\$\((\w+)\)", url["password"])
+    assert var, f"{where}: the Redis password must be $(VAR) from a Secret, not {url['password']!r}"
+    assert secret_ref(container, var.group(1)) == REDIS_PASSWORD_SECRET, f"{where}: $({var.group(1)})"
+    return url
 
 
 def cpu_cores(quantity: str) -> float:
@@ -756,7 +872,10 @@ def test_k8s_workloads_are_consistent(which):
         declared = {p["containerPort"] for p in container["ports"]}
         assert listening == declared, f"{name}: listens on {listening}, declares {declared}"
         # Probes: readiness on /health everywhere; nodes also live/start on it. The gateway's /health is 503
-        # while no decode node is routable, so its liveness/startup ask /metrics (the process answers HTTP).
+        # while no decode node is routable, so its liveness/startup ask /metrics (the process answers HTTP),
+        # which with API keys needs --public-metrics (probes and Prometheus send no key).
+        if role == "gateway" and {"--api-key", "--api-keys-file"} & flags.keys():
+            assert "--public-metrics" in flags, f"{name}: probes and scrapes of /metrics would get 401"
         health_port = int(flags["--metrics-port" if role in NODE_ROLES else "--port"])
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             get = container[probe]["httpGet"]
@@ -775,15 +894,27 @@ def test_k8s_workloads_are_consistent(which):
         assert {"cpu", "memory"} <= res["requests"].keys() and "memory" in res["limits"], name
         if "KVRELAY_NUM_THREADS" in env:
             assert int(env["KVRELAY_NUM_THREADS"]) <= cpu_cores(res["requests"]["cpu"]), name
-        # Redis: the Service the URL names, on a port it serves.
-        url = re.fullmatch(r"redis://([\w.-]+):(\d+)/\d+", flags["--redis-url"])
-        assert url, flags["--redis-url"]
-        redis_svc = services[url.group(1)]
-        assert int(url.group(2)) in {p["port"] for p in redis_svc["spec"]["ports"]}
+        # Redis: the Service the URL names, on a port it serves; the password from its Secret.
+        check_env(container, f"{which} {name}")
+        url = check_redis_client(container, flags, args[1:], f"{which} {name}")
+        redis_svc = services[url["host"]]
+        assert int(url["port"]) in {p["port"] for p in redis_svc["spec"]["ports"]}
+        # Mutual TLS between the gateway and the nodes: the three files of the fleet's Secret.
+        for flag, key in TLS_FLAGS.items():
+            path = secret_file(spec, container, FLEET_TLS_SECRET, key)
+            assert flags.get(flag) == path, f"{name}: {flag}={flags.get(flag)}, the Secret's {key} is {path}"
+        # Secret values never reach a command line.
+        secret_vars = {e["name"] for e in container["env"] if secret_ref(container, e["name"])}
+        leaked = secret_vars & set(re.findall(r"\$\((\w+)\)", " ".join(args)))
+        assert not leaked, f"{name}: args use the Secret values {sorted(leaked)}"
+        if role == "gateway":
+            # The API keys, from their Secret (a folder mount: the gateway re-reads the file on SIGHUP).
+            assert flags.get("--api-keys-file") == secret_file(spec, container, *API_KEYS_SECRET), name
         if role in NODE_ROLES:
             # A node advertises the address it binds: the pod IP, reachable from every pod.
             assert flags["--host"] == "$(POD_IP)"
-            assert spec["containers"][0]["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+            pod_ip = next(e for e in container["env"] if e["name"] == "POD_IP")
+            assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     # Services: select a Deployment's pods and target ports its container has.
     for name, svc in services.items():
         targets = [d for d in deployments.values()
@@ -795,6 +926,38 @@ def test_k8s_workloads_are_consistent(which):
         if role_of(targets[0]) in NODE_ROLES:
             assert svc["spec"].get("clusterIP") == "None", f"{name} must be headless"
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("which", list(OVERLAYS))
+def test_k8s_redis_requires_the_password(which):
+    """Redis lets in only the user the kvrelay pods' URLs name, with the password of the same Secret, and its
+    probe logs in as they do."""
+    deployments = by_kind(rendered(which), "Deployment")
+    (redis,) = [d for d in deployments.values() if role_of(d) == "redis"]
+    (container,) = pod_spec(redis)["containers"]
+    check_env(container, f"{which} redis")
+    argv = [str(a) for a in container.get("command", []) + container["args"]]
+    # The user of every kvrelay pod's URL (each one's password is the Secret's: test_k8s_workloads_are_consistent).
+    users = set()
+    for dep in deployments.values():
+        if role_of(dep) in ROLES:
+            (c,) = pod_spec(dep)["containers"]
+            users.add(redis_url(effective_flags([], env_map(c), role_of(dep))["--redis-url"])["user"])
+    assert len(users) == 1, f"{which}: the kvrelay pods log in to Redis as {sorted(users, key=str)}"
+    (user,) = users
+    acl = redis_acl(argv)
+    passwords = [r[1:] for r in acl.get(user, []) if r.startswith(">")]
+    assert len(passwords) == 1, f"{which} redis: user {user} needs one password: {acl}"
+    var = re.fullmatch(r"\$\((\w+)\)", passwords[0])
+    assert var and secret_ref(container, var.group(1)) == REDIS_PASSWORD_SECRET, f"{which} redis: {acl}"
+    check_redis_acl(argv, user, passwords[0], f"{which} redis")
+    # The readiness probe authenticates (REDISCLI_AUTH, so its command line holds no password) and fails on an
+    # error reply, on which redis-cli still exits 0; liveness only asks whether the port is open.
+    probe = " ".join(container["readinessProbe"]["exec"]["command"])
+    assert re.search(rf"redis-cli .*--user {user}\b.*\| *grep -qx PONG", probe), probe
+    assert secret_ref(container, "REDISCLI_AUTH") == REDIS_PASSWORD_SECRET
+    liveness = container["livenessProbe"]
+    assert "tcpSocket" in liveness or f"--user {user}" in " ".join(liveness["exec"]["command"]), liveness
 
 
 @pytest.mark.parametrize("which", list(OVERLAYS))
