@@ -129,8 +129,8 @@ def _principal(entry: dict, hexdigest: str, where: str) -> Principal:
             raise KeysFileError(f"{where}: '{name}' must be a positive integer (absent: no limit)")
         limits[name] = value
     priority = entry.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise KeysFileError(f"{where}: 'priority' must be an integer (negative: sheddable)")
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
+        raise KeysFileError(f"{where}: 'priority' must be an integer from -1000 to 1000 (negative: sheddable)")
     admin = entry.get("admin", False)
     if not isinstance(admin, bool):
         raise KeysFileError(f"{where}: 'admin' must be true or false")

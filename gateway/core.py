@@ -14,7 +14,9 @@ Admission: at most `max_concurrent_requests` generations run at once (past it: 4
 draining: 503); each may have a deadline (`request_timeout_s`) that every node call of its sequences obeys.
 Past `shed_at` of that bound, admission is fair across tenants (the calling key's, gateway.auth): sheddable keys
 (priority < 0) are refused first, and a tenant already holding its equal share of the bound is refused while
-others are admitted, unless its key's priority band is above 0. Each tenant's prompts are salted with its name
+others are admitted, unless its key's priority band is above 0. At the nodes, a tenant's request queues behind
+what other tenants sent since its own requests in flight (its engine priority is that count; gateway bands come
+first). Each tenant's prompts are salted with its name
 (`tenant_cache_isolation`), so tenants never share, or time, each other's cached KV blocks. When a generation
 ends, what it used (prompt + completion tokens) goes to `usage_sink` (the key's tokens per minute).
 
@@ -50,6 +52,7 @@ logger = logging.getLogger(__name__)
 access_log = logging.getLogger("kvrelay.access")  # one JSON line per generation (GatewayConfig.log_requests)
 
 _DONE = object()
+_BAND = 1_000_000  # engine priority per priority band of a key (bands are -1000..1000: within int32)
 
 
 @dataclass(frozen=True)
@@ -229,9 +232,20 @@ class GatewayCore:
             raise ShuttingDown("the gateway is shutting down; retry on another replica")
         principal = current_principal.get()
         self._admit(principal)
-        if principal is not None and self.admission.tenant_cache_isolation and principal.tenant != DEFAULT_TENANT:
-            inp = replace(inp, cache_salt=f"{principal.tenant}\x00{inp.cache_salt}")
+        if principal is not None and principal.tenant != DEFAULT_TENANT:
+            inp = self._for_tenant(inp, principal)
         return Generation(self, inp, principal)
+
+    def _for_tenant(self, inp: GenerateInput, principal: Principal) -> GenerateInput:
+        """A tenant's request: its own KV blocks (the salt), and its place in the nodes' queues: after what other
+        tenants sent since its own requests in flight, as a fair queue would put it (the nodes run lower
+        priority values first; a key's band outranks everything, a request's own priority only adds)."""
+        in_flight = self.activity.by_tenant.get(principal.tenant, 0)
+        priority = in_flight + max(0, inp.params.priority) - _BAND * principal.priority
+        inp = replace(inp, params=replace(inp.params, priority=priority))
+        if self.admission.tenant_cache_isolation:
+            inp = replace(inp, cache_salt=f"{principal.tenant}\x00{inp.cache_salt}")
+        return inp
 
     def _admit(self, principal: Principal | None) -> None:
         limit = self.admission.max_concurrent_requests

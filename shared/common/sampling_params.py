@@ -74,7 +74,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
-    priority: int = 0  # priority policy: lower value runs first
+    priority: int = 0  # priority and sjf policies: lower value runs first
     structured_outputs: StructuredOutputs | None = None  # the output must match this grammar
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by token id
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob plus the top k

@@ -102,16 +102,21 @@ def by_priority(req: Request) -> tuple:
 
 
 def shortest_first(tokens_per_s: float) -> Callable[[Request], tuple]:
-    """Fewest prompt tokens first, each second of waiting worth `tokens_per_s` tokens.
+    """Lower priority value first; among equals, fewest prompt tokens first, each second of waiting worth
+    `tokens_per_s` tokens.
 
     A burst is prefilled shortest first: most of it gets its first token while the long prompts are still
     computing, instead of every request waiting for the ones that happened to arrive before it (its effect on
     TTFT: docs/results/2026-11-25-zen5/NOTES.md). The aging bounds the cost to long prompts: a request
     arriving t seconds later passes this one only if it is shorter by more than t * tokens_per_s, so none
     waits behind later arrivals for longer than prompt_len / tokens_per_s.
+
+    The priority (0 unless a request sets it) is what makes the gateway's tenants fair at the nodes: it gives each
+    request its tenant's count of requests already in flight (gateway.core), so a tenant's backlog waits behind
+    other tenants' new requests instead of ahead of them.
     """
     def key(req: Request) -> tuple:
-        return (req.num_prompt_tokens + tokens_per_s * req.arrival_time,)
+        return (req.priority, req.num_prompt_tokens + tokens_per_s * req.arrival_time)
     return key
 
 

@@ -291,6 +291,17 @@ def test_sjf_admits_a_burst_shortest_prompt_first_and_equal_lengths_by_arrival()
     assert order == ["b", "d", "c", "a"]
 
 
+def test_sjf_orders_by_priority_first_so_a_tenants_backlog_waits_behind_others_new_requests():
+    # The gateway gives each request its tenant's count of requests in flight: tenant A's burst is 0, 1, 2, 3;
+    # tenant B's later arrival (0 in flight) goes right after A's first, whatever the lengths.
+    d = Driver(policy=SJF, max_num_seqs=1)
+    for i in range(4):
+        d.add(f"a{i}", prompt(5, 100 * (i + 1)), max_tokens=1, arrival=0.001 * i, priority=i)
+    d.add("b0", prompt(30, 900), max_tokens=1, arrival=0.01, priority=0)
+    order = [o.new_reqs[0].req_id for o in d.run() if o.new_reqs]
+    assert order == ["a0", "b0", "a1", "a2", "a3"]
+
+
 def test_sjf_lets_later_arrivals_pass_only_while_they_are_shorter_by_the_aging():
     # 10 tokens per second: "a" (40 tokens) can be passed by a 10-token prompt arriving within 3 s of it.
     d = Driver(policy=SJF, max_num_seqs=1, sjf_tokens_per_s=10)

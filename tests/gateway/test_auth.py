@@ -287,10 +287,14 @@ def test_tenants_hash_into_blocks_of_their_own(default_tokenizer):
     core = GatewayCore(default_tokenizer, router=None, dispatcher=None, admission=Admission())
     inp = GenerateInput([1, 2, 3], SamplingParams(max_tokens=1), OutputOptions(), cache_salt="s")
     token = current_principal.set(Principal("ka", tenant="a"))
+    core.activity.by_tenant = {"a": 3, "b": 1}
     try:
-        assert core.generate(inp).inp.cache_salt == "a\x00s"
+        first = core.generate(inp).inp
+        assert first.cache_salt == "a\x00s" and first.params.priority == 3  # behind a's 3 in flight
+        current_principal.set(Principal("kb", tenant="b", priority=1))  # a higher band outranks in-flight counts
+        assert core.generate(inp).inp.params.priority == 1 - 1_000_000
         current_principal.set(Principal("kd"))  # the default tenant (one --api-key): unchanged
-        assert core.generate(inp).inp.cache_salt == "s"
+        assert (core.generate(inp).inp.cache_salt, core.generate(inp).inp.params.priority) == ("s", 0)
     finally:
         current_principal.reset(token)
 
