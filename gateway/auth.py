@@ -13,6 +13,8 @@ What a key grants (`Principal`):
 - `admin`: loading and unloading adapters (the admin routes); others get 403.
 - `priority`: its admission band; higher is admitted first under pressure, negative is sheddable (llm-d's bands).
 - `rpm`, `tpm`: requests and tokens per minute, enforced fleet-wide (gateway.ratelimit).
+- `max_concurrent`: generations in progress at once on each gateway (429 past it): what bounds the share of the
+  nodes' batch a key can take, which a rate alone does not.
 - `tenant`: whose traffic it is: admission shares the gateway fairly among tenants, and each tenant's prompts hash
   into KV blocks of their own (its name salts the block hashes), so no tenant can learn from cache timing what
   another one sent.
@@ -36,7 +38,7 @@ from kvrelay.gateway.errors import Forbidden, Unauthorized
 logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
-_FIELDS = {"key", "key_sha256", "tenant", "models", "priority", "rpm", "tpm", "admin", "name"}
+_FIELDS = {"key", "key_sha256", "tenant", "models", "priority", "rpm", "tpm", "max_concurrent", "admin", "name"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class Principal:
     priority: int = 0
     rpm: int | None = None
     tpm: int | None = None
+    max_concurrent: int | None = None
     admin: bool = False
 
     def may_use(self, model: str) -> bool:
@@ -123,7 +126,7 @@ def _principal(entry: dict, hexdigest: str, where: str) -> Principal:
     if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)):
         raise KeysFileError(f"{where}: 'models' must be a list of model names")
     limits = {}
-    for name in ("rpm", "tpm"):
+    for name in ("rpm", "tpm", "max_concurrent"):
         value = entry.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise KeysFileError(f"{where}: '{name}' must be a positive integer (absent: no limit)")
@@ -136,7 +139,8 @@ def _principal(entry: dict, hexdigest: str, where: str) -> Principal:
         raise KeysFileError(f"{where}: 'admin' must be true or false")
     name = entry.get("name") or f"{tenant}:{hexdigest[:8]}"
     return Principal(key_id=str(name), tenant=tenant, models=tuple(models) if models is not None else None,
-                     priority=priority, rpm=limits["rpm"], tpm=limits["tpm"], admin=admin)
+                     priority=priority, rpm=limits["rpm"], tpm=limits["tpm"],
+                     max_concurrent=limits["max_concurrent"], admin=admin)
 
 
 class KeyStore:

@@ -100,6 +100,7 @@ class Activity:
         self.was_cut = False  # the drain's grace ran out and cut() ended what was still running
         self._running: dict[asyncio.Task, int] = {}  # task -> its generations in progress
         self.by_tenant: dict[str, int] = {}  # tenant -> its generations in progress
+        self.by_key: dict[str, int] = {}  # API key name -> its generations in progress
 
     def cut(self) -> int:
         """End every generation still in progress (the drain's grace is over); how many tasks were cut."""
@@ -110,20 +111,19 @@ class Activity:
         return len(tasks)
 
     @contextmanager
-    def in_progress(self, tenant: str = DEFAULT_TENANT) -> Iterator[None]:
+    def in_progress(self, tenant: str = DEFAULT_TENANT, key: str = "") -> Iterator[None]:
         """Counts a generation while it runs (graceful shutdown waits for them; cut() ends them)."""
         task = asyncio.current_task()
         self.active += 1
         self._running[task] = self._running.get(task, 0) + 1
-        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + 1
+        _count(self.by_tenant, tenant, 1)
+        _count(self.by_key, key, 1)
         try:
             yield
         finally:
             self.active -= 1
-            if self.by_tenant[tenant] > 1:
-                self.by_tenant[tenant] -= 1
-            else:
-                del self.by_tenant[tenant]
+            _count(self.by_tenant, tenant, -1)
+            _count(self.by_key, key, -1)
             if self._running[task] > 1:
                 self._running[task] -= 1
             else:
@@ -167,8 +167,8 @@ class GatewayCore:
     def cut(self) -> int:
         return self.activity.cut()
 
-    def in_progress(self, tenant: str = DEFAULT_TENANT):
-        return self.activity.in_progress(tenant)
+    def in_progress(self, tenant: str = DEFAULT_TENANT, key: str = ""):
+        return self.activity.in_progress(tenant, key)
 
     @staticmethod
     def shutdown_error() -> ShuttingDown:
@@ -248,6 +248,12 @@ class GatewayCore:
         return inp
 
     def _admit(self, principal: Principal | None) -> None:
+        if principal is not None and principal.max_concurrent is not None:
+            running = self.activity.by_key.get(principal.key_id, 0)
+            if running >= principal.max_concurrent:
+                raise Overloaded(f"this API key has {running} requests in progress, its limit "
+                                 f"(max_concurrent {principal.max_concurrent}); retry when one ends",
+                                 code="concurrency_limit")
         limit = self.admission.max_concurrent_requests
         if not limit:
             return
@@ -305,7 +311,8 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         self._span = tracing.start_span("llm_request", self._trace_parent, self._request_attributes(), server=True)
         error: BaseException | None = None
-        with self.core.in_progress(self.principal.tenant if self.principal is not None else DEFAULT_TENANT):
+        p = self.principal
+        with self.core.in_progress(p.tenant if p is not None else DEFAULT_TENANT, p.key_id if p is not None else ""):
             try:
                 with tracing.span("route", self._span):
                     decision = await self.core.dispatcher.route(self.inp.prompt_token_ids, self.inp.cache_salt,
@@ -411,6 +418,15 @@ class Generation:
         ttft = None if self._first is None else self._first - self._start
         metrics.observe_latency(ttft, self._itls, time.perf_counter() - self._start, u.prompt_tokens,
                                 u.completion_tokens)
+
+
+def _count(counts: dict[str, int], name: str, delta: int) -> None:
+    """Add `delta` to counts[name]; a count back at 0 leaves the dict."""
+    n = counts.get(name, 0) + delta
+    if n:
+        counts[name] = n
+    else:
+        counts.pop(name, None)
 
 
 async def merge(streams: list[AsyncIterator], lead_first: bool = False) -> AsyncIterator:

@@ -1,8 +1,8 @@
 """`kvrelay bench tenants`: does one tenant's flood hurt another tenant's latency?
 
-One `kvrelay up` fleet with a keys file (gateway.auth): tenant A's key is limited to --a-rpm requests per minute,
-tenant B's key has no limit. Two phases, taking turns (alone, flood, alone, flood, ... for --rounds), so both meet
-the same machine:
+One `kvrelay up` fleet with a keys file (gateway.auth): tenant A's key is limited to --a-rpm requests per minute
+(and with --a-max-concurrent to that many requests in progress), tenant B's key has no limit. Two phases, taking
+turns (alone, flood, alone, flood, ... for --rounds), so both meet the same machine:
 - alone: B sends streamed chat requests at Poisson arrivals of --b-rate per second;
 - flood: B the same, while A sends --flood-factor times its share (--a-rpm / 60 per second).
 
@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="more `kvrelay up` flags (last on the line), e.g. --up-flags --prefill 1 --decode 1")
     p.add_argument("--b-rate", type=float, default=2.0, help="tenant B's requests per second (Poisson)")
     p.add_argument("--a-rpm", type=int, default=120, help="tenant A's limit, requests per minute")
+    p.add_argument("--a-max-concurrent", type=int, default=None,
+                   help="tenant A's key's max_concurrent (default: none, the rate limit only)")
     p.add_argument("--flood-factor", type=float, default=10.0, help="A sends this many times its limit")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of each phase")
     p.add_argument("--rounds", type=int, default=2, help="alone/flood pairs")
@@ -108,8 +110,10 @@ def _refill_s(rpm: int) -> float:
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-tenants-") as tmp:
         keys = Path(tmp) / "keys.json"
-        keys.write_text(json.dumps([{"key": _KEYS["A"], "tenant": "A", "rpm": args.a_rpm},
-                                    {"key": _KEYS["B"], "tenant": "B"}]))
+        a_key = {"key": _KEYS["A"], "tenant": "A", "rpm": args.a_rpm}
+        if args.a_max_concurrent:
+            a_key["max_concurrent"] = args.a_max_concurrent
+        keys.write_text(json.dumps([a_key, {"key": _KEYS["B"], "tenant": "B"}]))
         flags = ["--model", args.model, "--api-keys-file", str(keys), *args.up_flags]
         with Server.up(flags, log_dir=tmp, timeout_s=args.ready_timeout, name="bench-tenants") as server:
             bodies = _bodies(args)
@@ -125,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     flooded = [p["b_ttft_ms"]["p90"] for p in phases if p["phase"] == "flood"]
     floods = [p for p in phases if p["phase"] == "flood"]
     # What A may have had in one flood: a full bucket (its burst) plus the refill during the phase.
-    allowance = burst(args.a_rpm, 10.0) + args.a_rpm * args.duration / 60.0
+    allowance = burst(args.a_rpm, 10.0) + args.a_rpm * args.duration / 60.0  # (a concurrency cap may admit less)
     report = {
         "benchmark": "tenants", "machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "func"},
         "phases": phases,

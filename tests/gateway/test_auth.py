@@ -21,7 +21,8 @@ from kvrelay.gateway.ratelimit import BucketState, RateDecision, RateLimiter, du
 
 KEYS = [
     {"key": "admin-key-123", "tenant": "ops", "admin": True},
-    {"key": "tenant-a-key", "tenant": "a", "models": ["default", "SmolLM2*"], "rpm": 3, "tpm": 1000},
+    {"key": "tenant-a-key", "tenant": "a", "models": ["default", "SmolLM2*"], "rpm": 3, "tpm": 1000,
+     "max_concurrent": 4},
     {"key_sha256": hashlib.sha256(b"tenant-b-key").hexdigest(), "tenant": "b", "models": ["other-model"],
      "priority": -1},
 ]
@@ -39,8 +40,8 @@ def test_keys_file_parses_json_and_yaml_and_holds_only_digests(tmp_path):
     assert set(keys) == {hashlib.sha256(k.encode()).hexdigest() for k in ("admin-key-123", "tenant-a-key",
                                                                            "tenant-b-key")}
     a = keys[hashlib.sha256(b"tenant-a-key").hexdigest()]
-    assert (a.tenant, a.models, a.rpm, a.tpm, a.admin, a.priority) == ("a", ("default", "SmolLM2*"), 3, 1000,
-                                                                       False, 0)
+    assert (a.tenant, a.models, a.rpm, a.tpm, a.max_concurrent, a.admin, a.priority) == (
+        "a", ("default", "SmolLM2*"), 3, 1000, 4, False, 0)
     assert a.may_use("SmolLM2-135M") and a.may_use("default") and not a.may_use("other-model")
     yaml_text = "keys:\n  - key: yaml-key-1234\n    tenant: y\n    rpm: 5\n"
     (p,) = parse_keys(yaml_text).values()
@@ -277,6 +278,12 @@ def test_admission_sheds_sheddable_then_holds_tenants_to_their_share(default_tok
     core.activity.active = 8
     with pytest.raises(Overloaded):
         core._admit(vip)  # the bound itself holds for everyone
+    core.activity.active, core.activity.by_key = 1, {"kc": 2}
+    capped = Principal("kc", tenant="c", max_concurrent=2)
+    with pytest.raises(Overloaded) as e:
+        core._admit(capped)  # its own cap, whatever the gateway's load
+    assert e.value.code == "concurrency_limit"
+    core._admit(Principal("kc", tenant="c", max_concurrent=3))
 
 
 def test_tenants_hash_into_blocks_of_their_own(default_tokenizer):
