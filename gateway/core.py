@@ -10,13 +10,9 @@ Several models: each base model has a GatewayCore of its own (its tokenizer, rou
 shutdown are the gateway's, shared by all of them through one `Activity`. A request for a LoRA adapter carries the
 adapter's name to routing and to every node call.
 
-Admission: at most `max_concurrent_requests` generations run at once (past it: 429 with Retry-After; while
-draining: 503); each may have a deadline (`request_timeout_s`) that every node call of its sequences obeys.
-Past `shed_at` of that bound, admission is fair across tenants (the calling key's, gateway.auth): sheddable keys
-(priority < 0) are refused first, and a tenant already holding its equal share of the bound is refused while
-others are admitted, unless its key's priority band is above 0. At the nodes, a tenant's request queues behind
-what other tenants sent since its own requests in flight (its engine priority is that count; gateway bands come
-first). Each tenant's prompts are salted with its name
+Admission (gateway.admission): the bound on generations in progress, a key's own bound, fairness across tenants,
+and each tenant request's place in the nodes' queues; each generation may have a deadline (`request_timeout_s`)
+that every node call of its sequences obeys. Each tenant's prompts are salted with its name
 (`tenant_cache_isolation`), so tenants never share, or time, each other's cached KV blocks. When a generation
 ends, what it used (prompt + completion tokens) goes to `usage_sink` (the key's tokens per minute).
 
@@ -32,18 +28,18 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import aclosing, contextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from kvrelay.common import tracing
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
 from kvrelay.common.tokenizer import Tokenizer
 from kvrelay.common.wire import TokenChunk
+from kvrelay.gateway.admission import Activity, Admission
 from kvrelay.gateway.auth import DEFAULT_TENANT, Principal, current_principal
-from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.dispatch import Dispatcher
-from kvrelay.gateway.errors import BadRequest, Overloaded, ShuttingDown
+from kvrelay.gateway.errors import BadRequest, ShuttingDown
 from kvrelay.gateway.node_client import EngineRequest
 from kvrelay.gateway.outputs import ChoiceOutput, Delta, OutputOptions, TokenTexts
 from kvrelay.gateway.router import Router
@@ -52,7 +48,6 @@ logger = logging.getLogger(__name__)
 access_log = logging.getLogger("kvrelay.access")  # one JSON line per generation (GatewayConfig.log_requests)
 
 _DONE = object()
-_BAND = 1_000_000  # engine priority per priority band of a key (bands are -1000..1000: within int32)
 
 
 @dataclass(frozen=True)
@@ -80,54 +75,6 @@ class Usage:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-@dataclass(frozen=True)
-class Admission:
-    max_concurrent_requests: int = GatewayConfig.max_concurrent_requests  # 0: no bound
-    request_timeout_s: float = GatewayConfig.request_timeout  # 0: no deadline
-    shed_at: float = GatewayConfig.shed_at  # past this share of the bound: fair across tenants, sheddable first
-    tenant_cache_isolation: bool = GatewayConfig.tenant_cache_isolation
-
-
-class Activity:
-    """The gateway's generations in progress, whichever model they are for: admission counts them, shutdown
-    drains and cuts them."""
-
-    def __init__(self) -> None:
-        self.draining = False
-        self.active = 0  # generations in progress (graceful shutdown waits for them)
-        self.was_cut = False  # the drain's grace ran out and cut() ended what was still running
-        self._running: dict[asyncio.Task, int] = {}  # task -> its generations in progress
-        self.by_tenant: dict[str, int] = {}  # tenant -> its generations in progress
-        self.by_key: dict[str, int] = {}  # API key name -> its generations in progress
-
-    def cut(self) -> int:
-        """End every generation still in progress (the drain's grace is over); how many tasks were cut."""
-        self.was_cut = True
-        tasks = list(self._running)
-        for task in tasks:
-            task.cancel()
-        return len(tasks)
-
-    @contextmanager
-    def in_progress(self, tenant: str = DEFAULT_TENANT, key: str = "") -> Iterator[None]:
-        """Counts a generation while it runs (graceful shutdown waits for them; cut() ends them)."""
-        task = asyncio.current_task()
-        self.active += 1
-        self._running[task] = self._running.get(task, 0) + 1
-        _count(self.by_tenant, tenant, 1)
-        _count(self.by_key, key, 1)
-        try:
-            yield
-        finally:
-            self.active -= 1
-            _count(self.by_tenant, tenant, -1)
-            _count(self.by_key, key, -1)
-            if self._running[task] > 1:
-                self._running[task] -= 1
-            else:
-                del self._running[task]
 
 
 class GatewayCore:
@@ -231,7 +178,7 @@ class GatewayCore:
         if self.draining:
             raise ShuttingDown("the gateway is shutting down; retry on another replica")
         principal = current_principal.get()
-        self._admit(principal)
+        self.activity.admit(self.admission, principal)
         if principal is not None and principal.tenant != DEFAULT_TENANT:
             inp = self._for_tenant(inp, principal)
         return Generation(self, inp, principal)
@@ -240,38 +187,11 @@ class GatewayCore:
         """A tenant's request: its own KV blocks (the salt), and its place in the nodes' queues: after what other
         tenants sent since its own requests in flight, as a fair queue would put it (the nodes run lower
         priority values first; a key's band outranks everything, a request's own priority only adds)."""
-        in_flight = self.activity.by_tenant.get(principal.tenant, 0)
-        priority = in_flight + max(0, inp.params.priority) - _BAND * principal.priority
+        priority = self.activity.engine_priority(principal, inp.params.priority)
         inp = replace(inp, params=replace(inp.params, priority=priority))
         if self.admission.tenant_cache_isolation:
             inp = replace(inp, cache_salt=f"{principal.tenant}\x00{inp.cache_salt}")
         return inp
-
-    def _admit(self, principal: Principal | None) -> None:
-        if principal is not None and principal.max_concurrent is not None:
-            running = self.activity.by_key.get(principal.key_id, 0)
-            if running >= principal.max_concurrent:
-                raise Overloaded(f"this API key has {running} requests in progress, its limit "
-                                 f"(max_concurrent {principal.max_concurrent}); retry when one ends",
-                                 code="concurrency_limit")
-        limit = self.admission.max_concurrent_requests
-        if not limit:
-            return
-        active = self.active
-        if active >= limit:
-            raise Overloaded(f"the gateway is at its limit of {limit} concurrent requests "
-                             "(--max-concurrent-requests); retry later")
-        if principal is None or active < limit * self.admission.shed_at:
-            return
-        if principal.sheddable:
-            raise Overloaded(f"the gateway is past {self.admission.shed_at:.0%} of its {limit} concurrent requests "
-                             "and sheds traffic of priority < 0 first; retry later", code="shed")
-        tenant = principal.tenant
-        holding = self.activity.by_tenant.get(tenant, 0)
-        share = limit / len(self.activity.by_tenant.keys() | {tenant})
-        if principal.priority <= 0 and holding >= share:
-            raise Overloaded(f"tenant {tenant!r} holds its fair share ({holding} of {limit} concurrent requests) "
-                             "while the gateway is under pressure; retry later", code="tenant_share")
 
 
 class Generation:
@@ -418,15 +338,6 @@ class Generation:
         ttft = None if self._first is None else self._first - self._start
         metrics.observe_latency(ttft, self._itls, time.perf_counter() - self._start, u.prompt_tokens,
                                 u.completion_tokens)
-
-
-def _count(counts: dict[str, int], name: str, delta: int) -> None:
-    """Add `delta` to counts[name]; a count back at 0 leaves the dict."""
-    n = counts.get(name, 0) + delta
-    if n:
-        counts[name] = n
-    else:
-        counts.pop(name, None)
 
 
 async def merge(streams: list[AsyncIterator], lead_first: bool = False) -> AsyncIterator:

@@ -20,9 +20,10 @@ from pathlib import Path
 from kvrelay.common.tls import tls_from_flags
 from kvrelay.common.tokenizer import Tokenizer
 from kvrelay.gateway.adapters import Adapters
+from kvrelay.gateway.admission import Activity, Admission
 from kvrelay.gateway.auth import KeyStore
 from kvrelay.gateway.config import GatewayConfig
-from kvrelay.gateway.core import Activity, Admission, GatewayCore
+from kvrelay.gateway.core import GatewayCore
 from kvrelay.gateway.discovery import Discovery, DiscoveryConfig
 from kvrelay.gateway.dispatch import DispatchConfig, Dispatcher
 from kvrelay.gateway.fleet_metrics import FleetMetrics

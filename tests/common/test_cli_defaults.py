@@ -15,8 +15,8 @@ from kvrelay.cli import gateway, generate, node, up
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.args import engine_config
 from kvrelay.engine.config import EngineConfig, SchedulingPolicy
+from kvrelay.gateway.admission import Admission
 from kvrelay.gateway.config import GatewayConfig
-from kvrelay.gateway.core import Admission
 from kvrelay.gateway.discovery import DiscoveryConfig
 from kvrelay.gateway.dispatch import DispatchConfig
 from kvrelay.gateway.liveness import Liveness

@@ -255,7 +255,8 @@ def test_sighup_reloads_the_keys_file(tmp_path):
 
 
 def test_admission_sheds_sheddable_then_holds_tenants_to_their_share(default_tokenizer):
-    from kvrelay.gateway.core import Admission, GatewayCore
+    from kvrelay.gateway.admission import Admission
+    from kvrelay.gateway.core import GatewayCore
 
     core = GatewayCore(default_tokenizer, router=None, dispatcher=None,
                        admission=Admission(max_concurrent_requests=8, shed_at=0.5))
@@ -263,32 +264,33 @@ def test_admission_sheds_sheddable_then_holds_tenants_to_their_share(default_tok
     shed, vip = Principal("ks", tenant="s", priority=-1), Principal("kv", tenant="a", priority=1)
     core.activity.active, core.activity.by_tenant = 3, {"a": 3}  # under pressure? not yet (3 < 4)
     for p in (a, shed):
-        core._admit(p)
+        core.activity.admit(core.admission, p)
     core.activity.active, core.activity.by_tenant = 5, {"a": 5}
-    core._admit(a)  # alone, a may have it all
+    core.activity.admit(core.admission, a)  # alone, a may have it all
     with pytest.raises(Overloaded) as e:
-        core._admit(shed)
+        core.activity.admit(core.admission, shed)
     assert e.value.code == "shed"
     core.activity.by_tenant = {"a": 4, "b": 1}
     with pytest.raises(Overloaded) as e:
-        core._admit(a)  # a holds 4 of 8, its share beside b
+        core.activity.admit(core.admission, a)  # a holds 4 of 8, its share beside b
     assert e.value.code == "tenant_share"
-    core._admit(b)  # b holds nothing: admitted
-    core._admit(vip)  # a's band-1 key is above the share
+    core.activity.admit(core.admission, b)  # b holds nothing: admitted
+    core.activity.admit(core.admission, vip)  # a's band-1 key is above the share
     core.activity.active = 8
     with pytest.raises(Overloaded):
-        core._admit(vip)  # the bound itself holds for everyone
+        core.activity.admit(core.admission, vip)  # the bound itself holds for everyone
     core.activity.active, core.activity.by_key = 1, {"kc": 2}
     capped = Principal("kc", tenant="c", max_concurrent=2)
     with pytest.raises(Overloaded) as e:
-        core._admit(capped)  # its own cap, whatever the gateway's load
+        core.activity.admit(core.admission, capped)  # its own cap, whatever the gateway's load
     assert e.value.code == "concurrency_limit"
-    core._admit(Principal("kc", tenant="c", max_concurrent=3))
+    core.activity.admit(core.admission, Principal("kc", tenant="c", max_concurrent=3))
 
 
 def test_tenants_hash_into_blocks_of_their_own(default_tokenizer):
     from kvrelay.common.sampling_params import SamplingParams
-    from kvrelay.gateway.core import Admission, GatewayCore, GenerateInput
+    from kvrelay.gateway.admission import Admission
+    from kvrelay.gateway.core import GatewayCore, GenerateInput
     from kvrelay.gateway.outputs import OutputOptions
 
     core = GatewayCore(default_tokenizer, router=None, dispatcher=None, admission=Admission())
