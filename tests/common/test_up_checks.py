@@ -163,7 +163,10 @@ def test_up_hands_every_vllm_flag_to_the_processes_that_use_it():
     for flag in ("--port 8100", "--grpc-port 8101", "--tool-call-parser llama3_json", "--fleet-metrics",
                  "--allowed-origins http://a.example http://b.example", "--shutdown-grace 3"):
         assert flag in argv, flag
-    assert "sk-secret-key" not in argv and gateway.env == {"KVRELAY_API_KEY": "sk-secret-key"}
+    # Secrets travel in the environment, never on a command line: the key, and Redis's URL (it carries a password).
+    assert "sk-secret-key" not in argv and gateway.env == {"KVRELAY_API_KEY": "sk-secret-key",
+                                                           "KVRELAY_REDIS_URL": "redis://127.0.0.1:1/0"}
+    assert all("redis://" not in " ".join(c.argv) and c.env["KVRELAY_REDIS_URL"] for c in children.values())
     assert "--max-num-seqs" not in argv and "--tool-call-parser" not in " ".join(children["decode-0"].argv)
 
 
@@ -174,7 +177,7 @@ def test_flags_left_out_are_not_passed_on():
         for flag in ("--max-num-seqs", "--seed", "--device", "--enable-prefix-caching", "--no-enable-prefix-caching",
                      "--gpu-memory-utilization", "--tool-call-parser", "--allowed-origins"):
             assert flag not in child.argv  # each part's own default applies
-        assert child.env == {}
+        assert child.env == {"KVRELAY_REDIS_URL": "redis://127.0.0.1:1/0"}  # no key given: none passed on
 
 
 def test_the_banner_prints_every_port_and_masks_the_key(tmp_path):
