@@ -72,10 +72,10 @@ class RequestIdMiddleware:
 
 
 class GuardMiddleware:
-    """`on_refused(kind)`: counts a refused request in the gateway's metrics ('unauthorized', 'client_error', ...)."""
+    """`on_refused(error)`: counts a refused request in the gateway's metrics (serving_common.observe_error)."""
 
     def __init__(self, app, keys: KeyStore, limiter: RateLimiter, max_body_bytes: int, public_metrics: bool,
-                 on_refused=lambda kind: None) -> None:
+                 on_refused=lambda error: None) -> None:
         self.app = app
         self.keys, self.limiter = keys, limiter
         self.max_body_bytes = max_body_bytes
@@ -94,7 +94,7 @@ class GuardMiddleware:
             if scope["path"] in _GENERATION and scope["method"] == "POST":
                 decision = await self.limiter.admit(principal)
         except GatewayError as err:
-            self.on_refused("unauthorized" if int(err.status) == 401 else "client_error")
+            self.on_refused(err)
             await send_error(err, send)
             return
         token = current_principal.set(principal)

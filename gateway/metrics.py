@@ -67,8 +67,9 @@ class GatewayMetrics:
                                   "failed under them (stage: mid_stream, or before_first_token)", ["stage"], registry=r)
         self.retries = Counter("kvrelay:retries", "Engine calls refused or failed on one node, after which the "
                                "request tried the next (hop: reserve, prefill, local)", ["hop"], registry=r)
-        self.rejected = Counter("kvrelay:rejected_requests", "Requests refused at admission (reason: overloaded "
-                                "= 429, no_capacity or draining = 503)", ["reason"], registry=r)
+        self.rejected = Counter("kvrelay:rejected_requests", "Requests refused at admission (reason: overloaded, "
+                                "or a key's rate_limit_exceeded / concurrency_limit, or fairness's shed / "
+                                "tenant_share = 429; no_capacity or draining = 503)", ["reason"], registry=r)
         self.request_timeouts = Counter("kvrelay:request_timeouts", "Requests aborted at their deadline "
                                         "(--request-timeout)", registry=r)
         self.index_errors = Counter("kvrelay:index_errors", "Failed or timed-out calls to the block index and node "
@@ -89,7 +90,8 @@ class GatewayMetrics:
             self.migrations.labels(stage)
         for hop in ("reserve", "prefill", "local"):
             self.retries.labels(hop)
-        for reason in ("overloaded", "no_capacity", "draining"):
+        for reason in ("overloaded", "no_capacity", "draining", "rate_limit_exceeded", "concurrency_limit", "shed",
+                       "tenant_share"):
             self.rejected.labels(reason)
         for source in ("lookup", "registry"):
             self.index_errors.labels(source)

@@ -108,7 +108,7 @@ def build_app(gateway: Gateway, grpc_port: int | None = None) -> FastAPI:
     cfg = gateway.config
     app.add_middleware(GuardMiddleware, keys=gateway.keys, limiter=gateway.limiter,
                        max_body_bytes=cfg.max_body_bytes, public_metrics=cfg.public_metrics,
-                       on_refused=gateway.metrics.observe_request)
+                       on_refused=lambda error: observe_error(gateway.metrics, error))
     app.add_middleware(RequestIdMiddleware)
     if cfg.allowed_origins:  # outermost: a browser's preflight must not need the API key
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),

@@ -15,8 +15,10 @@ from kvrelay.gateway.outputs import OutputOptions
 from kvrelay.gateway.protocol import PromptLogprob
 
 SSE_DONE = "data: [DONE]\n\n"
-_OUTCOME = {400: "client_error", 401: "unauthorized", 404: "not_found", 429: "overloaded", 503: "no_capacity",
-            502: "node_error", 504: "timeout"}
+_OUTCOME = {400: "client_error", 401: "unauthorized", 403: "unauthorized", 404: "not_found", 413: "client_error",
+            429: "overloaded", 503: "no_capacity", 502: "node_error", 504: "timeout"}
+# 429s whose own code says why (a key's limits, fairness) count under it, not as plain overload.
+_REJECTED = ("rate_limit_exceeded", "concurrency_limit", "shed", "tenant_share")
 
 
 def observe_error(metrics, exc: GatewayError) -> None:
@@ -24,7 +26,8 @@ def observe_error(metrics, exc: GatewayError) -> None:
     status = int(exc.status)
     metrics.observe_request(_OUTCOME.get(status, "client_error"))
     if status in (429, 503):
-        reason = "draining" if isinstance(exc, ShuttingDown) else "overloaded" if status == 429 else "no_capacity"
+        reason = ("draining" if isinstance(exc, ShuttingDown) else exc.code if exc.code in _REJECTED
+                  else "overloaded" if status == 429 else "no_capacity")
         metrics.rejected.labels(reason).inc()
 
 

@@ -212,6 +212,10 @@ def test_rate_limit_headers_and_429(app_client):
     assert remaining[:3] == ["2", "1", "0"]
     assert r.json()["error"]["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1
     assert r.headers["x-ratelimit-limit-tokens"] == "1000"
+    from kvrelay.common.prometheus import Metrics
+
+    metrics = Metrics.parse(app_client.get("/metrics", headers=bearer("admin-key-123")).text)
+    assert metrics.value("kvrelay:rejected_requests_total", reason="rate_limit_exceeded") == 1
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
