@@ -189,3 +189,29 @@ def test_the_banner_prints_every_port_and_masks_the_key(tmp_path):
                  "127.0.0.1:20002", str(tmp_path), "kvrelay is up"):
         assert part in text
     assert text.count("placement") == 0  # the placement note is logged once, at start
+
+
+def test_a_keys_file_reaches_the_gateway_and_the_launcher_keeps_a_key_of_its_own(tmp_path, capsys):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("- key: sk-tenant-a-0001\n  tenant: a\n  rpm: 10\n")
+    config = _config("--api-keys-file", str(keys), "--otlp-traces-endpoint", "http://127.0.0.1:4317")
+    fleet = Fleet(config, placement(config), FleetPorts(8100, 8101, {"colocated-0": (1, 2)}), tmp_path)
+    children = {c.name: c for c in plan_children(config, "redis://127.0.0.1:1/0", fleet.placement, fleet.ports,
+                                                 fleet.api_key)}
+    gateway = children["gateway"]
+    assert f"--api-keys-file {keys}" in " ".join(gateway.argv)
+    # The launcher's readiness checks need a key; it makes one nobody else knows, passed in the environment.
+    assert len(fleet.api_key) >= 40 and gateway.env["KVRELAY_API_KEY"] == fleet.api_key
+    assert fleet.headers == {"Authorization": f"Bearer {fleet.api_key}"}
+    assert all("--otlp-traces-endpoint http://127.0.0.1:4317" in " ".join(c.argv) for c in children.values())
+    keys.write_text("- key: short\n")  # a bad keys file is refused before anything starts, in one line
+    assert main(["up", "--api-keys-file", str(keys), "--port", str(_free_port()),
+                 "--log-dir", str(tmp_path / "logs")]) == 2
+    assert "entry 0: 'key' must be a string of at least 8 characters" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
