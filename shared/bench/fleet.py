@@ -40,6 +40,7 @@ from kvrelay.bench import parse_args, report, serve, vllm_baseline
 from kvrelay.common.process import ChildProcess, kvrelay_command, pid_alive, stop_all
 from kvrelay.common.prometheus import Metrics
 from kvrelay.common.system import free_port
+from kvrelay.common.tls import TLSFiles
 from kvrelay.common.units import byte_size
 
 _STARTED = re.compile(r"started (\S+) \(pid (\d+)\)")  # `kvrelay up` logs each start, restarts included
@@ -99,6 +100,24 @@ class Server:
         """`kvrelay up`'s running children (nodes, gateway) by name, from its log (the latest start of each)."""
         latest = dict(_STARTED.findall(self.process.log_path.read_text(errors="replace")))
         return {name: int(pid) for name, pid in latest.items() if pid_alive(int(pid))}
+
+    def node_channel(self, address: str, aio: bool = False):
+        """A gRPC channel to one of the fleet's nodes: over mutual TLS with the certificates `kvrelay up` made in
+        its run folder (its banner's "logs" line), plain for a fleet without them."""
+        import grpc
+
+        tls = self.fleet_tls()
+        mod = grpc.aio if aio else grpc
+        if tls is None:
+            return mod.insecure_channel(address)
+        return mod.secure_channel(address, tls.channel_credentials(), options=tls.channel_options())
+
+    def fleet_tls(self) -> TLSFiles | None:
+        found = re.search(r"^  logs +: (.+)$", self.process.log_path.read_text(errors="replace"), re.MULTILINE)
+        folder = Path(found.group(1).strip()) / "tls" if found else None
+        if folder is None or not (folder / "ca.pem").is_file():
+            return None
+        return TLSFiles(str(folder / "ca.pem"), str(folder / "gateway.pem"), str(folder / "gateway.key"))
 
     def stop(self, grace_s: float = 90.0) -> None:
         self.process.stop(grace_s)

@@ -190,8 +190,6 @@ def bench_overhead(args: argparse.Namespace) -> dict:
 
 
 async def _overhead(fleet: Server, ids: list[int], iters: int) -> dict:
-    import grpc
-
     from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
     from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -201,7 +199,7 @@ async def _overhead(fleet: Server, ids: list[int], iters: int) -> dict:
     async with Client(fleet.base_url, timeout_s=60) as client:
         node_id = (await client.post("completions", body)).headers.get("x-kvrelay-decode-node")
         address = next(n["address"] for n in fleet.health()["nodes"] if n["node_id"] == node_id)
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with fleet.node_channel(address, aio=True) as channel:
             stub = pb_grpc.EngineStub(channel)
 
             async def via_node(i: int) -> float:

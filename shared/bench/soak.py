@@ -132,7 +132,7 @@ def node_loads(fleet: Server) -> list[dict]:
     for node in fleet.health().get("nodes", []):
         row = {"node_id": node["node_id"], "role": node["role"]}
         try:
-            with grpc.insecure_channel(node["address"]) as channel:
+            with fleet.node_channel(node["address"]) as channel:
                 load = wire.load_from_proto(pb_grpc.EngineStub(channel).GetLoad(pb.LoadRequest(), timeout=5))
         except grpc.RpcError as e:
             out.append({**row, "error": e.code().name})

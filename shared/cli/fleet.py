@@ -115,6 +115,8 @@ def gateway_flags(config: UpConfig) -> list[str]:
         flags += ["--allowed-origins", *config.allowed_origins]
     if config.api_keys_file:
         flags += ["--api-keys-file", os.path.abspath(config.api_keys_file)]
+    if config.public_metrics:
+        flags.append("--public-metrics")
     return flags
 
 

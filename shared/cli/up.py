@@ -197,10 +197,12 @@ def banner(fleet: Fleet) -> str:
         curl_key, py_key = "-H \"Authorization: Bearer $KVRELAY_API_KEY\" ", "os.environ['KVRELAY_API_KEY']"
     else:
         key_line, curl_key, py_key = "", "", "'unused'"
+    keyed = (config.api_keys_file or config.api_key) and not config.public_metrics
+    metrics_note = " (send the API key, or start with --public-metrics)" if keyed else ""
     return f"""
 kvrelay is up: {where.layout()}, {"models" if config.models else "model"} {models}
   OpenAI base URL : {base}
-  metrics         : {fleet.url}/metrics (kvrelay:* and every node's vllm:*, labelled node_id and role)
+  metrics         : {fleet.url}/metrics (kvrelay:* and every node's vllm:*, labelled node_id and role){metrics_note}
   gRPC API        : {config.host}:{ports.grpc}
   nodes           : {nodes}
 {key_line}  logs            : {fleet.log_dir}
@@ -333,6 +335,8 @@ def register(sub) -> None:
     f.add_argument("--fleet-tls", action=argparse.BooleanOptionalAction, default=d.fleet_tls,
                    help="make a CA for this fleet and run gRPC between the gateway and the nodes over mutual TLS: "
                         "nothing without the fleet's certificate can call a node")
+    g.add_argument("--public-metrics", action="store_true", default=d.public_metrics,
+                   help="the gateway's /metrics answers without a key (with keys, only /health does otherwise)")
     g.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=[*TOOL_CALL_PARSERS, "none"],
                    help=f"how tool_choice 'auto' finds the model's tool calls (the gateway's default: "
                         f"{_GATEWAY.tool_call_parser})")

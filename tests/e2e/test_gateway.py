@@ -323,7 +323,7 @@ def test_replicas_route_alike(fleet):
 
 
 def _metric(gw: GatewayThread, name: str) -> float:
-    return Metrics.scrape(gw.url + "/metrics").value(name) or 0.0
+    return Metrics.scrape(gw.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).value(name) or 0.0
 
 
 # ------------------------------------------------------------------------------------------- schemathesis

@@ -176,7 +176,9 @@ def test_two_fleets_differing_only_in_port_both_serve_with_their_own_ports(fleet
 
 def test_the_printed_metrics_url_serves_each_nodes_vllm_series(fleets):
     for up in fleets:
-        m = Metrics.scrape(up.metrics_url)
+        with pytest.raises(httpx.HTTPStatusError):  # keys exist: /metrics too needs one (or --public-metrics)
+            Metrics.scrape(up.metrics_url)
+        m = Metrics.scrape(up.metrics_url, headers=HEADERS)
         node = {"node_id": "colocated-0", "role": "colocated"}
         for name in ("vllm:num_requests_running", "vllm:time_to_first_token_seconds_count",
                      "vllm:kv_cache_usage_perc"):
