@@ -8,6 +8,7 @@ Each gateway owns a registry, so several gateways in one process (tests) do not 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvrelay.common.prometheus import TTFT_BUCKETS, latency_histograms
@@ -116,6 +117,11 @@ class GatewayMetrics:
         for role in ("prefill", "decode"):
             self.load_imbalance.labels(role).set_function(lambda role=role: imbalance(discovery.routable(role)))
 
+    def watch_admission(self, activity, max_concurrent: int) -> None:
+        """Admission's gauges, read at scrape time: generations in progress per tenant, and the share of the
+        bound taken (llm-d's flow_control_queue_size and pool_saturation, for a gateway that does not queue)."""
+        self.registry.register(_AdmissionCollector(activity, max_concurrent))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -176,3 +182,21 @@ def _median(values: list[float]) -> float:
         return 0.0
     values = sorted(values)
     return values[len(values) // 2]
+
+
+class _AdmissionCollector:
+    """kvrelay:tenant_requests_in_progress{tenant} and kvrelay:admission_saturation, from gateway.admission.Activity."""
+
+    def __init__(self, activity, max_concurrent: int) -> None:
+        self.activity, self.max_concurrent = activity, max_concurrent
+
+    def collect(self):
+        tenants = GaugeMetricFamily("kvrelay:tenant_requests_in_progress",
+                                    "This gateway's generations in progress, by tenant (the API key's)",
+                                    labels=["tenant"])
+        for tenant, count in sorted(self.activity.by_tenant.items()):
+            tenants.add_metric([tenant], count)
+        yield tenants
+        saturation = self.activity.active / self.max_concurrent if self.max_concurrent else 0.0
+        yield GaugeMetricFamily("kvrelay:admission_saturation", "Generations in progress over "
+                                "--max-concurrent-requests (0 without a bound)", value=saturation)

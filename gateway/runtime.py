@@ -96,6 +96,7 @@ class Gateway:
         self.router, self.dispatcher, self.core = first.router, first.dispatcher, first.core
         self.chat, self.completions, self.tokenize = first.chat, first.completions, first.tokenize
         self.metrics.watch(self.discovery, self.index)
+        self.metrics.watch_admission(self.activity, config.max_concurrent_requests)
         self.fleet_metrics = (FleetMetrics(self.metrics.registry, self.discovery.nodes, config.node_metrics_timeout)
                               if config.fleet_metrics else None)
         self.started_at = time.time()

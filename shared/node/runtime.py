@@ -117,6 +117,10 @@ async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
     grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
     try:
         address = f"{config.host}:{config.port}"
+        if config.tls is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+            logger.warning("gRPC on %s without --tls-ca-file/--tls-cert-file/--tls-key-file: anyone who reaches "
+                           "this port can drive the engine; give the fleet's certificates (docs/security.md)",
+                           config.host)
         port = (grpc_server.add_secure_port(address, config.tls.server_credentials()) if config.tls is not None
                 else grpc_server.add_insecure_port(address))
     except RuntimeError as e:

@@ -216,6 +216,7 @@ def test_rate_limit_headers_and_429(app_client):
 
     metrics = Metrics.parse(app_client.get("/metrics", headers=bearer("admin-key-123")).text)
     assert metrics.value("kvrelay:rejected_requests_total", reason="rate_limit_exceeded") == 1
+    assert metrics.value("kvrelay:admission_saturation") == 0.0  # nothing in progress now
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
@@ -358,3 +359,17 @@ def test_grpc_keys_models_and_malformed_messages(tmp_path):
                      "b": grpc.StatusCode.PERMISSION_DENIED, "a": grpc.StatusCode.UNAVAILABLE,
                      "malformed": grpc.StatusCode.INVALID_ARGUMENT}
     assert models == []
+
+
+def test_admission_gauges_read_the_tenants_in_progress():
+    from kvrelay.common.prometheus import Metrics
+    from kvrelay.gateway.admission import Activity
+    from kvrelay.gateway.metrics import GatewayMetrics
+
+    metrics, activity = GatewayMetrics("m", "cache_aware"), Activity()
+    metrics.watch_admission(activity, 8)
+    activity.active, activity.by_tenant = 3, {"a": 2, "b": 1}
+    m = Metrics.parse(metrics.render().decode())
+    assert m.value("kvrelay:tenant_requests_in_progress", tenant="a") == 2
+    assert m.value("kvrelay:tenant_requests_in_progress", tenant="b") == 1
+    assert m.value("kvrelay:admission_saturation") == 3 / 8
