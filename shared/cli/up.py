@@ -328,7 +328,7 @@ def register(sub) -> None:
                    help="require 'Authorization: Bearer KEY' from clients (default: $KVRELAY_API_KEY; unset: open)")
     g.add_argument("--api-keys-file", default=d.api_keys_file, metavar="FILE",
                    help="many keys with tenants, models, priorities and limits (a JSON or YAML list of {key | "
-                        "key_sha256, tenant, models, priority, rpm, tpm, admin}; see `kvrelay gateway --help`)")
+                        "key_sha256, tenant, models, priority, rpm, tpm, max_concurrent, admin}; docs/security.md)")
     f.add_argument("--otlp-traces-endpoint", default=d.otlp_traces_endpoint, metavar="URL",
                    help="every process sends its OpenTelemetry spans to this OTLP collector: one trace per request "
                         "across the gateway and the nodes (e.g. http://127.0.0.1:4317)")
