@@ -39,7 +39,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $KVRELAY_API_KEY; unset: open)")
     g.add_argument("--api-keys-file", default=d.api_keys_file, metavar="FILE",
                    help="many keys: a JSON or YAML list of {key | key_sha256, tenant, models, priority, rpm, tpm, "
-                        "max_concurrent, admin} (docs/security.md); re-read on SIGHUP. Once any key exists every route but /health needs one")
+                        "max_concurrent, admin} (docs/security.md); re-read on SIGHUP. Once any key exists every route "
+                        "but /health needs one")
     add_tls_flags(g)
     g.add_argument("--public-metrics", action="store_true", default=d.public_metrics,
                    help="/metrics answers without a key (for a Prometheus that sends none)")
