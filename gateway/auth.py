@@ -2,10 +2,10 @@
 
 One key (`--api-key`, vLLM's flag) or many (`--api-keys-file`, JSON or YAML): a list of
 `{key | key_sha256, tenant, models, priority, rpm, tpm, max_concurrent, admin}`. Keys are held only as SHA-256
-digests, so a key in the file may be given as its digest and a memory dump shows no key. A presented key is hashed and looked up
-(the digest is the dictionary key, so the lookup leaks nothing about other keys' bytes). `--api-key` alone is one
-admin key of tenant "default" with no limits. The file is re-read on SIGHUP; a file that no longer parses keeps the
-keys in force and logs why.
+digests, so a key in the file may be given as its digest and a memory dump shows no key. A presented key is
+hashed and looked up (the digest is the dictionary key, so the lookup leaks nothing about other keys' bytes).
+`--api-key` alone is one admin key of tenant "default" with no limits. The file is re-read on SIGHUP; a file that
+no longer parses keeps the keys in force and logs why.
 
 What a key grants (`Principal`):
 - `models`: the names it may ask for (served names or adapter names; shell-style patterns, `tenant-a-*`);
