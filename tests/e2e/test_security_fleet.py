@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import secrets
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -142,9 +143,11 @@ def test_one_request_is_one_trace_across_gateway_prefill_and_decode(fleet):
 
 def test_a_keys_rate_limit_holds_across_two_gateways(fleet):
     gateways, _ = fleet
+    t0 = time.monotonic()
     codes = [_chat(gateways[i % 2], LIMITED, max_tokens=1).status_code for i in range(2 * RPM)]
+    allowance = RPM + RPM / 60 * (time.monotonic() - t0)  # a full bucket (RPM <= 10), and what refilled meanwhile
     ok, limited = codes.count(200), codes.count(429)
-    assert ok + limited == len(codes) and RPM <= ok <= RPM * 1.1, codes  # one bucket for the fleet
+    assert ok + limited == len(codes) and RPM <= ok <= allowance * 1.1, codes  # one bucket for the fleet
     r = _chat(gateways[0], LIMITED)
     assert r.status_code == 429 and r.headers["x-ratelimit-limit-requests"] == str(RPM)
     assert r.json()["error"]["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1
