@@ -71,21 +71,18 @@ class DecodeServer(NodeServer):
             with self._lock:
                 self._expected[rid] = res.deadline
 
-        span = self.start_span("node.reserve", request)
-        try:
-            res = await self.engine.reserve(rid, prompt, params, lease_s, request.cache_salt, on_reserved=expect,
-                                            wait_s=wait_s, lora_name=request.lora_name)
-        except asyncio.CancelledError as e:
-            tracing.end(span, error=e)
-            # The caller left while the reservation waited: after the abort the engine runs (queued before
-            # this), nothing may still expect its layers.
-            self.engine.run_nowait(lambda core: self._forget_transfer(rid))
-            raise
-        except BaseException as e:
-            tracing.end(span, error=e)
-            raise
-        tracing.end(span, {"kvrelay.cached_tokens": res.num_cached_tokens if res is not None else None,
-                           "kvrelay.reserved_blocks": len(res.dst_block_ids) if res is not None else None})
+        with self.span("node.reserve", request) as span:
+            try:
+                res = await self.engine.reserve(rid, prompt, params, lease_s, request.cache_salt,
+                                                on_reserved=expect, wait_s=wait_s, lora_name=request.lora_name)
+            except asyncio.CancelledError:
+                # The caller left while the reservation waited: after the abort the engine runs (queued before
+                # this), nothing may still expect its layers.
+                self.engine.run_nowait(lambda core: self._forget_transfer(rid))
+                raise
+            if span is not None and res is not None:
+                span.set_attributes({"kvrelay.cached_tokens": res.num_cached_tokens,
+                                     "kvrelay.reserved_blocks": len(res.dst_block_ids)})
         if res is None:
             load = self.engine.load()
             need = self.connector.layout.blocks_for(len(prompt))

@@ -55,23 +55,21 @@ class Activity:
         return len(tasks)
 
     @contextmanager
-    def in_progress(self, tenant: str = DEFAULT_TENANT, key: str = "") -> Iterator[None]:
-        """Counts a generation while it runs (graceful shutdown waits for them; cut() ends them)."""
-        task = asyncio.current_task()
+    def in_progress(self, principal: Principal | None = None) -> Iterator[None]:
+        """Counts a generation while it runs (graceful shutdown waits for them; cut() ends them), by tenant and
+        by key for admission."""
+        counts = ((self._running, asyncio.current_task()),
+                  (self.by_tenant, principal.tenant if principal is not None else DEFAULT_TENANT),
+                  (self.by_key, principal.key_id if principal is not None else ""))
         self.active += 1
-        self._running[task] = self._running.get(task, 0) + 1
-        _count(self.by_tenant, tenant, 1)
-        _count(self.by_key, key, 1)
+        for table, name in counts:
+            _count(table, name, 1)
         try:
             yield
         finally:
             self.active -= 1
-            _count(self.by_tenant, tenant, -1)
-            _count(self.by_key, key, -1)
-            if self._running[task] > 1:
-                self._running[task] -= 1
-            else:
-                del self._running[task]
+            for table, name in counts:
+                _count(table, name, -1)
 
     def admit(self, admission: Admission, principal: Principal | None) -> None:
         """Overloaded (429) when `principal`'s request may not start now (see the module's doc)."""
@@ -106,7 +104,7 @@ class Activity:
         return self.by_tenant.get(principal.tenant, 0) + max(0, requested) - _BAND * principal.priority
 
 
-def _count(counts: dict[str, int], name: str, delta: int) -> None:
+def _count(counts: dict, name, delta: int) -> None:
     """Add `delta` to counts[name]; a count back at 0 leaves the dict."""
     n = counts.get(name, 0) + delta
     if n:

@@ -114,8 +114,8 @@ class GatewayCore:
     def cut(self) -> int:
         return self.activity.cut()
 
-    def in_progress(self, tenant: str = DEFAULT_TENANT, key: str = ""):
-        return self.activity.in_progress(tenant, key)
+    def in_progress(self, principal: Principal | None = None):
+        return self.activity.in_progress(principal)
 
     @staticmethod
     def shutdown_error() -> ShuttingDown:
@@ -229,10 +229,10 @@ class Generation:
         return {"x-kvrelay-decode-node": trace["decode"], "x-kvrelay-prefill-node": trace["prefill"] or "local"}
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        self._span = tracing.start_span("llm_request", self._trace_parent, self._request_attributes(), server=True)
+        if tracing.enabled():
+            self._span = tracing.start_span("llm_request", self._trace_parent, self._request_attributes(), server=True)
         error: BaseException | None = None
-        p = self.principal
-        with self.core.in_progress(p.tenant if p is not None else DEFAULT_TENANT, p.key_id if p is not None else ""):
+        with self.core.in_progress(self.principal):
             try:
                 with tracing.span("route", self._span):
                     decision = await self.core.dispatcher.route(self.inp.prompt_token_ids, self.inp.cache_salt,
@@ -260,9 +260,6 @@ class Generation:
                 error = e
                 raise
             finally:
-                self._observe()
-                if self.core.usage_sink is not None:
-                    self.core.usage_sink(self.principal, self.usage.total_tokens)
                 self._finish(error)
 
     async def _choice_stream(self, decision, index: int) -> AsyncIterator[tuple[int, TokenChunk]]:
@@ -312,32 +309,27 @@ class Generation:
                 "kvrelay.lora_name": self.inp.lora_name or None}
 
     def _finish(self, error: BaseException | None) -> None:
-        """End the request's span and write its access-log line."""
-        u, now = self.usage, time.perf_counter()
+        """The generation is over: its latency metrics, its tokens to the key's limits, its span, its access log."""
+        u, e2e = self.usage, time.perf_counter() - self._start
         ttft = None if self._first is None else self._first - self._start
-        status = "ok" if error is None else getattr(error, "code", None) or type(error).__name__
+        if self.core.metrics is not None:
+            self.core.metrics.observe_latency(ttft, self._itls, e2e, u.prompt_tokens, u.completion_tokens)
+        if self.core.usage_sink is not None:
+            self.core.usage_sink(self.principal, u.total_tokens)
+        decode, prefill = self.traces[0].get("decode"), self.traces[0].get("prefill")
         tracing.end(self._span, {"gen_ai.usage.completion_tokens": u.completion_tokens,
-                                 "kvrelay.cached_tokens": u.cached_tokens,
-                                 "gen_ai.latency.time_to_first_token": ttft, "gen_ai.latency.e2e": now - self._start,
-                                 "kvrelay.decode_node_id": self.traces[0].get("decode"),
-                                 "kvrelay.prefill_node_id": self.traces[0].get("prefill")}, error)
+                                 "kvrelay.cached_tokens": u.cached_tokens, "gen_ai.latency.time_to_first_token": ttft,
+                                 "gen_ai.latency.e2e": e2e, "kvrelay.decode_node_id": decode,
+                                 "kvrelay.prefill_node_id": prefill}, error)
         if access_log.isEnabledFor(logging.INFO):
+            p = self.principal
+            status = "ok" if error is None else getattr(error, "code", None) or type(error).__name__
             access_log.info(json.dumps({
-                "request_id": self.request_id, "tenant": self.principal.tenant if self.principal else None,
-                "key": self.principal.key_id if self.principal else None, "status": status,
-                "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                "request_id": self.request_id, "tenant": p.tenant if p else None, "key": p.key_id if p else None,
+                "status": status, "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                 "cached_tokens": u.cached_tokens, "ttft_s": None if ttft is None else round(ttft, 4),
-                "e2e_s": round(now - self._start, 4), "decode_node": self.traces[0].get("decode"),
-                "prefill_node": self.traces[0].get("prefill"), "lora": self.inp.lora_name or None}))
-
-    def _observe(self) -> None:
-        metrics = self.core.metrics
-        if metrics is None:
-            return
-        u = self.usage
-        ttft = None if self._first is None else self._first - self._start
-        metrics.observe_latency(ttft, self._itls, time.perf_counter() - self._start, u.prompt_tokens,
-                                u.completion_tokens)
+                "e2e_s": round(e2e, 4), "decode_node": decode, "prefill_node": prefill,
+                "lora": self.inp.lora_name or None}))
 
 
 async def merge(streams: list[AsyncIterator], lead_first: bool = False) -> AsyncIterator:

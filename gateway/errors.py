@@ -10,6 +10,7 @@ class GatewayError(Exception):
     type: str = "internal_error"
     code: str | None = None
     retry_after: int | None = None  # seconds, sent as Retry-After
+    extra_headers: dict[str, str] | None = None  # more headers for the answer (a key's x-ratelimit-*)
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None,
                  retry_after: int | None = None) -> None:
@@ -20,6 +21,17 @@ class GatewayError(Exception):
             self.code = code
         if retry_after is not None:
             self.retry_after = retry_after
+
+    def body(self) -> dict:
+        """OpenAI's error body (an HTTP answer, a stream's last event)."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """The answer's headers (HTTP) or trailing metadata (gRPC): Retry-After and any extra ones."""
+        out = dict(self.extra_headers or {})
+        if self.retry_after is not None:
+            out["Retry-After"] = str(self.retry_after)
+        return out
 
 
 class BadRequest(GatewayError):
@@ -65,7 +77,7 @@ class RateLimited(GatewayError):
     def __init__(self, message: str, kind: str, retry_after: int, headers: dict[str, str] | None = None) -> None:
         super().__init__(message, retry_after=retry_after)
         self.type = kind
-        self.headers = headers or {}
+        self.extra_headers = headers
 
 
 class NotFound(GatewayError):

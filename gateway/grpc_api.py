@@ -24,7 +24,6 @@ from kvrelay.common.tracing import incoming_traceparent
 from kvrelay.gateway.auth import check_model, current_principal
 from kvrelay.gateway.core import GenerateInput, Generation, new_request_id
 from kvrelay.gateway.errors import BadRequest, GatewayError
-from kvrelay.gateway.http_guard import error_headers
 from kvrelay.gateway.outputs import Delta, LogprobEntry
 from kvrelay.gateway.serving_common import observe_error, output_options, sampling_params
 from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as pb
@@ -96,7 +95,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
     async def _abort(self, context, e: GatewayError) -> None:
         observe_error(self.gateway.metrics, e)
-        trailers = tuple((k.lower(), v) for k, v in error_headers(e).items())
+        trailers = tuple((k.lower(), v) for k, v in e.headers().items())
         if trailers:
             context.set_trailing_metadata(trailers)
         await context.abort(_STATUS.get(int(e.status), grpc.StatusCode.INTERNAL), e.message)

@@ -13,6 +13,8 @@ Plain ASGI middleware (no per-request cost beyond the checks), in this order:
 
 from __future__ import annotations
 
+import json
+
 from kvrelay.common.tracing import incoming_traceparent
 from kvrelay.gateway.auth import KeyStore, current_principal
 from kvrelay.gateway.errors import BadRequest, GatewayError, PayloadTooLarge
@@ -23,23 +25,11 @@ _OPEN = ("/health",)
 _GENERATION = ("/v1/chat/completions", "/v1/completions")
 
 
-def error_body(err: GatewayError) -> dict:
-    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
-
-
-def error_headers(err: GatewayError) -> dict[str, str]:
-    headers = dict(getattr(err, "headers", None) or {})
-    if err.retry_after is not None:
-        headers["Retry-After"] = str(err.retry_after)
-    return headers
-
-
-async def send_error(err: GatewayError, send, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
-    import json
-
-    body = json.dumps(error_body(err)).encode()
+async def send_error(err: GatewayError, send) -> None:
+    """Answer with `err` from the middleware, before the app (plain ASGI)."""
+    body = json.dumps(err.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *((k.lower().encode(), v.encode()) for k, v in error_headers(err).items()), *extra_headers]
+               *((k.lower().encode(), v.encode()) for k, v in err.headers().items())]
     await send({"type": "http.response.start", "status": int(err.status), "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

@@ -38,7 +38,7 @@ from kvrelay.common import tracing
 from kvrelay.gateway.auth import check_admin, check_model, current_principal
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.errors import GatewayError
-from kvrelay.gateway.http_guard import GuardMiddleware, RequestIdMiddleware, error_body, error_headers
+from kvrelay.gateway.http_guard import GuardMiddleware, RequestIdMiddleware
 from kvrelay.gateway.metrics import CONTENT_TYPE
 from kvrelay.gateway.protocol import (
     ChatCompletionRequest,
@@ -125,7 +125,7 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError):
         observe_error(gateway.metrics, exc)
-        return JSONResponse(error_body(exc), status_code=int(exc.status), headers=error_headers(exc))
+        return JSONResponse(exc.body(), status_code=int(exc.status), headers=exc.headers())
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

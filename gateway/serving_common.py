@@ -138,8 +138,7 @@ def sse(model: BaseModel) -> str:
 
 
 def sse_error(err: GatewayError) -> str:
-    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
-    return f"data: {json.dumps(body)}\n\n"
+    return f"data: {json.dumps(err.body())}\n\n"
 
 
 class SSEResponse(StreamingResponse):

@@ -63,23 +63,23 @@ class PrefillServer(NodeServer):
         if rid in self._inflight:
             raise DuplicateRequest(f"request_id: {rid!r} is already being prefilled on this node")
         self._inflight.add(rid)
-        span = self.start_span("node.prefill", request)
-        try:
-            out = await self._compute(rid, prompt, params, spec, request.cache_salt, arrival, request.lora_name)
-            prefill_s = time.perf_counter() - t0
-            with tracing.span("kv_transfer", span, {"kvrelay.connector": self.settings.connector_name,
-                                                    "kvrelay.decode_kv_address": request.decode_kv_address}) as sent:
-                transfer = await self._finish_transfer(rid, spec.transfer_id, request.decode_kv_address)
-                if sent is not None:
-                    sent.set_attributes({"kvrelay.kv_transfer.bytes": transfer.nbytes,
-                                         "kvrelay.kv_transfer.seconds": transfer.seconds})
-        except BaseException as e:
-            tracing.end(span, error=e)
-            raise
-        finally:
-            if rid not in self._settling:  # else _settle lets the id go once the transfer is over
-                self._inflight.discard(rid)
-        tracing.end(span, {"kvrelay.cached_tokens": out.num_cached_tokens, "kvrelay.prefill_seconds": prefill_s})
+        with self.span("node.prefill", request) as span:
+            try:
+                out = await self._compute(rid, prompt, params, spec, request.cache_salt, arrival, request.lora_name)
+                prefill_s = time.perf_counter() - t0
+                sending = {"kvrelay.connector": self.settings.connector_name,
+                           "kvrelay.decode_kv_address": request.decode_kv_address}
+                with tracing.span("kv_transfer", span, sending) as sent:
+                    transfer = await self._finish_transfer(rid, spec.transfer_id, request.decode_kv_address)
+                    if sent is not None:
+                        sent.set_attributes({"kvrelay.kv_transfer.bytes": transfer.nbytes,
+                                             "kvrelay.kv_transfer.seconds": transfer.seconds})
+            finally:
+                if rid not in self._settling:  # else _settle lets the id go once the transfer is over
+                    self._inflight.discard(rid)
+            if span is not None:
+                span.set_attributes({"kvrelay.cached_tokens": out.num_cached_tokens,
+                                     "kvrelay.prefill_seconds": prefill_s})
         token = out.new_token_ids[0]
         first_logprobs = out.logprobs[0] if out.logprobs else None
         return wire.prefill_result_to_proto(rid, wire.PrefillResult(

@@ -21,7 +21,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from contextlib import aclosing, nullcontext
 from dataclasses import dataclass
 
 import grpc
@@ -228,19 +228,17 @@ class NodeServer(pb_grpc.EngineServicer):
         """One sequence's stream, for Generate and GenerateMany alike."""
         arrival = time.monotonic()
         require_request_id(request.request_id)
-        span = self.start_span("node.generate", request)
-        try:
+        with self.span("node.generate", request) as span:
             async with aclosing(self._token_chunks(request, arrival, span)) as chunks:
                 async for chunk in chunks:
                     yield chunk
-        except BaseException as e:
-            tracing.end(span, error=e)
-            raise
-        tracing.end(span)
 
-    def start_span(self, name: str, request):
-        """A span of this node for `request`, child of the gateway's call (its traceparent); None untraced."""
-        return tracing.start_span(name, tracing.parent_from(request.traceparent), {
+    def span(self, name: str, request):
+        """A span of this node around a block, for `request`: the child of the gateway's call (its traceparent),
+        failed if the block raises; the block gets None when the node does not trace."""
+        if not tracing.enabled():
+            return nullcontext(None)
+        return tracing.span(name, tracing.parent_from(request.traceparent), {
             "kvrelay.node_id": self.settings.node_id, "gen_ai.request.id": request.request_id,
             "gen_ai.usage.prompt_tokens": len(request.prompt_token_ids)}, server=True)
 
