@@ -220,14 +220,23 @@ def test_layout_mismatch_is_refused(nodes):
 def test_abort_and_cancel_mid_stream_free_blocks(nodes):
     D = nodes["D"]
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    req = pb.GenerateRequest(request_id="ab1", prompt_token_ids=PROMPT, params=sampling_to_proto(long))
-    stream = D.stub().Generate(req, timeout=30)
-    first = next(stream)
-    assert first.token_ids and not first.finish_reason
-    assert D.stub().Abort(pb.AbortRequest(request_id="ab1"), timeout=5).aborted
-    rest = list(stream)
-    assert rest[-1].finish_reason == "abort" and len(rest) < 199
-    wait_for(lambda: all_blocks_free(D), 5, "blocks freed after Abort")
+    # The tiny model can finish 200 tokens before a loaded machine delivers the Abort; then Abort must say
+    # so and the stream must end by length. Some try out of five lands mid-stream.
+    for attempt in range(5):
+        rid = f"ab1-{attempt}"
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=PROMPT, params=sampling_to_proto(long))
+        stream = D.stub().Generate(req, timeout=30)
+        first = next(stream)
+        assert first.token_ids and not first.finish_reason
+        aborted = D.stub().Abort(pb.AbortRequest(request_id=rid), timeout=5).aborted
+        rest = list(stream)
+        wait_for(lambda: all_blocks_free(D), 5, "blocks freed after Abort")
+        if aborted:
+            assert rest[-1].finish_reason == "abort" and len(rest) < 199
+            break
+        assert rest[-1].finish_reason == "length"
+    else:
+        pytest.fail("no Abort of five landed while its request was generating")
     # A client cancelling its stream aborts the request.
     req = pb.GenerateRequest(request_id="ab2", prompt_token_ids=PROMPT, params=sampling_to_proto(long))
     stream = D.stub().Generate(req, timeout=30)
