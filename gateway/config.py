@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrelay.common.hashing import DEFAULT_BLOCK_SIZE
+from kvrelay.common.tls import ServingTLS, serving_tls_from_flags
 
 ROUTING_POLICIES = ("cache_aware", "approximate", "round_robin", "least_loaded", "random")  # gateway/policies.py
 INDEX_BACKENDS = ("mirror", "redis")
@@ -28,6 +29,10 @@ class GatewayConfig:
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # TLS of this gateway's HTTP and gRPC APIs (kvrelay.common.tls.ServingTLS; vLLM's flags); None: plain
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None  # clients must present a certificate this CA signed
     public_metrics: bool = False  # /metrics answers without a key (else only /health does, once keys exist)
     tenant_cache_isolation: bool = True  # each tenant's prompts hash into KV blocks of their own
     shed_at: float = 0.75  # share of max_concurrent_requests past which admission is fair across tenants
@@ -78,3 +83,7 @@ class GatewayConfig:
     max_tool_bytes: int = 64 << 10  # one tool's JSON
     max_schema_bytes: int = 64 << 10  # a response_format / structured-output schema's JSON
     max_schema_depth: int = 32
+
+    def serving_tls(self) -> ServingTLS | None:
+        """TLS of the HTTP and gRPC APIs (ValueError when the files are not a usable pair)."""
+        return serving_tls_from_flags(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)

@@ -195,10 +195,13 @@ async def start_grpc_server(gateway, host: str, port: int) -> grpc.aio.Server:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length",
                                                                  gateway.config.max_body_bytes or -1)])
     server.add_generic_rpc_handlers((_handlers(GatewayServicer(gateway)),))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    tls = gateway.config.serving_tls()
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, tls.grpc_server_credentials()) if tls is not None
+             else server.add_insecure_port(address))
     if bound == 0:
         raise OSError(f"cannot bind the gRPC API to {host}:{port}")
     await server.start()
     gateway.grpc_port = bound
-    logger.info("gateway gRPC API on %s:%d", host, bound)
+    logger.info("gateway gRPC API on %s:%d%s", host, bound, " (TLS)" if tls is not None else "")
     return server

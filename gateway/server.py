@@ -348,12 +348,18 @@ def make_server(config: GatewayConfig, gateway: Gateway | None = None, log_level
     app = build_app(gateway, config.grpc_port)
     # The drain happens before uvicorn's own shutdown (_Server.shutdown), which then only waits for responses
     # already ending.
+    tls = config.serving_tls()
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level.lower(), lifespan="on",
-                        timeout_graceful_shutdown=_CUT_S, access_log=config.log_requests, timeout_keep_alive=30)
+                        timeout_graceful_shutdown=_CUT_S, access_log=config.log_requests, timeout_keep_alive=30,
+                        **(tls.uvicorn_options() if tls is not None else {}))
     return _Server(uv, gateway)
 
 
 def serve(config: GatewayConfig, log_level: str = "info") -> int:
+    if ((config.api_key or config.api_keys_file) and config.serving_tls() is None
+            and config.host not in ("127.0.0.1", "localhost", "::1")):
+        logger.warning("API keys over plain HTTP on %s: anyone on the path reads them; give --ssl-certfile and "
+                       "--ssl-keyfile, or put a TLS proxy in front (docs/security.md)", config.host)
     logging.getLogger("kvrelay.access").setLevel(logging.INFO if config.log_requests else logging.WARNING)
     tracing.setup_tracing("kvrelay-gateway", config.otlp_traces_endpoint)
     try:

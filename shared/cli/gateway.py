@@ -42,6 +42,12 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "max_concurrent, admin} (docs/security.md); re-read on SIGHUP. Once any key exists every route "
                         "but /health needs one")
     add_tls_flags(g)
+    g.add_argument("--ssl-certfile", default=d.ssl_certfile, metavar="PEM",
+                   help="serve HTTPS, and TLS on the gRPC API, with this certificate (the one clients know the "
+                        "gateway by; vLLM's flag)")
+    g.add_argument("--ssl-keyfile", default=d.ssl_keyfile, metavar="PEM", help="the private key of --ssl-certfile")
+    g.add_argument("--ssl-ca-certs", default=d.ssl_ca_certs, metavar="PEM",
+                   help="with --ssl-certfile: clients must present a certificate this CA signed (HTTP and gRPC)")
     g.add_argument("--public-metrics", action="store_true", default=d.public_metrics,
                    help="/metrics answers without a key (for a Prometheus that sends none)")
     g.add_argument("--tenant-cache-isolation", action=argparse.BooleanOptionalAction,
@@ -154,6 +160,10 @@ def check_gateway(config: GatewayConfig) -> None:
         KeyStore(config.api_key, config.api_keys_file)
     except KeysFileError as e:
         raise UsageError(str(e)) from None
+    try:
+        config.serving_tls()
+    except ValueError as e:
+        raise UsageError(str(e), "--ssl-certfile") from None
     if config.grpc_port == config.port:
         raise UsageError(f"{config.port} is --port too: give the gRPC API a port of its own", "--grpc-port")
     check_port(config.host, config.port, "--port")

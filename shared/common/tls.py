@@ -34,11 +34,7 @@ class TLSFiles:
     key_file: str
 
     def _read(self) -> tuple[bytes, bytes, bytes]:
-        try:
-            return (Path(self.ca_file).read_bytes(), Path(self.cert_file).read_bytes(),
-                    Path(self.key_file).read_bytes())
-        except OSError as e:
-            raise ValueError(f"tls: cannot read {e.filename}: {e.strerror}") from None
+        return _read_pem(self.ca_file), _read_pem(self.cert_file), _read_pem(self.key_file)
 
     def server_credentials(self):
         """A gRPC server's: it presents its certificate and requires one from every client, signed by the CA."""
@@ -70,6 +66,59 @@ def tls_from_flags(ca_file: str | None, cert_file: str | None, key_file: str | N
     files = TLSFiles(ca_file, cert_file, key_file)
     files._read()
     return files
+
+
+@dataclass(frozen=True)
+class ServingTLS:
+    """TLS of the gateway's own APIs (HTTP and gRPC), vLLM's `--ssl-certfile`/`--ssl-keyfile`: the certificate
+    clients know the gateway by (the operator's, for its public name; not the fleet's). With `ca_certs`, every
+    client must also present a certificate that CA signed. API keys still apply: TLS keeps them secret."""
+
+    certfile: str
+    keyfile: str
+    ca_certs: str | None = None
+
+    def grpc_server_credentials(self):
+        import grpc
+
+        files = [self.keyfile, self.certfile] + ([self.ca_certs] if self.ca_certs else [])
+        key, cert, *ca = [_read_pem(f) for f in files]
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca[0] if ca else None,
+                                           require_client_auth=bool(ca))
+
+    def uvicorn_options(self) -> dict:
+        import ssl
+
+        return {"ssl_certfile": self.certfile, "ssl_keyfile": self.keyfile, "ssl_ca_certs": self.ca_certs,
+                "ssl_cert_reqs": ssl.CERT_REQUIRED if self.ca_certs else ssl.CERT_NONE}
+
+
+def serving_tls_from_flags(certfile: str | None, keyfile: str | None,
+                           ca_certs: str | None = None) -> ServingTLS | None:
+    """None without --ssl-certfile/--ssl-keyfile; both, readable and a matching pair, or an error saying what."""
+    if not certfile and not keyfile:
+        if ca_certs:
+            raise ValueError("tls: --ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
+        return None
+    if not certfile or not keyfile:
+        raise ValueError("tls: give both --ssl-certfile and --ssl-keyfile")
+    import ssl
+
+    for f in (certfile, keyfile, ca_certs):
+        if f:
+            _read_pem(f)
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except ssl.SSLError as e:
+        raise ValueError(f"tls: {certfile} and {keyfile} are not a certificate and its key ({e.reason})") from None
+    return ServingTLS(certfile, keyfile, ca_certs or None)
+
+
+def _read_pem(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"tls: cannot read {e.filename}: {e.strerror}") from None
 
 
 def make_fleet_pki(folder: str | os.PathLike[str], names: list[str], days: int = 30) -> dict[str, TLSFiles]:

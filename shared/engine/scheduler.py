@@ -5,7 +5,8 @@ between those places, are the request table's (request_table.py), which the sche
 1. `schedule` first serves the running requests (decodes and unfinished prefill chunks) in order; when
    blocks run out it preempts the lowest-priority / latest-arrived running request. Then it admits waiting
    requests in queue order while there is budget, a sequence slot and blocks, leaving the running requests
-   room for the rest of their prompts (`admission_headroom`).
+   room for the rest of their prompts (`admission_headroom`). Under a priority-keyed policy a running prompt
+   that a waiting request outranks takes only what the admissions leave of the budget.
 2. Each request gets a chunk (`_plan_chunk`): its next known tokens within the budget and the long-prefill
    threshold. With speculative decoding the scheduler is given a `Speculation` (spec_decode/scheduling.py)
    that adds the drafts to verify, the proposer's lookahead slots, and whether it proposes after the step.
@@ -21,10 +22,11 @@ another adapter sits the step out, and a waiting one keeps its place in the queu
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 from kvrelay.engine.beam_search import BeamGroup, BeamStep
-from kvrelay.engine.config import SchedulerConfig
+from kvrelay.engine.config import SchedulerConfig, SchedulingPolicy
 from kvrelay.engine.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
 from kvrelay.engine.kv_handoff import KVHandoff
 from kvrelay.engine.request import Request, RequestStatus
@@ -60,9 +62,11 @@ class Scheduler(RequestTable):
 
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
-        self._schedule_running(plan)
+        yielded = self._schedule_running(self.running, plan, self._outranked_prefills())
         if not plan.preempted:
             self._schedule_waiting(plan)
+        if yielded and plan.budget > 0:  # what the waiting requests left of the budget, preempting nobody
+            self._schedule_running(yielded, plan, frozenset(), preempt=False)
         kv_sends = self.handoff.kv_sends((self.requests[rid], n) for rid, n in plan.tokens.items())
         out = plan.output(self.finished_req_ids, kv_sends, self.kv.drain_block_copies())
         self.finished_req_ids = set()
@@ -92,17 +96,36 @@ class Scheduler(RequestTable):
         name = req.lora_name
         return not name or not self.max_loras or name in plan.loras or len(plan.loras) < self.max_loras
 
-    def _schedule_running(self, plan: StepPlan) -> None:
+    def _outranked_prefills(self) -> set[str]:
+        """Running requests still in their prompts that a waiting request outranks (a lower priority value,
+        policies other than fcfs): they yield this step's budget to the waiting ones and take what is left.
+        A prompt admitted a moment earlier thus does not keep a more urgent request (another tenant's, a
+        higher band: gateway.admission) waiting for all of its chunks; work already computed is kept."""
+        if self.config.policy == SchedulingPolicy.FCFS or not len(self.waiting):
+            return set()
+        best = self.waiting.peek().priority
+        return {r.request_id for r in self.running
+                if r.priority > best and r.num_computed_tokens < r.num_prompt_tokens and r.beam_group is None}
+
+    def _schedule_running(self, requests: list[Request], plan: StepPlan, defer: AbstractSet[str],
+                          preempt: bool = True) -> list[Request]:
+        """Chunks for `requests` (running) in order; those in `defer` are skipped and returned. Without
+        `preempt`, a request whose blocks do not fit sits the step out."""
+        deferred = []
         # A snapshot: preemption removes requests from self.running while we walk it.
-        for req in list(self.running):
+        for req in list(requests):
             if plan.budget <= 0:
                 break
             if req.status != RequestStatus.RUNNING or not self._lora_fits(req, plan):
                 continue
+            if req.request_id in defer:
+                deferred.append(req)
+                continue
             chunk = self._plan_chunk(req, req.num_computed_tokens, plan.budget)
             if chunk is None:
                 continue
-            new_blocks = self._allocate_or_preempt(req, chunk, plan)
+            new_blocks = (self._allocate_or_preempt(req, chunk, plan) if preempt else
+                          self.kv.allocate_slots(req, chunk.num_tokens, num_lookahead_tokens=chunk.lookahead))
             if new_blocks is None:
                 continue
             rid = req.request_id
@@ -114,6 +137,7 @@ class Scheduler(RequestTable):
             else:
                 new_ids = tuple(b.block_id for b in new_blocks)
                 plan.cached.append(CachedRequestData(rid, new_ids, req.num_computed_tokens))
+        return deferred
 
     def _allocate_or_preempt(self, req: Request, chunk: Chunk, plan: StepPlan) -> list | None:
         while (new_blocks := self.kv.allocate_slots(req, chunk.num_tokens, num_lookahead_tokens=chunk.lookahead)

@@ -302,6 +302,36 @@ def test_sjf_orders_by_priority_first_so_a_tenants_backlog_waits_behind_others_n
     assert order == ["a0", "b0", "a1", "a2", "a3"]
 
 
+@pytest.mark.parametrize("policy", [SJF, PRIORITY])
+def test_a_running_prompt_yields_its_chunks_to_a_waiting_request_that_outranks_it(policy):
+    # "a" (priority 3) is mid-prompt when "b" (priority 0) arrives: b's whole prompt goes first, a takes what
+    # is left of the 32-token budget, and keeps the 32 tokens it had computed.
+    d = Driver(policy=policy, budget=32)
+    d.add("a", prompt(96, 100), max_tokens=2, priority=3)
+    out, _ = d.step()
+    assert dict(out.num_scheduled_tokens) == {"a": 32}
+    d.add("b", prompt(20, 500), max_tokens=2, priority=0, arrival=1.0)
+    out, _ = d.step()
+    assert dict(out.num_scheduled_tokens) == {"b": 20, "a": 12}
+    assert [n.req_id for n in out.new_reqs] == ["b"] and out.cached_reqs[0].num_computed_tokens == 32
+    # An equal priority does not outrank: "c" waits for a's next chunk as under fcfs.
+    d.add("c", prompt(20, 700), max_tokens=2, priority=3, arrival=2.0)
+    out, _ = d.step()
+    assert dict(out.num_scheduled_tokens) == {"a": 32}
+    d.run()
+    assert all(len(d.outputs[r]) == 2 for r in "abc")
+    d.check_all_free()
+
+
+def test_fcfs_never_lets_a_waiting_request_pass_a_running_prompt():
+    d = Driver(policy=FCFS, budget=32)
+    d.add("a", prompt(96, 100), max_tokens=1, priority=3)
+    d.step()
+    d.add("b", prompt(20, 500), max_tokens=1, priority=0, arrival=1.0)
+    out, _ = d.step()
+    assert dict(out.num_scheduled_tokens) == {"a": 32}
+
+
 def test_sjf_lets_later_arrivals_pass_only_while_they_are_shorter_by_the_aging():
     # 10 tokens per second: "a" (40 tokens) can be passed by a 10-token prompt arriving within 3 s of it.
     d = Driver(policy=SJF, max_num_seqs=1, sjf_tokens_per_s=10)

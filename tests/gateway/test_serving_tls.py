@@ -1,0 +1,151 @@
+"""The gateway's own APIs over TLS (--ssl-certfile/--ssl-keyfile/--ssl-ca-certs): HTTPS and gRPC with the
+operator's certificate, client certificates when a CA is given, and clear errors for unusable files."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import ssl
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from kvrelay.common.tls import serving_tls_from_flags
+from kvrelay.gateway.config import GatewayConfig
+
+KEY = "sk-tls-test-key"
+
+
+def _pki(folder: Path) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA (PEM files)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True).sign(ca_key, hashes.SHA256()))
+    files = {"ca": folder / "ca.pem"}
+    files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    for name in ("server", "client"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                               critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        files[name] = folder / f"{name}.pem"
+        files[name].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        files[name + "_key"] = folder / f"{name}.key"
+        files[name + "_key"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                           serialization.PrivateFormat.PKCS8,
+                                                           serialization.NoEncryption()))
+    return files
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, Path]:
+    return _pki(tmp_path_factory.mktemp("pki"))
+
+
+def _config(pki, **extra) -> GatewayConfig:
+    return GatewayConfig(decode=("127.0.0.1:9",), api_key=KEY, health_interval=60, capacity_wait=0.0, port=0,
+                         ssl_certfile=str(pki["server"]), ssl_keyfile=str(pki["server_key"]), **extra)
+
+
+class _Running:
+    """The gateway's uvicorn server in a thread, on a free port."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        from kvrelay.gateway.server import make_server
+
+        self.server = make_server(config, log_level="warning")
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the gateway did not start"
+            time.sleep(0.05)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"127.0.0.1:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def test_https_with_the_operators_certificate_and_no_plain_http(pki):
+    with _Running(_config(pki)) as address:
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(pki["ca"]))) as client:
+            assert client.get(f"https://{address}/health").status_code == 503  # answered: no decode node is up
+            assert client.get(f"https://{address}/v1/models").status_code == 401
+            models = client.get(f"https://{address}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+            assert models.status_code == 200 and models.json()["object"] == "list"
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://{address}/health", timeout=5)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):  # not the CA the client trusts
+            httpx.get(f"https://{address}/health", timeout=5)
+
+
+def test_client_certificates_required_with_ssl_ca_certs(pki):
+    with _Running(_config(pki, ssl_ca_certs=str(pki["ca"]))) as address:
+        trusted = ssl.create_default_context(cafile=str(pki["ca"]))
+        with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake fails
+            httpx.get(f"https://{address}/health", verify=trusted, timeout=5)
+        trusted.load_cert_chain(str(pki["client"]), str(pki["client_key"]))
+        assert httpx.get(f"https://{address}/health", verify=trusted, timeout=5).status_code == 503
+
+
+def test_grpc_api_over_tls(pki):
+    from kvrelay.gateway.grpc_api import start_grpc_server
+    from kvrelay.gateway.runtime import Gateway
+    from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as pb
+    from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as pb_grpc
+
+    async def run() -> tuple[int, grpc.StatusCode]:
+        gateway = Gateway(_config(pki))
+        await gateway.start()
+        server = await start_grpc_server(gateway, "127.0.0.1", 0)
+        target, auth = f"127.0.0.1:{gateway.grpc_port}", (("authorization", f"Bearer {KEY}"),)
+        try:
+            creds = grpc.ssl_channel_credentials(root_certificates=pki["ca"].read_bytes())
+            async with grpc.aio.secure_channel(target, creds) as channel:
+                models = await pb_grpc.GatewayStub(channel).ListModels(pb.ModelsRequest(), metadata=auth, timeout=10)
+            async with grpc.aio.insecure_channel(target) as channel:
+                try:
+                    await pb_grpc.GatewayStub(channel).ListModels(pb.ModelsRequest(), metadata=auth, timeout=5)
+                    plain = grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as e:
+                    plain = e.code()
+        finally:
+            await server.stop(0)
+            await gateway.stop()
+        return len(models.models), plain
+
+    n, plain = asyncio.run(run())
+    assert n == 1 and plain == grpc.StatusCode.UNAVAILABLE
+
+
+def test_unusable_files_are_refused_with_the_reason(pki, tmp_path):
+    assert serving_tls_from_flags(None, None) is None
+    with pytest.raises(ValueError, match="give both --ssl-certfile and --ssl-keyfile"):
+        serving_tls_from_flags(str(pki["server"]), None)
+    with pytest.raises(ValueError, match="--ssl-ca-certs needs"):
+        serving_tls_from_flags(None, None, str(pki["ca"]))
+    with pytest.raises(ValueError, match="cannot read .*missing.pem"):
+        serving_tls_from_flags(str(tmp_path / "missing.pem"), str(pki["server_key"]))
+    with pytest.raises(ValueError, match="are not a certificate and its key"):
+        serving_tls_from_flags(str(pki["server"]), str(pki["client_key"]))
