@@ -8,8 +8,10 @@ and cut() ends them; admission reads the counts per tenant and per API key (gate
 - Past `shed_at` of that bound, admission is fair across tenants: keys of priority < 0 (sheddable) are refused
   first, then a tenant already holding an equal share of the bound is refused while the others are admitted,
   unless its key's band is above 0. Below it nothing is refused for fairness: the gateway is work-conserving.
-- At the nodes, a tenant's request queues behind what other tenants sent since its own requests in flight: its
-  engine priority is that count (the nodes run lower values first; a key's band outranks every count).
+- At the nodes, a tenant's request queues behind what other tenants sent since its own requests in flight, and
+  behind keys further from their rate limits: its engine priority is that count plus PRESSURE_WEIGHT times the
+  share of its key's rate-limit bucket spent (the nodes run lower values first, and a running prompt yields its
+  chunks to a waiting request that outranks it; a key's band outranks every count).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.errors import Overloaded
 
 _BAND = 1_000_000  # engine priority per priority band of a key (bands are -1000..1000: within int32)
+# A key that has spent its whole rate-limit burst ranks behind this many requests in flight of keys that spent
+# none: a tenant sending past its limit yields the nodes to tenants within theirs.
+PRESSURE_WEIGHT = 64
 
 
 @dataclass(frozen=True)
@@ -98,10 +103,12 @@ class Activity:
             raise Overloaded(f"tenant {tenant!r} holds its fair share ({holding} of {limit} concurrent requests) "
                              "while the gateway is under pressure; retry later", code="tenant_share")
 
-    def engine_priority(self, principal: Principal, requested: int) -> int:
+    def engine_priority(self, principal: Principal, requested: int, pressure: float = 0.0) -> int:
         """The priority a tenant's request runs with at the nodes (lower first): its tenant's requests in flight,
-        then its own request's (never below 0), all after every request of a higher key band."""
-        return self.by_tenant.get(principal.tenant, 0) + max(0, requested) - _BAND * principal.priority
+        plus up to PRESSURE_WEIGHT for how much of its rate-limit bucket its key has spent (`pressure`, 0..1,
+        gateway.ratelimit), plus its own request's (never below 0); all after every request of a higher band."""
+        return (self.by_tenant.get(principal.tenant, 0) + round(PRESSURE_WEIGHT * pressure) + max(0, requested)
+                - _BAND * principal.priority)
 
 
 def _count(counts: dict, name, delta: int) -> None:

@@ -42,6 +42,7 @@ from kvrelay.gateway.dispatch import Dispatcher
 from kvrelay.gateway.errors import BadRequest, ShuttingDown
 from kvrelay.gateway.node_client import EngineRequest
 from kvrelay.gateway.outputs import ChoiceOutput, Delta, OutputOptions, TokenTexts
+from kvrelay.gateway.ratelimit import current_rate
 from kvrelay.gateway.router import Router
 
 logger = logging.getLogger(__name__)
@@ -185,9 +186,12 @@ class GatewayCore:
 
     def _for_tenant(self, inp: GenerateInput, principal: Principal) -> GenerateInput:
         """A tenant's request: its own KV blocks (the salt), and its place in the nodes' queues: after what other
-        tenants sent since its own requests in flight, as a fair queue would put it (the nodes run lower
-        priority values first; a key's band outranks everything, a request's own priority only adds)."""
-        priority = self.activity.engine_priority(principal, inp.params.priority)
+        tenants sent since its own requests in flight and behind keys further from their rate limits, as a fair
+        queue would put it (the nodes run lower priority values first; a key's band outranks everything, a
+        request's own priority only adds)."""
+        rate = current_rate.get()
+        priority = self.activity.engine_priority(principal, inp.params.priority,
+                                                 rate.pressure if rate is not None else 0.0)
         inp = replace(inp, params=replace(inp.params, priority=priority))
         if self.admission.tenant_cache_isolation:
             inp = replace(inp, cache_salt=f"{principal.tenant}\x00{inp.cache_salt}")

@@ -25,6 +25,7 @@ from kvrelay.gateway.auth import check_model, current_principal
 from kvrelay.gateway.core import GenerateInput, Generation, new_request_id
 from kvrelay.gateway.errors import BadRequest, GatewayError
 from kvrelay.gateway.outputs import Delta, LogprobEntry
+from kvrelay.gateway.ratelimit import current_rate
 from kvrelay.gateway.serving_common import observe_error, output_options, sampling_params
 from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as pb
 from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -72,7 +73,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             principal = self._auth(context)
             target = self.gateway.models.resolve(request.model or None)
             check_model(principal, target.name)
-            await self.gateway.limiter.admit(principal)
+            current_rate.set(await self.gateway.limiter.admit(principal))
             model = target.name
             gen = target.endpoint.core.generate(self._input(request, target))
         except GatewayError as e:

@@ -18,7 +18,7 @@ import json
 from kvrelay.common.tracing import incoming_traceparent
 from kvrelay.gateway.auth import KeyStore, current_principal
 from kvrelay.gateway.errors import BadRequest, GatewayError, PayloadTooLarge
-from kvrelay.gateway.ratelimit import RateDecision, RateLimiter
+from kvrelay.gateway.ratelimit import RateDecision, RateLimiter, current_rate
 
 MAX_REQUEST_ID = 128
 _OPEN = ("/health",)
@@ -87,7 +87,7 @@ class GuardMiddleware:
             self.on_refused(err)
             await send_error(err, send)
             return
-        token = current_principal.set(principal)
+        token, rate_token = current_principal.set(principal), current_rate.set(decision)
         parent = headers.get(b"traceparent")
         trace_token = incoming_traceparent.set(parent.decode("latin-1")[:64]) if parent else None
         extra = [(k.encode(), v.encode()) for k, v in decision.headers().items()]
@@ -96,6 +96,7 @@ class GuardMiddleware:
                            self._with_headers(send, extra) if extra else send)
         finally:
             current_principal.reset(token)
+            current_rate.reset(rate_token)
             if trace_token is not None:
                 incoming_traceparent.reset(trace_token)
 

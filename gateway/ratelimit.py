@@ -24,6 +24,7 @@ alive in Redis last (each one refreshes its presence in `kvr:rl:gateways` every 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import time
@@ -101,6 +102,12 @@ class BucketState:
         cap = self.limit if self.capacity is None else self.capacity
         return max(0.0, (cap - self.level) * 60.0 / self.limit)
 
+    @property
+    def spent(self) -> float:
+        """Share of the bucket spent: 0 when full, 1 when empty or in debt."""
+        cap = self.limit if self.capacity is None else self.capacity
+        return min(1.0, max(0.0, 1.0 - self.level / cap))
+
     def wait_s(self, need: float) -> int:
         """Whole seconds (at least 1) until the bucket holds `need`."""
         return max(1, math.ceil((need - self.level) * 60.0 / self.limit))
@@ -111,6 +118,12 @@ class RateDecision:
     requests: BucketState | None
     tokens: BucketState | None
 
+    @property
+    def pressure(self) -> float:
+        """How hard the key presses on its limits: the larger share of either bucket spent (0: no limits).
+        Admission ranks a key near its limit behind keys well within theirs (gateway.admission)."""
+        return max((s.spent for s in (self.requests, self.tokens) if s is not None), default=0.0)
+
     def headers(self) -> dict[str, str]:
         out: dict[str, str] = {}
         for name, state in (("requests", self.requests), ("tokens", self.tokens)):
@@ -119,6 +132,11 @@ class RateDecision:
                 out[f"x-ratelimit-remaining-{name}"] = str(state.remaining)
                 out[f"x-ratelimit-reset-{name}"] = duration(state.reset_s)
         return out
+
+
+# The decision for the request being served (set beside gateway.auth.current_principal by the HTTP guard and the
+# gRPC API); admission reads its pressure.
+current_rate: contextvars.ContextVar[RateDecision | None] = contextvars.ContextVar("kvrelay_rate", default=None)
 
 
 def duration(seconds: float) -> str:

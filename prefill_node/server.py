@@ -23,7 +23,7 @@ import grpc
 
 from kvrelay.common import tracing, wire
 from kvrelay.common.sampling_params import SamplingParams
-from kvrelay.engine.async_engine import EngineDead
+from kvrelay.engine.engine_hooks import EngineDead
 from kvrelay.engine.request import KVSendSpec
 from kvrelay.engine.reservation_queue import DuplicateRequest
 from kvrelay.kv_transfer.types import TransferError

@@ -27,61 +27,18 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-from kvrelay.common.records import BlockEvent, BlockHash, NodeLoad
+from kvrelay.common.records import NodeLoad
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
 from kvrelay.engine.core import EngineCore
-from kvrelay.engine.lora import LoRAStats
+from kvrelay.engine.engine_hooks import EngineDead, EngineDraining, EngineHooks
 from kvrelay.engine.request import KVSendSpec
-from kvrelay.engine.scheduler_output import EngineCoreOutput, EngineCounters, Reservation
+from kvrelay.engine.scheduler_output import EngineCoreOutput, Reservation
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class EngineDraining(RuntimeError):
-    """The engine is shutting down and takes no new requests."""
-
-
-class EngineDead(RuntimeError):
-    """The engine thread is gone; nothing more will be computed."""
-
-
-class EngineObserver(Protocol):
-    """What the engine thread reports as it runs (a node's metrics)."""
-
-    def observe_stats(self, load: NodeLoad, counters: EngineCounters) -> None: ...
-
-    def observe_lora(self, running: set[str], waiting: set[str], stats: LoRAStats, load_seconds: list[float]) -> None:
-        """With LoRA on: the adapters of running and waiting requests, the cumulative counts, and the seconds of
-        the adapter reads since the last call."""
-
-    def observe_output(self, out: EngineCoreOutput, since_arrival: float, last_token_at: float | None,
-                       now: float, computes_prompt: bool) -> None: ...
-
-    def observe_finished(self, reason: str, seconds: float) -> None: ...
-
-
-class BlockEventSink(Protocol):
-    """Takes the prefix cache's changes, in order, on the engine thread (a node's index publisher)."""
-
-    @property
-    def snapshot_wanted(self) -> bool: ...
-
-    def submit(self, events: Sequence[BlockEvent]) -> None: ...
-
-    def submit_snapshot(self, hashes: Sequence[BlockHash]) -> None: ...
-
-
-@dataclass(frozen=True)
-class EngineHooks:
-    """The AsyncEngine's collaborators, all optional, all called on the engine thread."""
-
-    observer: EngineObserver | None = None
-    block_events: BlockEventSink | None = None
-    on_lease_expired: Callable[[list[str]], None] | None = None  # ids whose reservation or held blocks expired
 
 
 @dataclass

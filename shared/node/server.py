@@ -28,9 +28,10 @@ import grpc
 
 from kvrelay.common import tracing, wire
 from kvrelay.common.sampling_params import SamplingParams
-from kvrelay.engine.async_engine import AsyncEngine, BlockEventSink, EngineDead, EngineDraining, EngineHooks
+from kvrelay.engine.async_engine import AsyncEngine
 from kvrelay.engine.config import dtype_name
 from kvrelay.engine.core import EngineCore
+from kvrelay.engine.engine_hooks import BlockEventSink, EngineDead, EngineDraining, EngineHooks
 from kvrelay.engine.lora import UnknownAdapter
 from kvrelay.engine.reservation_queue import DuplicateRequest, QueueFull
 from kvrelay.engine.scheduler_output import EngineCoreOutput

@@ -101,6 +101,23 @@ def test_reset_durations_in_openai_format():
     assert RateDecision(state, None).headers() == {"x-ratelimit-limit-requests": "60",
                                                    "x-ratelimit-remaining-requests": "30",
                                                    "x-ratelimit-reset-requests": "30s"}
+    # Pressure: the larger share spent of either bucket (a burst of 10 with 7.5 left; a token bucket in debt).
+    assert RateDecision(BucketState(60, 7.5, capacity=10), None).pressure == 0.25
+    assert RateDecision(BucketState(60, 7.5, capacity=10), BucketState(1000, -5.0)).pressure == 1.0
+    assert RateDecision(None, None).pressure == 0.0
+
+
+def test_engine_priority_counts_tenant_in_flight_pressure_and_band():
+    from kvrelay.gateway.admission import PRESSURE_WEIGHT, Activity
+
+    activity = Activity()
+    activity.by_tenant = {"a": 3}
+    a, b, vip = Principal("ka", tenant="a"), Principal("kb", tenant="b"), Principal("kv", tenant="b", priority=2)
+    assert activity.engine_priority(b, 0) == 0
+    assert activity.engine_priority(a, 5) == 3 + 5
+    assert activity.engine_priority(a, -7, pressure=1.0) == 3 + PRESSURE_WEIGHT  # a request's own never below 0
+    assert activity.engine_priority(b, 0, pressure=0.5) == PRESSURE_WEIGHT // 2
+    assert activity.engine_priority(vip, 0, pressure=1.0) == PRESSURE_WEIGHT - 2_000_000
 
 
 def test_buckets_in_redis_are_shared_by_gateways_and_tokens_go_into_debt(redis_url):

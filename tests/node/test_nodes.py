@@ -172,7 +172,8 @@ def test_async_engine_in_process(tiny_model, reference):
     """The engine thread behind the asyncio API: same tokens, n > 1, early exit aborts, draining refuses."""
     import asyncio
 
-    from kvrelay.engine.async_engine import AsyncEngine, EngineDraining
+    from kvrelay.engine.async_engine import AsyncEngine
+    from kvrelay.engine.engine_hooks import EngineDraining
 
     prompt = _prompt(9, 100)
     params = PARAMS["seeded"]
