@@ -83,9 +83,10 @@ def engine_flags(config: UpConfig, model: FleetModel | None = None) -> list[str]
     defaults apply to the rest). The model and block size are what the gateway checks a node against."""
     model = model or config.fleet_models()[0]
     flags = ["--model", model.model, "--block-size", str(config.block_size), "--dtype", model.dtype or config.dtype,
-             *_set_flags(config, ("device", "max_model_len", "kv_cache_memory", "gpu_memory_utilization",
-                                  "max_num_seqs", "max_num_batched_tokens", "seed", "max_waiting_requests",
-                                  "scheduling_policy", "max_loras", "max_lora_rank", "max_cpu_loras"))]
+             *_set_flags(config, ("device", "quantization", "max_model_len", "kv_cache_memory",
+                                  "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed",
+                                  "max_waiting_requests", "scheduling_policy", "max_loras", "max_lora_rank",
+                                  "max_cpu_loras"))]
     names = [n.partition("=")[0] for n in model.served_model_names]
     if names:
         flags += ["--served-model-name", names[0]]  # a node labels its metrics with one name

@@ -18,8 +18,6 @@ VLLM_UNSUPPORTED: dict[str, str] = {
     "--pipeline-parallel-size": _SCALE_OUT, "-pp": _SCALE_OUT,
     "--data-parallel-size": _SCALE_OUT, "-dp": _SCALE_OUT,
     "--distributed-executor-backend": _SCALE_OUT,
-    "--quantization": "weights load in --dtype (a GGUF is dequantized once); there are no quantized kernels",
-    "-q": "weights load in --dtype (a GGUF is dequantized once); there are no quantized kernels",
     "--kv-cache-dtype": "the KV cache is kept in the model's --dtype",
     "--enforce-eager": "kvrelay captures no CUDA graphs, so there is nothing to turn off: drop the flag",
     "--swap-space": "a preempted request is recomputed, never swapped",

@@ -111,7 +111,7 @@ def node_engine(config: UpConfig, model: FleetModel | None = None) -> EngineConf
     """The engine config each node of `model` (None: the first) will run (its own defaults, with what `up` passes
     on set over them)."""
     model = model or config.fleet_models()[0]
-    names = ("device", "max_model_len", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
+    names = ("device", "quantization", "max_model_len", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
              "max_num_batched_tokens", "enable_prefix_caching", "max_waiting_requests", "seed", "max_loras",
              "max_lora_rank", "max_cpu_loras")
     values = {name: getattr(config, name) for name in names if getattr(config, name) is not None}
@@ -256,6 +256,9 @@ def register(sub) -> None:
                         "the model given as --model MODEL (a plain NAME is the first model's)")
     m.add_argument("--device", default=d.device, help="auto (cuda when available), cpu, cuda, cuda:N "
                                                       f"({nodes}: {engine.model.device})")
+    m.add_argument("--quantization", "-q", choices=["gguf"], default=d.quantization,
+                   help="gguf: every node computes on the .gguf model's Q4_0/Q4_1/Q8_0 blocks as the file stores "
+                        "them (int8 kernels, as llama.cpp; CPU), instead of dequantizing it once to --dtype")
     m.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="context length in tokens (default: the model's, capped at what the KV cache holds); "
                         "checked against the model's config before anything loads")

@@ -36,6 +36,7 @@ class UpConfig:
     served_model_name: tuple[str, ...] = ()  # empty: the model id; with several models, NAME=MODEL picks one
     dtype: str = _NODE.engine.model.dtype
     device: str | None = None
+    quantization: str | None = None  # gguf: every node serves a .gguf model's quantized blocks as they are
     block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int | None = None  # None: the model's
     kv_cache_memory: int | None = None  # None: the engine's

@@ -15,7 +15,7 @@ from kvrelay.engine.config import EngineConfig, LoRAConfig, SchedulingPolicy, Sp
 SCHEDULING_POLICIES = [p.value for p in SchedulingPolicy]
 
 # The engine flags' destinations; each sets the engine field (and LLM(...) keyword) of its name, but these.
-_ENGINE_FLAGS = ("device", "max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
+_ENGINE_FLAGS = ("device", "quantization", "max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
                  "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests", "admission_headroom",
                  "enable_prefix_caching", "scheduling_policy", "attention_backend", "structured_outputs_backend",
                  "speculative_config", "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
@@ -34,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig | None = 
                    help="auto (the faster of float32 and bfloat16 on this machine), bfloat16, float32; "
                         "float16 on CUDA only")
     g.add_argument("--device", default=m.device, help="auto (cuda when available), cpu, cuda, cuda:N")
+    g.add_argument("--quantization", "-q", choices=["gguf"], default=m.quantization,
+                   help="gguf: serve a .gguf model's Q4_0/Q4_1/Q8_0 tensors as the file stores them, on int8 "
+                        "kernels as llama.cpp does (a quarter to an eighth of the weight memory; CPU only); other "
+                        "types are dequantized at load. Default: dequantize the whole GGUF once, to --dtype")
     g.add_argument("--max-model-len", type=int, default=m.max_model_len, help="context length (default: the model's)")
     g.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block (fleet-wide)")
     g.add_argument("--kv-cache-memory", type=byte_size, default=c.kv_cache_memory,

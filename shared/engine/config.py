@@ -62,6 +62,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     attention_backend: str = "auto"  # auto | torch | flash_attn
+    quantization: str | None = None  # gguf: keep a GGUF's quantized tensors in their blocks (models/gguf_blocks.py)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class ModelInfo:
     # generation_config may list more end tokens than the one eos (Llama 3 instruct: <|eot_id|>); like vLLM,
     # the engine stops on them as stop tokens unless ignore_eos.
     extra_eos_token_ids: tuple[int, ...] = ()
+    quantization: str | None = None  # how the weights are held (ModelConfig.quantization)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,6 +82,7 @@ def load_model_info(config: ModelConfig) -> ModelInfo:
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         architecture=(hf.get("architectures") or ["?"])[0],
         extra_eos_token_ids=eos_ids[1:],
+        quantization=config.quantization,
     )
 
 
@@ -188,8 +190,9 @@ def min_kv_cache_tokens(config: EngineConfig, shape: ModelShape) -> int:
 
 def check_engine_config(config: EngineConfig, shape: ModelShape | None = None) -> ModelShape:
     """Raise ConfigError for a setting no engine could run with, from the config and the model's shape alone
-    (read here unless given); returns the shape. What it checks: positive counts and sizes, the device, a
-    max_model_len within the model's context, and a KV cache that holds one sequence."""
+    (read here unless given); returns the shape. What it checks: positive counts and sizes, the device, the
+    quantization method against the model, a max_model_len within the model's context, and a KV cache that holds
+    one sequence."""
     m, c, s = config.model, config.cache, config.scheduler
     for field, value, least in (("block_size", c.block_size, 1), ("max_num_seqs", s.max_num_seqs, 1),
                                 ("max_num_batched_tokens", s.max_num_batched_tokens, 1),
@@ -198,6 +201,7 @@ def check_engine_config(config: EngineConfig, shape: ModelShape | None = None) -
             raise ConfigError(field, f"{value} is below {least}")
     if not 0 < c.gpu_memory_utilization <= 1:
         raise ConfigError("gpu_memory_utilization", f"{c.gpu_memory_utilization:g} is not a fraction in (0, 1]")
+    _check_quantization(m)
     _check_device(m.device)
     element = kv_element_size(m.dtype)
     shape = shape or read_model_shape(m.model)
@@ -220,6 +224,18 @@ def check_engine_config(config: EngineConfig, shape: ModelShape | None = None) -
                                                  f"{format_bytes(need)} ({shape.kv_bytes_per_token(element)} bytes "
                                                  f"per token); give at least {-(-need // 2**20)}MiB")
     return shape
+
+
+def _check_quantization(m: ModelConfig) -> None:
+    if m.quantization is None:
+        return
+    if m.quantization != "gguf":
+        raise ConfigError("quantization", f"unknown method {m.quantization!r} (gguf)")
+    if m.model != "default" and not m.model.lower().endswith(".gguf"):
+        raise ConfigError("quantization", f"gguf keeps a .gguf file's blocks; {m.model!r} is not one (give a .gguf "
+                                          "file or 'default')")
+    if m.device.startswith("cuda"):
+        raise ConfigError("quantization", "gguf runs on CPU only (--device cpu)")
 
 
 def _check_device(device: str) -> None:

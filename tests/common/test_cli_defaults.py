@@ -93,6 +93,17 @@ def test_node_flags_reach_the_config(parser):
             config.engine.scheduler.kv_lease_s) == (7, SchedulingPolicy.PRIORITY, 9.0)
     assert config.engine.model.seed == 5 and (config.num_threads, config.local_nodes) == (3, 2)
     assert (config.connector.name, config.connector.host) == ("ucx", "10.0.0.1")
+    assert node.node_config(parser.parse_args(["decode", "-q", "gguf"])).engine.model.quantization == "gguf"
+
+
+def test_up_hands_quantization_to_every_node(parser):
+    from kvrelay.cli.fleet import engine_flags
+
+    config = up.config_from_args(parser.parse_args(["up", "--quantization", "gguf"]))
+    assert up.node_engine(config).model.quantization == "gguf"
+    flags = engine_flags(config)
+    assert flags[flags.index("--quantization") + 1] == "gguf"
+    assert "--quantization" not in engine_flags(up.UpConfig())
 
 
 def test_a_bad_environment_variable_is_reported_when_the_node_starts(parser, monkeypatch):

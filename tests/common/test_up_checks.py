@@ -67,7 +67,8 @@ def _refused(capsys, argv: list[str]) -> str:
     (["--index-backend", "redis"], "--index-backend", "a flag of `kvrelay gateway`, not of `kvrelay up`"),
     (["--kv-port", "1"], "--kv-port", "a flag of `kvrelay prefill` and `kvrelay decode`"),
     (["--temperature", "0.5"], "--temperature", "`kvrelay generate`"),
-    (["--quantization", "awq"], "--quantization", "vLLM's, and kvrelay does not support it"),
+    (["--quantization", "awq"], "--quantization", "invalid choice: 'awq'"),
+    (["--quantization", "gguf", "--device", "cuda"], "--quantization", "gguf runs on CPU only"),
     (["--enforce-eager"], "--enforce-eager", "vLLM's"),
     (["--dtype", "int3"], "--dtype", "unknown dtype"),
 ])

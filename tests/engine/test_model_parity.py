@@ -207,7 +207,7 @@ def test_sharded_checkpoint(tmp_path):
 
 def test_unsupported_architecture_and_rope():
     from kvrelay.engine.models import get_model_class
-    from kvrelay.engine.models.llama import rope_parameters
+    from kvrelay.engine.models.rotary import rope_parameters
     from tests.helpers.models import tiny_config
 
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):

@@ -6,6 +6,7 @@
     silu_mul         SiLU(gate) * up in one pass
     rope_write_kv    rotary embedding of q and k in place + the KV-cache write, in one pass
     lora_add         the low-rank update of a batch whose rows use different LoRA adapters (or none), in one call
+    gguf_gemm        a linear layer on weights kept in GGUF's Q4_0/Q4_1/Q8_0 blocks (int8 activations, as llama.cpp)
 
 The build happens on first use (about a minute on 2 cores) under torch's own file lock, so concurrent node
 processes wait for one build; the sources' content keys the build folder, so an edited kernel is rebuilt.
@@ -31,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "paged_decode.cpp", "paged_decode_amx.cpp", "paged_prefill.cpp",
-            "paged_prefill_amx.cpp", "fused_ops.cpp", "skinny_linear.cpp", "small_gemm.cpp", "lora.cpp")
+            "paged_prefill_amx.cpp", "fused_ops.cpp", "skinny_linear.cpp", "small_gemm.cpp", "lora.cpp",
+            "gguf_gemm.cpp")
 _lock = threading.Lock()
 _module = None
 _tried = False

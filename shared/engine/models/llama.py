@@ -6,6 +6,9 @@ them. The batch is flat (no padding): T tokens of many requests, positions absol
 
 LoRA: with adapters on (kvrelay.engine.lora), each projection holds its adapters' slots (`lora`), and a forward
 given the step's per-row slots (`LoRABatch`) adds each row's adapter update after the base matmul.
+
+GGUF blocks (`--quantization gguf`, models/gguf_blocks.py): a projection given `use_blocks` computes on the
+file's quantized blocks instead of a dense weight; the embedding becomes a BlockEmbedding.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from kvrelay.engine.lora.layers import LoRABatch, LoRAProjection
 from kvrelay.engine.models.ops import LayerOps
 
 from . import cpu_linear
+from .gguf_blocks import BlockWeight
+from .rotary import RotaryEmbedding, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -72,12 +77,25 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: cpu_linear.PackedWeight | None = None  # the weight in the CPU kernels' layouts (after_load)
         self.lora: LoRAProjection | None = None  # its LoRA adapters' slots (kvrelay.engine.lora), when on
+        self.blocks: BlockWeight | None = None  # the weight as a GGUF file's blocks (--quantization gguf)
+
+    def use_blocks(self, blocks: BlockWeight) -> None:
+        """Compute on `blocks` from now on; `weight` keeps its shape and dtype but holds no values."""
+        if (blocks.rows, blocks.cols) != tuple(self.weight.shape):
+            raise ValueError(f"gguf: blocks of {blocks.rows} x {blocks.cols} for a {tuple(self.weight.shape)} weight")
+        self.blocks = blocks
+        self.weight = nn.Parameter(torch.zeros((), dtype=self.weight.dtype).expand(blocks.rows, blocks.cols),
+                                   requires_grad=False)
 
     def after_load(self, arena: cpu_linear.PackArena | None = None) -> None:
-        self.packed = cpu_linear.pack(self.weight, arena=arena)
+        if self.blocks is None:
+            self.packed = cpu_linear.pack(self.weight, arena=arena)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        y = cpu_linear.linear(x, self.weight, self.bias, self.packed)
+        if self.blocks is not None:
+            y = self.blocks.linear(x, self.bias)
+        else:
+            y = cpu_linear.linear(x, self.weight, self.bias, self.packed)
         if lora is not None and self.lora is not None:
             self.lora.add(y, x, lora)
         return y
@@ -96,6 +114,8 @@ class LMHead(Linear):
         self.tiles: list[tuple[int, torch.Tensor, cpu_linear.PackedWeight | None]] = []  # (first token, weight, packed)
 
     def after_load(self, arena: cpu_linear.PackArena | None = None, tile: int = 2048) -> None:
+        if self.blocks is not None:
+            return
         # Large enough for huge pages of its own: no arena.
         self.packed = cpu_linear.pack(self.weight, onednn=False)  # whole, for the small GEMM only
         slices = [(start, self.weight[start : start + tile]) for start in range(0, self.weight.shape[0], tile)]
@@ -110,6 +130,8 @@ class LMHead(Linear):
             yield start, cpu_linear.linear(hidden, weight, None, packed)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            return self.blocks.linear(hidden)
         if self._small(hidden):
             return cpu_linear.linear(hidden, self.weight, None, self.packed)
         return torch.cat([logits for _, logits in self._tile_logits(hidden)], dim=-1)
@@ -117,6 +139,8 @@ class LMHead(Linear):
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """argmax over the vocabulary of forward(hidden); ties resolve to the lowest token id, as in
         torch.argmax."""
+        if self.blocks is not None:
+            return self.blocks.linear(hidden).argmax(dim=-1)
         if self._small(hidden):
             return cpu_linear.greedy(hidden, self.packed)
         best_val = best_idx = None
@@ -152,6 +176,8 @@ class GateUpLinear(FusedLinear):
         self.silu_packed: torch.Tensor | None = None
 
     def after_load(self, arena: cpu_linear.PackArena | None = None) -> None:
+        if self.blocks is not None:
+            return
         self.silu_packed = cpu_linear.pack_silu_mul(self.weight, arena) if self.bias is None else None
         if self.silu_packed is None:  # the plain layouts only where act() uses them
             super().after_load(arena)
@@ -392,65 +418,3 @@ def sliding_windows(c: Any) -> tuple[int | None, ...]:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     first = getattr(c, "max_window_layers", 0) if hasattr(c, "use_sliding_window") else 0
     return tuple(window if i >= first else None for i in range(n))
-
-
-def rope_parameters(c: Any) -> dict[str, Any]:
-    """The rope settings, wherever this transformers version keeps them (rope_parameters or rope_scaling)."""
-    params = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
-    layer_types = set(getattr(c, "layer_types", None) or ())
-    if layer_types & params.keys():
-        raise ValueError("per-layer-type rope parameters are not supported")
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    params["rope_theta"] = params.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0
-    if params["rope_type"] == "llama3":
-        params.setdefault("original_max_position_embeddings", getattr(c, "max_position_embeddings", 8192))
-    partial = params.get("partial_rotary_factor") or getattr(c, "partial_rotary_factor", None) or 1.0
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported")
-    return params
-
-
-class RotaryEmbedding:
-    """Neox-style rotary embedding with cos/sin precomputed for every position up to the model's limit."""
-
-    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
-        self.head_dim, self.max_positions = head_dim, max_positions
-        self.params = params
-        inverse_frequencies(head_dim, params, torch.device("cpu"))  # reject unsupported types early
-        self.cos: torch.Tensor | None = None
-        self.sin: torch.Tensor | None = None
-
-    def build(self, device: torch.device, dtype: torch.dtype) -> None:
-        # As HF: angles in fp32, cos/sin rounded to the activation dtype.
-        cpu = torch.device("cpu")
-        inv_freq = inverse_frequencies(self.head_dim, self.params, cpu)
-        positions = torch.arange(self.max_positions, dtype=torch.int64, device=cpu).float()
-        freqs = positions[:, None] * inv_freq[None, :]
-        self.cos = freqs.cos().to(device=device, dtype=dtype)
-        self.sin = freqs.sin().to(device=device, dtype=dtype)
-
-
-def inverse_frequencies(head_dim: int, params: dict[str, Any], device: torch.device) -> torch.Tensor:
-    # An explicit device: the model is built under a meta-device context.
-    base, rope_type = params["rope_theta"], params["rope_type"]
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    inv_freq = 1.0 / (base**exponents)
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / params["factor"]
-    if rope_type == "llama3":
-        return _llama3_scaling(inv_freq, params)
-    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
-
-
-def _llama3_scaling(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-    old_len = p["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)

@@ -17,8 +17,8 @@ from torch import nn
 
 from kvrelay.engine.attention.base import AttentionBackend
 
-from .llama import FusedLinear
 from .ops import layer_ops
+from .weight_targets import copy_into, weight_targets
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,11 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     attn_backend: AttentionBackend | str,
+    quantization: str | None = None,
 ) -> nn.Module:
-    """attn_backend: an AttentionBackend, or a name for kvrelay.engine.attention.get_attention_backend."""
+    """attn_backend: an AttentionBackend, or a name for kvrelay.engine.attention.get_attention_backend.
+    quantization "gguf": the weights come from the GGUF the folder was converted from, kept in its block formats
+    (gguf_loader.py); None: the folder's safetensors."""
     from transformers import AutoConfig  # slow to import; only loading needs it
 
     from . import get_model_class
@@ -52,7 +55,18 @@ def load_model(
         model = get_model_class(archs[0])(hf_config, attn_backend, compute, layer_ops(device))
     model.to_empty(device=device)
     model.after_materialize(device)
-    load_weights(model, checkpoint_files(Path(model_dir)), round_to=dtype if compute != dtype else None)
+    round_to = dtype if compute != dtype else None
+    if quantization == "gguf":
+        from .gguf_blocks import gguf_source
+        from .gguf_loader import load_gguf_weights
+
+        if device.type != "cpu":
+            raise ValueError("quantization: gguf runs on CPU only")
+        load_gguf_weights(model, gguf_source(model_dir), round_to=round_to)
+    elif quantization is not None:
+        raise ValueError(f"quantization: unknown method {quantization!r} (gguf)")
+    else:
+        load_weights(model, checkpoint_files(Path(model_dir)), round_to=round_to)
     model.after_load()
     return model.eval()
 
@@ -90,7 +104,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def load_weights(model: nn.Module, files: list[Path], round_to: torch.dtype | None = None) -> None:
     """Copy every checkpoint tensor into its parameter; round_to first rounds values to that dtype."""
-    targets = _weight_targets(model)
+    targets = weight_targets(model)
     tied = getattr(model, "arch", None) is not None and model.arch.tie_word_embeddings
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -104,31 +118,10 @@ def load_weights(model: nn.Module, files: list[Path], round_to: torch.dtype | No
                     continue
                 param, rows = targets[name]
                 tensor = f.get_tensor(name)
-                _copy_into(param, rows, tensor if round_to is None else tensor.to(round_to), name)
+                copy_into(param, rows, tensor if round_to is None else tensor.to(round_to), name)
                 loaded.add(name)
     if unexpected:
         raise ValueError(f"checkpoint has tensors this model does not know: {unexpected[:8]}")
     missing = sorted(set(targets) - loaded - ({"lm_head.weight"} if tied else set()))
     if missing:
         raise ValueError(f"checkpoint lacks tensors the model needs: {missing[:8]} ({len(missing)} in all)")
-
-
-def _weight_targets(model: nn.Module) -> dict[str, tuple[nn.Parameter, tuple[int, int] | None]]:
-    """HF tensor name -> (our parameter, its row range when the parameter is a fused projection)."""
-    targets: dict[str, tuple[nn.Parameter, tuple[int, int] | None]] = {}
-    for module_name, module in model.named_modules():
-        prefix = module_name.rpartition(".")[0]
-        for pname, param in module.named_parameters(recurse=False):
-            if isinstance(module, FusedLinear):
-                for shard, rows in module.shards.items():
-                    targets[f"{prefix}.{shard}.{pname}"] = (param, rows)
-            else:
-                targets[f"{module_name}.{pname}"] = (param, None)
-    return targets
-
-
-def _copy_into(param: nn.Parameter, rows: tuple[int, int] | None, tensor: torch.Tensor, name: str) -> None:
-    dest = param.data if rows is None else param.data.narrow(0, rows[0], rows[1])
-    if dest.shape != tensor.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dest.shape)}")
-    dest.copy_(tensor)

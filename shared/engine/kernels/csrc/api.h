@@ -33,6 +33,10 @@ bool small_gemm_available();
 // Whether bf16 kernels run on AMX tiles here (built for them, the OS lets this process use them, not switched off).
 bool amx_tiles();
 at::Tensor skinny_linear(TensorArg x, TensorArg w, OptTensorArg bias);
+// y = x W^T + b, W [N, row bytes] in a GGUF block format (ggml type 2 Q4_0, 3 Q4_1, 8 Q8_0; gguf_gemm.cpp), and
+// those rows back as fp32 [R, K].
+at::Tensor gguf_gemm(TensorArg x, TensorArg w, int64_t qtype, OptTensorArg bias);
+at::Tensor gguf_dequantize(TensorArg w, int64_t qtype, int64_t k);
 // y[t] += B[slots[t]] A[slots[t]] x[t] for the rows with a LoRA slot >= 0 (lora.cpp).
 void lora_add(TensorArg y, TensorArg x, TensorArg a, TensorArg bt, TensorArg slots,
               const std::vector<int64_t>& shard_cols);

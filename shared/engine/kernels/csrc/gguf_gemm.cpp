@@ -1,0 +1,236 @@
+// y = x W^T + b with W in a GGUF block format as the file stores it (Q4_0, Q4_1, Q8_0: blocks of 32 weights
+// along K, each with an fp16 scale, and for Q4_1 an fp16 minimum), never dequantized as a whole.
+//
+// As llama.cpp does, each row of x is first quantized per block of 32 to int8 with a scale (dx = max|x| / 127,
+// rounded to nearest), and a block's dot product is an integer one: sum_i q_i * xq_i in int32, then
+//   Q4_0  w = d (q - 8)  ->  d dx sum(q xq) - 8 d dx sum(xq)
+//   Q4_1  w = d q + m    ->  d dx sum(q xq) + m dx sum(xq)
+//   Q8_0  w = d q        ->  d dx sum(q xq)
+// Each thread takes a range of W's rows; every row's blocks are unpacked once for up to 4 rows of x. A row's
+// result depends on its own x row only (no reduction across rows), so a decode gets the same logits alone or
+// batched. gguf_dequantize turns blocks back into fp32 rows (an embedding's looked-up rows, a prefill's tile).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "api.h"
+#include "common.h"
+
+namespace {
+
+constexpr int kBlock = 32;
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
+
+int64_t block_bytes(int64_t t) {
+  switch (t) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+  }
+  TORCH_CHECK(false, "gguf: unsupported block type ", t, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  return 0;
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef KVRELAY_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      uint32_t m = man;
+      do { ++e; m <<= 1; } while ((m & 0x400u) == 0);
+      bits = sign | ((112 - e) << 23) | ((m & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// One row of x quantized per block: xq[K] int8, dx[B] (its scale), sx[B] (dx * sum of the block's xq).
+void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      const int q = static_cast<int>(std::lround(xb[i] * id));
+      xq[b * kBlock + i] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    dx[b] = d;
+    sx[b] = d * static_cast<float>(sum);
+  }
+}
+
+// sum_i q_i * xq_i over one block, q the weight's 32 values.
+#ifdef KVRELAY_AVX2
+inline __m256i unpack_q4(const uint8_t* qs) {  // byte j: q[j] in the low nibble, q[j + 16] in the high one
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i low = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+}
+inline __m256 dot_u8_i8(__m256i q, const int8_t* xq) {  // q unsigned (0..15)
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i pairs = _mm256_maddubs_epi16(q, x);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline __m256 dot_i8_i8(__m256i q, const int8_t* xq) {  // both signed: |q| times x with q's sign
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+
+inline int dot_scalar(const uint8_t* block, int64_t t, const int8_t* xq) {
+  int s = 0;
+  if (t == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+    for (int i = 0; i < kBlock; ++i) s += q[i] * xq[i];
+    return s;
+  }
+  const uint8_t* qs = block + (t == kQ4_1 ? 4 : 2);
+  for (int j = 0; j < 16; ++j) s += (qs[j] & 0x0f) * xq[j] + (qs[j] >> 4) * xq[j + 16];
+  return s;
+}
+
+// Rows [m0, m0 + MT) of x against weight row n.
+template <int MT>
+void row_tile(const uint8_t* wrow, int64_t t, int64_t B, int64_t bsz, const int8_t* xq, const float* dx,
+              const float* sx, int64_t K, float* out) {
+  float extra[MT] = {};
+#ifdef KVRELAY_AVX2
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+#else
+  float acc[MT] = {};
+#endif
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* blk = wrow + b * bsz;
+    const float d = half_to_float(blk);
+#ifdef KVRELAY_AVX2
+    const __m256i q = t == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
+                                 : unpack_q4(blk + (t == kQ4_1 ? 4 : 2));
+#endif
+    const float lo = t == kQ4_1 ? half_to_float(blk + 2) : (t == kQ4_0 ? -8.f * d : 0.f);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t i = m * (K / kBlock) + b;
+#ifdef KVRELAY_AVX2
+      const __m256 p = t == kQ8_0 ? dot_i8_i8(q, xq + i * kBlock) : dot_u8_i8(q, xq + i * kBlock);
+      acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx[i]), acc[m]);
+#else
+      acc[m] += static_cast<float>(dot_scalar(blk, t, xq + i * kBlock)) * (d * dx[i]);
+#endif
+      extra[m] += lo * sx[i];
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+#ifdef KVRELAY_AVX2
+    out[m] = kvrelay::hsum8(acc[m]) + extra[m];
+#else
+    out[m] = acc[m] + extra[m];
+#endif
+  }
+}
+
+using RowTileFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
+                           int64_t, float*);
+constexpr int kTileRows = 4;
+constexpr RowTileFn kRowTiles[kTileRows] = {row_tile<1>, row_tile<2>, row_tile<3>, row_tile<4>};
+
+void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "gguf: the weight must be contiguous uint8 [N, row bytes]");
+  TORCH_CHECK(K % kBlock == 0, "gguf: K must be a multiple of 32, got ", K);
+  TORCH_CHECK(w.size(1) == K / kBlock * block_bytes(t), "gguf: a row of ", K, " weights of type ", t, " is ",
+              K / kBlock * block_bytes(t), " bytes, not ", w.size(1));
+}
+
+}  // namespace
+
+namespace kvrelay {
+
+at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bias) {
+  TORCH_CHECK(x_in.dim() == 2, "gguf_gemm: x must be [M, K]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight(w, qtype, K);
+  const int64_t B = K / kBlock, bsz = block_bytes(qtype), row_bytes = w.size(1);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * B), sx(M * B);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t a, int64_t e) {
+    for (int64_t m = a; m < e; ++m) quantize_row(xp + m * K, K, xq.data() + m * K, dx.data() + m * B, sx.data() + m * B);
+  });
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "gguf_gemm: bias must have N values");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    float out[kTileRows];
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wrow = wp + n * row_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int64_t mt = std::min<int64_t>(kTileRows, M - m0);
+        kRowTiles[mt - 1](wrow, qtype, B, bsz, xq.data() + m0 * K, dx.data() + m0 * B, sx.data() + m0 * B, K, out);
+        for (int64_t m = 0; m < mt; ++m) yp[(m0 + m) * N + n] = bp ? out[m] + bp[n] : out[m];
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor gguf_dequantize(TensorArg w, int64_t qtype, int64_t K) {
+  check_weight(w, qtype, K);
+  const int64_t R = w.size(0), B = K / kBlock, bsz = block_bytes(qtype), row_bytes = w.size(1);
+  at::Tensor out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < B; ++b) {
+        const uint8_t* blk = wp + r * row_bytes + b * bsz;
+        float* o = op + r * K + b * kBlock;
+        const float d = half_to_float(blk);
+        if (qtype == kQ8_0) {
+          const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+          for (int i = 0; i < kBlock; ++i) o[i] = d * q[i];
+          continue;
+        }
+        const float lo = qtype == kQ4_1 ? half_to_float(blk + 2) : -8.f * d;
+        const uint8_t* qs = blk + (qtype == kQ4_1 ? 4 : 2);
+        for (int j = 0; j < 16; ++j) {
+          o[j] = d * (qs[j] & 0x0f) + lo;
+          o[j + 16] = d * (qs[j] >> 4) + lo;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace kvrelay

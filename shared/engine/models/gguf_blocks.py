@@ -1,0 +1,133 @@
+"""Weights kept in a GGUF file's own block formats (`--quantization gguf`): loaded as the file stores them, never
+dequantized whole.
+
+Q4_0, Q4_1 and Q8_0 tensors stay as their blocks of 32 weights (an fp16 scale, for Q4_1 an fp16 minimum, and
+the 4- or 8-bit values): one uint8 row of blocks per output row, the file's bytes unchanged. A linear layer of a
+few rows (decode steps) runs on them in the native kernel (kernels/csrc/gguf_gemm.cpp: int8 activations and
+integer dot products, as llama.cpp does); more rows (prefill chunks) dequantize the weight one tile of output
+rows at a time into a scratch buffer for the GEMM, so the dense weight never exists whole. The embedding
+dequantizes only the rows looked up; a tied LM head shares the embedding's blocks.
+
+llama.cpp's converter permutes the rows of Q and K for its rotary layout; rows are independent of each other in
+every block format, so the same permutation is undone on the block rows (kvrelay.model_files.gguf).
+
+Other tensor types (F32 norms, F16, and the quantized types without a kernel here: the K-quants) are
+dequantized at load, as without --quantization; load_gguf says which.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvrelay.engine import kernels
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 32
+# ggml type number -> bytes per block of 32 weights
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+# Up to this many rows the native kernel; past it, per-tile dequantization and the dense GEMM (measured:
+# docs/results/2026-11-28-epyc-f23m49-zen2/NOTES.md).
+KERNEL_ROWS = 16
+_TILE_ROWS = 1024  # output rows dequantized at once past KERNEL_ROWS (1024 x 1536 fp32: 6 MiB)
+
+
+@dataclass
+class BlockWeight:
+    """A [rows, cols] weight as GGUF blocks: `raw` is uint8 [rows, cols / 32 * block bytes]."""
+
+    raw: torch.Tensor
+    qtype: int  # ggml's type number
+    cols: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in BLOCK_BYTES:
+            raise ValueError(f"gguf: no kernel for ggml type {self.qtype}")
+        if self.cols % BLOCK or self.raw.shape[1] != self.cols // BLOCK * BLOCK_BYTES[self.qtype]:
+            raise ValueError(f"gguf: {TYPE_NAMES[self.qtype]} rows of {self.cols} weights do not fit "
+                             f"{self.raw.shape[1]} bytes")
+
+    @property
+    def rows(self) -> int:
+        return self.raw.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def dequantize(self, raw: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 rows of `raw` (default: all of them)."""
+        raw = self.raw if raw is None else raw
+        native = kernels.load()
+        if native is not None:
+            return native.gguf_dequantize(raw, self.qtype, self.cols)
+        return _dequantize_torch(raw, self.qtype, self.cols)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T + bias in x's dtype."""
+        shape, rows = x.shape, x.reshape(-1, self.cols)
+        native = kernels.load()
+        if native is not None and rows.shape[0] <= KERNEL_ROWS:
+            y = native.gguf_gemm(rows, self.raw, self.qtype, bias)
+        else:
+            x32 = rows.float()
+            parts = [F.linear(x32, self.dequantize(self.raw[start : start + _TILE_ROWS]),
+                              None if bias is None else bias[start : start + _TILE_ROWS].float())
+                     for start in range(0, self.rows, _TILE_ROWS)]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return y.to(x.dtype).reshape(*shape[:-1], self.rows)
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows of `ids` (an embedding lookup), as `dtype`."""
+        flat = ids.reshape(-1)
+        return self.dequantize(self.raw.index_select(0, flat)).to(dtype).reshape(*ids.shape, self.cols)
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept as GGUF blocks; a lookup dequantizes the rows it reads."""
+
+    def __init__(self, blocks: BlockWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.blocks, self.dtype = blocks, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.blocks.embed(ids, self.dtype)
+
+
+def block_rows(data: np.ndarray, qtype: int, cols: int) -> torch.Tensor:
+    """A GGUF tensor's raw bytes as uint8 [rows, row bytes] (a copy: the reader's map is read-only)."""
+    flat = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    return torch.from_numpy(flat.copy()).reshape(-1, cols // BLOCK * BLOCK_BYTES[qtype])
+
+
+def _dequantize_torch(raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """The portable dequantization (no native kernels): the same values as gguf_dequantize."""
+    blocks = raw.reshape(raw.shape[0], cols // BLOCK, BLOCK_BYTES[qtype])
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    if qtype == 8:
+        return (blocks[..., 2:].contiguous().view(torch.int8).float() * d).reshape(raw.shape[0], cols)
+    start = 4 if qtype == 3 else 2
+    qs = blocks[..., start:].to(torch.int16)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+    low = blocks[..., 2:4].contiguous().view(torch.float16).float() if qtype == 3 else -8.0 * d
+    return (q * d + low).reshape(raw.shape[0], cols)
+
+
+def gguf_source(model_dir: str | Path) -> Path:
+    """The GGUF a converted model folder was made from (its manifest names it)."""
+    import json
+
+    from kvrelay.model_files.gguf import MANIFEST_NAME
+
+    manifest = Path(model_dir) / MANIFEST_NAME
+    if not manifest.exists():
+        raise ValueError(f"quantization: gguf needs a .gguf model (or 'default'); {model_dir} is a folder")
+    return Path(json.loads(manifest.read_text())["source"])

@@ -1,0 +1,119 @@
+"""Load a llama-family model straight from its GGUF file, keeping the quantized tensors in their blocks
+(`--quantization gguf`; the formats and kernels: gguf_blocks.py).
+
+Every tensor goes where the safetensors loader would put it (weight_targets.py): a projection whose
+tensors (all the shards of a fused one: q|k|v, gate|up) are blocks of one type with a kernel gets them as a
+BlockWeight; the token embedding as a BlockEmbedding, which a tied LM head shares. Everything else (norms, biases,
+F16, the K-quants, a fused projection whose shards differ in type) is dequantized into its dense parameter, as
+the float32 conversion does, and logged once by type.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .gguf_blocks import BLOCK, BLOCK_BYTES, TYPE_NAMES, BlockEmbedding, BlockWeight, block_rows
+from .llama import FusedLinear, Linear
+from .weight_targets import copy_into, weight_targets
+
+logger = logging.getLogger(__name__)
+
+_EMBED = "model.embed_tokens.weight"
+
+
+def load_gguf_weights(model: nn.Module, gguf_path: Path, round_to: torch.dtype | None = None) -> None:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from kvrelay.model_files.gguf import hf_tensor_name, unpermute_rotary_rows
+
+    reader = GGUFReader(gguf_path)
+    arch = model.arch
+    targets, owners = weight_targets(model), _projection_owners(model)
+    shards: dict[Linear, dict[str, BlockWeight]] = {}
+    embed: BlockWeight | None = None
+    loaded: set[str] = set()
+    dense: Counter[str] = Counter()
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if arch.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if name not in targets:
+            raise ValueError(f"{gguf_path.name}: tensor {tensor.name} ({name}) is not part of this model")
+        heads = (arch.num_heads if ".attn_q." in tensor.name else
+                 arch.num_kv_heads if ".attn_k." in tensor.name else None)
+        qtype, cols = int(tensor.tensor_type), int(tensor.shape[0])
+        keeps = qtype in BLOCK_BYTES and cols % BLOCK == 0 and (name in owners or name == _EMBED)
+        if keeps:
+            raw = block_rows(tensor.data, qtype, cols)
+            if heads is not None:
+                raw = torch.from_numpy(np.ascontiguousarray(unpermute_rotary_rows(raw.numpy(), heads)))
+            blocks = BlockWeight(raw, qtype, cols)
+            if name == _EMBED:
+                embed = blocks
+            else:
+                module, shard = owners[name]
+                shards.setdefault(module, {})[shard] = blocks
+        else:
+            values = dequantize(tensor.data, tensor.tensor_type)
+            if heads is not None:
+                values = unpermute_rotary_rows(values, heads)
+            param, rows = targets[name]
+            dense_values = torch.from_numpy(np.array(values, dtype=np.float32))
+            copy_into(param, rows, dense_values if round_to is None else dense_values.to(round_to), name)
+            if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+                dense[tensor.tensor_type.name] += 1
+        loaded.add(name)
+    missing = sorted(set(targets) - loaded - ({"lm_head.weight"} if arch.tie_word_embeddings else set()))
+    if missing:
+        raise ValueError(f"{gguf_path.name} lacks tensors the model needs: {missing[:8]} ({len(missing)} in all)")
+    kept = Counter[str]()
+    for module, parts in shards.items():
+        kept.update(_place(module, parts, round_to, dense))
+    if embed is not None:
+        kept[TYPE_NAMES[embed.qtype]] += 1
+        model.model.embed_tokens = BlockEmbedding(embed, model.dtype)
+        if arch.tie_word_embeddings:
+            model.lm_head.use_blocks(embed)
+    logger.info("GGUF weights kept in their blocks: %s; dequantized at load (no kernel): %s",
+                _counts(kept), _counts(dense))
+
+
+def _projection_owners(model: nn.Module) -> dict[str, tuple[Linear, str]]:
+    """HF weight name -> (the projection holding it, its shard name: the HF name's module part)."""
+    owners: dict[str, tuple[Linear, str]] = {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        prefix, _, own = module_name.rpartition(".")
+        for shard in (module.shards if isinstance(module, FusedLinear) else {own: None}):
+            owners[f"{prefix}.{shard}.weight" if prefix else f"{shard}.weight"] = (module, shard)
+    return owners
+
+
+def _place(module: Linear, parts: dict[str, BlockWeight], round_to: torch.dtype | None,
+           dense: Counter[str]) -> Counter[str]:
+    """Give `module` its blocks: one BlockWeight over all its shards when every shard came as blocks of one type;
+    otherwise each shard that came as blocks is dequantized into the dense weight (the rest already is there).
+    The types kept."""
+    order = list(module.shards) if isinstance(module, FusedLinear) else list(parts)
+    if all(s in parts for s in order) and len({parts[s].qtype for s in order}) == 1:
+        first = parts[order[0]]
+        module.use_blocks(BlockWeight(torch.cat([parts[s].raw for s in order]), first.qtype, first.cols))
+        return Counter({TYPE_NAMES[first.qtype]: 1})
+    for shard in parts:
+        rows = module.shards[shard] if isinstance(module, FusedLinear) else None
+        values = parts[shard].dequantize()
+        copy_into(module.weight, rows, values if round_to is None else values.to(round_to), shard)
+        dense[TYPE_NAMES[parts[shard].qtype]] += 1
+    return Counter()
+
+
+def _counts(counter: Counter[str]) -> str:
+    return ", ".join(f"{n} {t}" for t, n in sorted(counter.items())) or "none"

@@ -1,0 +1,131 @@
+"""GGUF weights kept in their blocks (--quantization gguf): the kernel against an exact integer reference, the
+dequantization against the gguf package's, and the loader's placement against the float32 conversion of the
+same file."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvrelay.engine import kernels
+from kvrelay.engine.models import gguf_blocks
+from kvrelay.engine.models.gguf_blocks import BlockEmbedding, BlockWeight, block_rows
+from kvrelay.model_files.gguf import ensure_converted
+from tests.helpers.gguf_files import write_tiny_gguf
+
+TYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
+
+
+def _blocks(qtype, rows: int = 48, cols: int = 96, seed: int = 0) -> tuple[BlockWeight, np.ndarray]:
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    data = gguf.quants.quantize(w, qtype)
+    return BlockWeight(block_rows(data, int(qtype), cols), int(qtype), cols), gguf.quants.dequantize(data, qtype)
+
+
+def _int8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x quantized per block of 32 to int8 (scale max|x| / 127, rounded half away from zero, as llama.cpp's
+    reference), then multiplied exactly (float64) with the dequantized weight."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float64)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / 127.0
+    q = np.sign(blocks) * np.floor(np.abs(blocks / np.where(d > 0, d, 1.0)) + 0.5)
+    return (q * d).reshape(x.shape) @ w.astype(np.float64).T
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_equals_the_gguf_package(qtype):
+    blocks, reference = _blocks(qtype)
+    np.testing.assert_array_equal(blocks.dequantize().numpy(), reference)
+    np.testing.assert_array_equal(gguf_blocks._dequantize_torch(blocks.raw, blocks.qtype, blocks.cols).numpy(),
+                                  reference)
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_kernel_is_the_int8_dot_product_and_rows_are_independent(qtype):
+    blocks, w = _blocks(qtype)
+    x = np.random.default_rng(1).standard_normal((5, 96)).astype(np.float32)
+    x[2, :32] = 0.0  # an all-zero block: scale 0
+    bias = torch.arange(48, dtype=torch.float32)
+    y = blocks.linear(torch.from_numpy(x), bias)
+    np.testing.assert_allclose(y.numpy(), _int8_reference(x, w) + bias.numpy(), rtol=2e-5, atol=2e-4)
+    for row in range(5):  # alone or in a batch of 5 (a tile of 4 and one of 1): the same bits
+        assert torch.equal(blocks.linear(torch.from_numpy(x[row : row + 1]), bias)[0], y[row])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_many_rows_run_on_dequantized_tiles(qtype, monkeypatch):
+    monkeypatch.setattr(gguf_blocks, "_TILE_ROWS", 16)  # 48 output rows: three tiles
+    blocks, w = _blocks(qtype)
+    x = torch.randn(gguf_blocks.KERNEL_ROWS + 4, 96)
+    y = blocks.linear(x.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x.to(torch.bfloat16).float(), torch.from_numpy(w)),
+                               rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(blocks.linear(x), F.linear(x, torch.from_numpy(w)), rtol=1e-5, atol=1e-5)
+
+
+def test_malformed_blocks_are_refused():
+    raw = torch.zeros(4, 20, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="no kernel for ggml type 14"):
+        BlockWeight(raw, 14, 32)
+    with pytest.raises(ValueError, match="Q4_1 rows of 64 weights do not fit 20 bytes"):
+        BlockWeight(raw, 3, 64)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """The tiny GGUF loaded twice: dequantized (the float32 conversion) and kept in its blocks."""
+    from kvrelay.engine.models.loader import load_model
+
+    root = tmp_path_factory.mktemp("gguf-blocks")
+    path = root / "tiny.gguf"
+    write_tiny_gguf(path)
+    folder = root / "converted"
+    ensure_converted(path, folder, progress=False)
+    dense = load_model(folder, torch.float32, "cpu", "torch")
+    quantized = load_model(folder, torch.float32, "cpu", "torch", quantization="gguf")
+    return dense, quantized
+
+
+def test_loader_keeps_blocks_where_a_kernel_exists_and_places_them_as_the_conversion(tiny_models):
+    dense, quantized = tiny_models
+    layer, dense_layer = quantized.model.layers[1], dense.model.layers[1]
+    # q_proj is F32 in the file: the fused q|k|v is dense (its Q4_1 k and v dequantized into it).
+    assert layer.self_attn.qkv_proj.blocks is None
+    assert torch.equal(layer.self_attn.qkv_proj.weight, dense_layer.self_attn.qkv_proj.weight)
+    kept = {"o_proj": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+    assert {name: gguf_blocks.TYPE_NAMES[m.blocks.qtype] for name, m in kept.items()} == \
+        {"o_proj": "Q8_0", "gate_up": "Q4_1", "down": "Q8_0"}
+    assert isinstance(quantized.model.embed_tokens, BlockEmbedding)
+    assert quantized.lm_head.blocks is quantized.model.embed_tokens.blocks  # tied: one copy
+    dense_kept = {"o_proj": dense_layer.self_attn.o_proj, "gate_up": dense_layer.mlp.gate_up_proj,
+                  "down": dense_layer.mlp.down_proj}
+    for name, module in kept.items():  # the same weights, row for row (gate before up)
+        torch.testing.assert_close(module.blocks.dequantize(), dense_kept[name].weight, rtol=0, atol=0, msg=name)
+    ids = torch.tensor([[0, 5, 259], [3, 3, 1]])
+    assert torch.equal(quantized.model.embed_tokens(ids), dense.model.embed_tokens(ids))
+    hidden = torch.randn(gguf_blocks.KERNEL_ROWS + 1, 64)
+    torch.testing.assert_close(quantized.compute_logits(hidden), dense.compute_logits(hidden), rtol=1e-5, atol=1e-5)
+    assert torch.equal(quantized.greedy_tokens(hidden[:2]), quantized.compute_logits(hidden[:2]).argmax(-1))
+
+
+def test_quantization_needs_a_gguf_on_cpu(tmp_path):
+    from kvrelay.engine.config import EngineConfig
+    from kvrelay.engine.model_info import ConfigError, check_engine_config
+
+    for model, device, why in ((str(tmp_path), "cpu", "is not one"), ("default", "cuda", "CPU only")):
+        with pytest.raises(ConfigError, match=why) as e:
+            check_engine_config(EngineConfig().with_kwargs(model=model, device=device, quantization="gguf"))
+        assert e.value.field == "quantization"
+
+
+def test_the_default_model_served_from_its_blocks_answers():
+    from kvrelay.common.sampling_params import SamplingParams
+    from kvrelay.engine.llm import LLM
+
+    llm = LLM(model="default", dtype="float32", quantization="gguf", kv_cache_memory=64 << 20)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert out[0].outputs[0].text.startswith(" Paris")
