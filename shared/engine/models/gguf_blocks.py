@@ -2,22 +2,25 @@
 dequantized whole.
 
 Q4_0, Q4_1 and Q8_0 tensors stay as their blocks of 32 weights (an fp16 scale, for Q4_1 an fp16 minimum, and
-the 4- or 8-bit values): one uint8 row of blocks per output row, the file's bytes unchanged. A linear layer of a
-few rows (decode steps) runs on them in the native kernel (kernels/csrc/gguf_gemm.cpp: int8 activations and
-integer dot products, as llama.cpp does); more rows (prefill chunks) dequantize the weight one tile of output
-rows at a time into a scratch buffer for the GEMM, so the dense weight never exists whole. The embedding
-dequantizes only the rows looked up; a tied LM head shares the embedding's blocks.
+the 4- or 8-bit values): one uint8 row of blocks per output row, the file's bytes unchanged. A linear layer of up
+to KERNEL_ROWS rows (decode steps, short prefill chunks) runs on them in the native kernel
+(kernels/csrc/gguf_gemm.cpp: int8 activations and integer dot products, as llama.cpp does); more rows (long
+prefill chunks) dequantize the weight one tile of output rows at a time into a scratch buffer for the GEMM, so
+the dense weight never exists whole. The embedding dequantizes only the rows looked up; a tied LM head shares
+the embedding's blocks.
 
 llama.cpp's converter permutes the rows of Q and K for its rotary layout; rows are independent of each other in
 every block format, so the same permutation is undone on the block rows (kvrelay.model_files.gguf).
 
 Other tensor types (F32 norms, F16, and the quantized types without a kernel here: the K-quants) are
-dequantized at load, as without --quantization; load_gguf says which.
+dequantized at load, as without --quantization; the loader (gguf_loader.py) logs which.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,9 +37,11 @@ BLOCK = 32
 # ggml type number -> bytes per block of 32 weights
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
 TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
-# Up to this many rows the native kernel; past it, per-tile dequantization and the dense GEMM (measured:
-# docs/results/2026-11-28-epyc-f23m49-zen2/NOTES.md).
-KERNEL_ROWS = 16
+# Up to this many rows the native kernel; past it, per-tile dequantization and the dense GEMM. The kernel's time
+# grows with the rows (int8 dot products per row); the dense GEMM pays ~1.3 ms per weight to dequantize and
+# repack it, then little per row: on a Zen 2 the kernel was faster at every count up to 128 rows, for the
+# projections and the head alike (docs/results/2026-11-28-epyc-f23m49-zen2/NOTES.md).
+KERNEL_ROWS = 128
 _TILE_ROWS = 1024  # output rows dequantized at once past KERNEL_ROWS (1024 x 1536 fp32: 6 MiB)
 
 
@@ -89,6 +94,18 @@ class BlockWeight:
         """The rows of `ids` (an embedding lookup), as `dtype`."""
         flat = ids.reshape(-1)
         return self.dequantize(self.raw.index_select(0, flat)).to(dtype).reshape(*ids.shape, self.cols)
+
+
+@contextmanager
+def kernel_on_every_row() -> Iterator[None]:
+    """Every row on the int8 kernel meanwhile, prefill chunks included: what a decode step computes, for the
+    accuracy benchmark's perplexity (kvrelay.bench.accuracy)."""
+    global KERNEL_ROWS
+    saved, KERNEL_ROWS = KERNEL_ROWS, 1 << 62
+    try:
+        yield
+    finally:
+        KERNEL_ROWS = saved
 
 
 class BlockEmbedding(nn.Module):

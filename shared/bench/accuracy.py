@@ -1,0 +1,164 @@
+"""`kvrelay bench accuracy`: what a quantized way of serving a model costs in accuracy, in one run.
+
+For a GGUF model, two of our engines on the same weights: `--quantization gguf` (the file's blocks) and the file
+dequantized once to float32 (the reference our other paths are held to), and, when llama.cpp's
+`llama-perplexity` is at hand (the peer kit's build, --llama-perplexity), llama.cpp on the same GGUF and text.
+
+- Perplexity on held-out text (the docstrings of the benchmark corpus's standard library modules, never a
+  prompt of a test), computed as llama-perplexity does: chunks of --ctx tokens (the first replaced by BOS when
+  the model adds one), each scoring the tokens of its second half given everything before them in the chunk.
+  The blocks' engine computes every row on its int8 kernel here, as its decode steps do (prefill chunks of more
+  than 128 rows dequantize tiles, which equals float32), and as llama.cpp computes all rows.
+- Greedy agreement with the float32 engine: --prompts prompts of the same text generate --max-tokens tokens
+  greedily under both; the share of tokens before the first divergence, and of positions equal.
+
+    kvrelay bench accuracy
+    kvrelay bench accuracy --model my.Q4_0.gguf --chunks 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvrelay.bench.report import emit, machine
+from kvrelay.bench.workload import iter_corpus_docs
+
+HELP = "perplexity and greedy agreement of --quantization gguf against float32 and llama.cpp on the same GGUF"
+DEFAULT_PERPLEXITY = ("/tmp/peerkit/llamacpp/bin/llama-perplexity",)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="a .gguf file or 'default'")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per perplexity chunk (llama-perplexity's -c)")
+    p.add_argument("--chunks", type=int, default=8, help="perplexity chunks (llama-perplexity's --chunks)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts for the greedy agreement")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="tokens of text per agreement prompt")
+    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per agreement prompt")
+    p.add_argument("--llama-perplexity", default=None,
+                   help="llama.cpp's llama-perplexity (default: the peer kit's build; none: llama.cpp is left out)")
+    p.add_argument("--output", default="bench/results/accuracy.json", help="where the JSON goes")
+
+
+def heldout_text(min_chars: int) -> str:
+    text, docs = "", iter_corpus_docs()
+    for doc in docs:
+        text += doc + "\n\n"
+        if len(text) >= min_chars:
+            break
+    return text
+
+
+def chunked_tokens(tokens: list[int], ctx: int, chunks: int, bos: int | None) -> list[list[int]]:
+    """llama-perplexity's chunks: consecutive runs of `ctx` tokens, the first of each replaced by BOS."""
+    out = []
+    for i in range(min(chunks, len(tokens) // ctx)):
+        chunk = tokens[i * ctx : (i + 1) * ctx]
+        if bos is not None:
+            chunk = [bos, *chunk[1:]]
+        out.append(chunk)
+    return out
+
+
+def perplexity(llm, chunks: list[list[int]]) -> float:
+    """exp of the mean negative log-likelihood of each chunk's tokens past its first half (llama-perplexity's)."""
+    from kvrelay.common.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    nll, count = 0.0, 0
+    for chunk in chunks:
+        (out,) = llm.generate([chunk], params, use_tqdm=False)
+        first = len(chunk) // 2
+        for lp in out.prompt_logprobs[first + 1:]:
+            nll -= lp.logprob
+            count += 1
+    return math.exp(nll / count)
+
+
+def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from kvrelay.common.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def agreement(ours: list[list[int]], reference: list[list[int]]) -> dict:
+    prefix = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(ours, reference))
+    equal = sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y))
+    total = sum(len(y) for y in reference)
+    return {"tokens": total, "before_first_divergence": prefix / total, "positions_equal": equal / total}
+
+
+def llama_perplexity(binary: str, gguf: str, text_file: str, ctx: int, chunks: int, threads: int) -> float:
+    argv = [binary, "-m", gguf, "-f", text_file, "-c", str(ctx), "--chunks", str(chunks), "-t", str(threads),
+            "-b", str(ctx)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=3600, check=False)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(f"llama-perplexity failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
+    return float(found.group(1))
+
+
+def _bos_if_added(gguf: str) -> int | None:
+    """The BOS token llama.cpp puts at the start of each chunk, when the GGUF says to add one."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf)
+
+    def value(key: str):
+        field = reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    return int(value("tokenizer.ggml.bos_token_id")) if value("tokenizer.ggml.add_bos_token") else None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvrelay.common.tokenizer import Tokenizer
+    from kvrelay.engine.llm import LLM
+    from kvrelay.engine.models.gguf_blocks import kernel_on_every_row
+    from kvrelay.model_files.resolve import default_gguf_path, resolve_model
+
+    gguf = str(default_gguf_path()) if args.model == "default" else args.model
+    if not gguf.lower().endswith(".gguf"):
+        raise SystemExit("bench accuracy: give --model a .gguf file or 'default'")
+    binary = args.llama_perplexity or next((b for b in DEFAULT_PERPLEXITY if Path(b).is_file()), None)
+    tokenizer = Tokenizer(resolve_model(args.model).path)
+    text = heldout_text(args.ctx * (args.chunks + 1) * 8)
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    chunks = chunked_tokens(tokens, args.ctx, args.chunks, _bos_if_added(gguf))
+    step = max(1, (len(tokens) - args.prompt_tokens) // max(1, args.prompts))
+    prompts = [tokens[i * step : i * step + args.prompt_tokens] for i in range(args.prompts)]
+    report = {"benchmark": "accuracy", "machine": machine(), "model": gguf,
+              "args": {k: v for k, v in vars(args).items() if k != "func"},
+              "text": {"tokens_scored": len(chunks) * (args.ctx - args.ctx // 2 - 1), "chunks": len(chunks)}}
+    outputs = {}
+    for name, quantization in (("gguf_blocks", "gguf"), ("float32", None)):
+        llm = LLM(model=args.model, dtype="float32", quantization=quantization, enable_prefix_caching=False,
+                  max_model_len=max(args.ctx + 1, args.prompt_tokens + args.max_tokens))
+        with kernel_on_every_row() if quantization else contextlib.nullcontext():
+            report[name] = {"perplexity": perplexity(llm, chunks)}
+        outputs[name] = greedy(llm, prompts, args.max_tokens)
+        del llm
+        gc.collect()
+    report["gguf_blocks"]["greedy_agreement_with_float32"] = agreement(outputs["gguf_blocks"], outputs["float32"])
+    report["gguf_blocks"]["perplexity_over_float32"] = report["gguf_blocks"]["perplexity"] / \
+        report["float32"]["perplexity"]
+    if binary is not None and args.llama_perplexity != "none":
+        with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+            f.write(text)
+            f.flush()
+            ppl = llama_perplexity(binary, gguf, f.name, args.ctx, args.chunks, torch.get_num_threads())
+        report["llamacpp"] = {"binary": binary, "perplexity": ppl}
+        report["gguf_blocks"]["perplexity_over_llamacpp"] = report["gguf_blocks"]["perplexity"] / ppl
+        report["float32"]["perplexity_over_llamacpp"] = report["float32"]["perplexity"] / ppl
+    emit(report, args.output)
+    return 0
