@@ -149,9 +149,10 @@ def test_metrics(pair):
 
 @pytest.mark.timeout(240)
 def test_default_model_disaggregated(default_model_dir):
-    """The default model (SmolLM2-135M) over ucx: disaggregated greedy output = local prefill output."""
-    args = ["--model", str(default_model_dir), "--num-threads", "1", "--kv-cache-memory", str(64 * 2**20),
-            "--connector", "ucx", "--shutdown-timeout", "10"]
+    """The default model (SmolLM2-135M) served from its GGUF blocks (--quantization gguf) over ucx:
+    disaggregated greedy output = local prefill output."""
+    args = ["--model", "default", "--quantization", "gguf", "--num-threads", "1", "--kv-cache-memory",
+            str(64 * 2**20), "--connector", "ucx", "--shutdown-timeout", "10"]
     prefill, decode = start_nodes([("prefill", args), ("decode", args)], timeout=200)
     try:
         prompt = [1, 504, 3458, 282, 4649, 314, 253, 1345, 4210, 30, 378, 3458, 282, 4649, 314] * 3
