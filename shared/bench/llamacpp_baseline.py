@@ -6,9 +6,10 @@ GGUF our engine serves, beside the same two single-stream measurements of ours, 
   prompt, greedy, ignore_eos), i.e. 1000 / time per output token in ms.
 
 Each is the median of `reps` runs, fresh random tokens each time (no prefix cache hit), after a warm-up; llama-bench
-gets the threads our engine uses. llama-bench is built from llama.cpp's sources by the peer kit
-(`LLAMACPP=1 bash setup.sh` in ../shared/peer, about 10 minutes on two cores); `--llama-bench` or
-$KVRELAY_LLAMA_BENCH name another build.
+gets the threads our engine uses. llama-bench comes from a native build of llama.cpp's sources (those vendored in
+`llama-cpp-python`'s sdist on PyPI: `cmake -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF` and the targets llama-bench
+and llama-perplexity, about 10 minutes on two cores); `--llama-bench` or $KVRELAY_LLAMA_BENCH name it, else the
+peer kit's build under /tmp/peerkit is used.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def find_llama_bench(explicit: str | None) -> str:
     for candidate in (explicit, os.environ.get("KVRELAY_LLAMA_BENCH"), *DEFAULT_BINARIES):
         if candidate and Path(candidate).is_file():
             return candidate
-    raise ValueError("llamacpp baseline: no llama-bench found; build it with `LLAMACPP=1 bash setup.sh` in "
-                     "../shared/peer, or pass --llama-bench PATH (or set KVRELAY_LLAMA_BENCH)")
+    raise ValueError("llamacpp baseline: no llama-bench found; build llama.cpp natively (see "
+                     "kvrelay.bench.llamacpp_baseline) and pass --llama-bench PATH (or set KVRELAY_LLAMA_BENCH)")
 
 
 def run_llama_bench(binary: str, gguf: str, threads: int, n_prompt: int = 512, n_gen: int = 128,
