@@ -1,14 +1,20 @@
-"""The embedded Redis of `kvrelay up` takes only the fleet's ACL user (kvrelay.index.redis_server)."""
+"""The embedded Redis of `kvrelay up` takes only the fleet's ACL user (kvrelay.index.redis_server); an external
+Redis over TLS (`rediss://`) serves the index clients and the gateway's rate limits."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import shutil
 import stat
+import subprocess
+import time
 
 import pytest
 import redis
 
 from kvrelay.index.redis_server import redact, start_redis
+from tests.helpers.tls import make_test_pki
 
 
 def test_a_password_protected_redis_refuses_other_clients(tmp_path):
@@ -29,3 +35,56 @@ def test_redact_hides_passwords_only():
     assert redact("redis://kvrelay:pw@127.0.0.1:6379/0") == "redis://kvrelay:***@127.0.0.1:6379/0"
     assert redact("unix://kvrelay:pw@/tmp/r.sock?db=0") == "unix://kvrelay:***@/tmp/r.sock?db=0"
     assert redact("rediss://h:6380/0") == "rediss://h:6380/0"
+
+
+def _tls_redis(tmp_path, port: int) -> subprocess.Popen:
+    pki = make_test_pki(tmp_path)
+    argv = [shutil.which("redis-server"), "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(pki["server"]),
+            "--tls-key-file", str(pki["server_key"]), "--tls-ca-cert-file", str(pki["ca"]), "--tls-auth-clients", "no",
+            "--requirepass", "tls-pass", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_rediss_with_the_servers_ca_serves_the_index_and_the_rate_limits(tmp_path):
+    from kvrelay.common.system import free_port
+    from kvrelay.gateway.auth import Principal
+    from kvrelay.gateway.ratelimit import RateLimiter
+    from kvrelay.index.redis_index import connect
+
+    port = free_port()
+    server = _tls_redis(tmp_path, port)
+    url = f"rediss://:tls-pass@127.0.0.1:{port}/0?ssl_ca_certs={tmp_path / 'ca.pem'}"
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            if server.poll() is not None:
+                out = server.stdout.read()
+                if "TLS" in out and "not" in out.lower():
+                    pytest.skip(f"this redis-server has no TLS: {out[-300:]}")
+                raise AssertionError(f"redis-server with TLS did not start: {out[-2000:]}")
+            try:
+                if connect(url, 0.5).ping():
+                    break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server with TLS did not answer"
+                time.sleep(0.1)
+
+        async def admit() -> int:
+            limiter = RateLimiter(url, "gw-tls")
+            await limiter.start()
+            try:
+                decision = await limiter.admit(Principal("k-tls", rpm=60))
+                return decision.requests.remaining
+            finally:
+                await limiter.stop()
+
+        assert asyncio.run(admit()) == 9  # a burst of 10, one taken, in the Redis behind TLS
+        assert connect(url).exists("kvr:rl:{k-tls}:r")
+        with pytest.raises(redis.ConnectionError):  # plain text to the TLS port
+            connect(f"redis://:tls-pass@127.0.0.1:{port}/0", 0.5).ping()
+        with pytest.raises(redis.ConnectionError, match="certificate verify failed"):  # a CA it does not trust
+            connect(f"rediss://:tls-pass@127.0.0.1:{port}/0", 0.5).ping()
+        assert redact(url) == f"rediss://:***@127.0.0.1:{port}/0?ssl_ca_certs={tmp_path / 'ca.pem'}"
+    finally:
+        server.terminate()
+        server.wait(10)
