@@ -376,7 +376,10 @@ class EngineCore:
     # -- what callers may ask ---------------------------------------------------------------------------
 
     def kv_layout(self) -> KVLayout:
-        return KVLayout.for_caches(self.info.model_id, self.runner.kv_caches)
+        """The cache's layout; its model names the weights' form too: KV computed from GGUF blocks differs from
+        the dense weights' a little, so a transfer between the two is refused like any layout mismatch."""
+        weights = "" if self.info.quantization is None else f" ({self.info.quantization} weights)"
+        return KVLayout.for_caches(self.info.model_id + weights, self.runner.kv_caches)
 
     def load(self) -> NodeLoad:
         load = self.scheduler.load()

@@ -129,3 +129,5 @@ def test_the_default_model_served_from_its_blocks_answers():
     llm = LLM(model="default", dtype="float32", quantization="gguf", kv_cache_memory=64 << 20)
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert out[0].outputs[0].text.startswith(" Paris")
+    # Its KV is not the dense weights' KV: a transfer to or from a dense node is refused by the layout check.
+    assert llm.engine.kv_layout().model_id == "SmolLM2-135M-Instruct (gguf weights)"
