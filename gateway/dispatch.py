@@ -46,6 +46,7 @@ from kvrelay.gateway.errors import BadRequest, ModelNotFound, NoCapacity, NodeFa
 from kvrelay.gateway.liveness import Liveness
 from kvrelay.gateway.node_client import EngineRequest, NodeClients, NodeRpcError
 from kvrelay.gateway.router import RouteDecision, Router
+from kvrelay.gateway.sequence_state import Holders, SequenceAttempts, Tracked
 
 logger = logging.getLogger(__name__)
 
@@ -56,54 +57,6 @@ class DispatchConfig:
     migration_limit: int = GatewayConfig.migration_limit  # re-dispatches of one sequence after node failures
     queue_timeout_s: float = GatewayConfig.queue_timeout  # how long a reservation may wait in a decode node's queue
     capacity_wait_s: float = GatewayConfig.capacity_wait  # how long a request waits for any decode node to be up
-
-
-@dataclass
-class _Holders:
-    """Nodes that may hold state for the sequence right now (to abort on an early exit)."""
-
-    nodes: dict[str, tuple[Node, str]]
-    trace: dict
-
-    def add(self, node: Node, request_id: str) -> None:
-        self.nodes[node.node_id] = (node, request_id)
-
-    def remove(self, node: Node) -> None:
-        self.nodes.pop(node.node_id, None)
-
-
-class _Sequence:
-    """One engine sequence across its attempts: what the client has received, where it failed."""
-
-    def __init__(self, req: EngineRequest, trace: dict) -> None:
-        self.original = self.current = req
-        self.trace = trace
-        self.generated: list[int] = []
-        self.failed: set[str] = set()
-        self.moves = 0
-        self.extended = False  # the current prompt carries earlier output
-        # What first interrupted it: if no move succeeds, the client learns this (e.g. node_stopped), not
-        # the error of a recovery attempt (a connection refused by the node that just stopped).
-        self.cause: NodeFailure | None = None
-
-    def observe(self, chunk: TokenChunk) -> TokenChunk:
-        self.generated.extend(chunk.token_ids)
-        if self.extended:  # its cache hit counted the earlier output too: the first attempt's figure stands
-            chunk = replace(chunk, num_cached_tokens=0)
-        return chunk
-
-    def move(self, failure: NodeFailure) -> None:
-        """The next attempt's request: the prompt plus what was streamed, under a new id."""
-        self.moves += 1
-        self.cause = self.cause or failure
-        if failure.node_id:
-            self.failed.add(failure.node_id)
-        orig, k = self.original, len(self.generated)
-        params = replace(orig.params, num_resumed_tokens=orig.params.num_resumed_tokens + k) if k else orig.params
-        self.extended = k > 0
-        self.current = EngineRequest(f"{orig.request_id}.m{self.moves}", [*orig.prompt_token_ids, *self.generated],
-                                     params, orig.cache_salt, beam_search=orig.beam_search,
-                                     deadline=orig.deadline, lora_name=orig.lora_name, span=orig.span)
 
 
 class Dispatcher:
@@ -144,9 +97,9 @@ class Dispatcher:
     async def stream(self, decision: RouteDecision, req: EngineRequest,
                      trace: dict | None = None) -> AsyncIterator[TokenChunk]:
         """The sequence's chunks; `trace` gets the nodes that actually served it ("prefill" None: local)."""
-        seq = _Sequence(req, trace if trace is not None else {})
+        seq = SequenceAttempts(req, trace if trace is not None else {})
         while True:
-            holders = _Holders({}, seq.trace)
+            holders = Holders({}, seq.trace)
             finished = False
             try:
                 async with aclosing(self._attempt(decision, seq.current, holders)) as source:
@@ -168,7 +121,7 @@ class Dispatcher:
                     self._abort_all(holders)
             decision = await self._redispatch(seq, failure)
 
-    async def _redispatch(self, seq: _Sequence, failure: NodeFailure) -> RouteDecision:
+    async def _redispatch(self, seq: SequenceAttempts, failure: NodeFailure) -> RouteDecision:
         if seq.current.expired():
             raise self._timeout()
         if seq.moves >= self.config.migration_limit:
@@ -188,7 +141,7 @@ class Dispatcher:
         return await self.route(req.prompt_token_ids, req.cache_salt, req.deadline, seq.failed, seq.cause,
                                 lora_name=req.lora_name)
 
-    def _attempt(self, decision: RouteDecision, req: EngineRequest, holders: _Holders) -> AsyncIterator[TokenChunk]:
+    def _attempt(self, decision: RouteDecision, req: EngineRequest, holders: Holders) -> AsyncIterator[TokenChunk]:
         if decision.local_prefill:
             return self._local([decision.decode, *decision.decode_fallbacks], req, holders,
                                decision.decode_cached_tokens)
@@ -197,7 +150,7 @@ class Dispatcher:
     # -------------------------------------------------------------------------------- disaggregated
 
     async def _disaggregated(self, decision: RouteDecision, req: EngineRequest,
-                             holders: _Holders) -> AsyncIterator[TokenChunk]:
+                             holders: Holders) -> AsyncIterator[TokenChunk]:
         decodes = [decision.decode, *decision.decode_fallbacks]
         hop = req
         result: PrefillResult | None = None
@@ -223,7 +176,7 @@ class Dispatcher:
                 yield chunk
 
     async def _handed_off(self, decode: Node, prefill: Node, req: EngineRequest, result: PrefillResult,
-                          holders: _Holders) -> AsyncIterator[TokenChunk]:
+                          holders: Holders) -> AsyncIterator[TokenChunk]:
         holders.trace.update(prefill=prefill.node_id, decode=decode.node_id)
         first = TokenChunk((result.first_token_id,),
                            (result.first_logprobs,) if result.first_logprobs is not None else (),
@@ -244,7 +197,7 @@ class Dispatcher:
                 async for chunk in stream:
                     yield chunk
 
-    async def _reserve(self, nodes: list[Node], req: EngineRequest, holders: _Holders) -> tuple[Node, ReserveResult]:
+    async def _reserve(self, nodes: list[Node], req: EngineRequest, holders: Holders) -> tuple[Node, ReserveResult]:
         refused = timed_out = 0
         last: NodeRpcError | None = None
         for node in nodes:
@@ -271,7 +224,7 @@ class Dispatcher:
         raise self._exhausted("decode", refused, timed_out, last)
 
     async def _prefill(self, node: Node, decode: Node, req: EngineRequest, reservation: ReserveResult,
-                       holders: _Holders) -> PrefillResult | None:
+                       holders: Holders) -> PrefillResult | None:
         """The hand-off's result, or None when it failed for a reason another node may not have."""
         uncached = len(req.prompt_token_ids) - reservation.num_cached_tokens
         holders.add(node, req.request_id)
@@ -322,7 +275,7 @@ class Dispatcher:
 
     # ---------------------------------------------------------------------------------------- local
 
-    async def _local(self, nodes: list[Node], req: EngineRequest, holders: _Holders,
+    async def _local(self, nodes: list[Node], req: EngineRequest, holders: Holders,
                      cached: int = 0) -> AsyncIterator[TokenChunk]:
         """`cached`: the prompt tokens routing expects the node to hold (the rest is its prefill work)."""
         num_prompt = len(req.prompt_token_ids)
@@ -416,8 +369,8 @@ class Dispatcher:
 
     # -------------------------------------------------------------------------------------- helpers
 
-    def _track(self, node: Node) -> _Tracked:
-        return _Tracked(self.router.track_sequence(node.node_id), self.metrics, node)
+    def _track(self, node: Node) -> Tracked:
+        return Tracked(self.router.track_sequence(node.node_id), self.metrics, node)
 
     def _observe(self, local: bool, num_prompt: int, num_cached: int) -> None:
         if self.metrics is not None:
@@ -432,7 +385,7 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.retries.labels(hop).inc()
 
-    def _abort_all(self, holders: _Holders) -> None:
+    def _abort_all(self, holders: Holders) -> None:
         for node, request_id in list(holders.nodes.values()):
             self._spawn(self._abort(node, request_id))
         holders.nodes.clear()
@@ -453,26 +406,6 @@ class Dispatcher:
         """Let the abort calls already sent finish (shutdown)."""
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout_s)
-
-
-class _Tracked:
-    """A sequence on a node: the router's in-flight count and the per-node gauge."""
-
-    __slots__ = ("count", "metrics", "node")
-
-    def __init__(self, count, metrics, node: Node) -> None:
-        self.count, self.metrics, self.node = count, metrics, node
-
-    def __enter__(self) -> _Tracked:
-        self.count.__enter__()
-        if self.metrics is not None:
-            self.metrics.node_inflight(self.node.node_id, self.node.role, 1)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.count.__exit__()
-        if self.metrics is not None:
-            self.metrics.node_inflight(self.node.node_id, self.node.role, -1)
 
 
 def _drop_first(chunk: TokenChunk) -> TokenChunk:
