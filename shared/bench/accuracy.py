@@ -9,8 +9,9 @@ dequantized once to float32 (the reference our other paths are held to), and, wh
   the model adds one), each scoring the tokens of its second half given everything before them in the chunk.
   The blocks' engine computes every row on its int8 kernel here, as its decode steps do (prefill chunks of more
   than 128 rows dequantize tiles, which equals float32), and as llama.cpp computes all rows.
-- Greedy agreement with the float32 engine: --prompts prompts of the same text generate --max-tokens tokens
-  greedily under both; the share of tokens before the first divergence, and of positions equal.
+- Greedy agreement with the float32 engine, and with llama.cpp's own server when at hand (--llama-server):
+  --prompts prompts of the same text generate --max-tokens tokens greedily under each; the share of tokens
+  before the first divergence, and of positions equal.
 
     kvrelay bench accuracy
     kvrelay bench accuracy --model my.Q4_0.gguf --chunks 16
@@ -32,6 +33,7 @@ from kvrelay.bench.workload import iter_corpus_docs
 
 HELP = "perplexity and greedy agreement of --quantization gguf against float32 and llama.cpp on the same GGUF"
 DEFAULT_PERPLEXITY = ("/tmp/peerkit/llamacpp/bin/llama-perplexity",)
+DEFAULT_SERVER = ("/tmp/peerkit/llamacpp/bin/llama-server",)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per agreement prompt")
     p.add_argument("--llama-perplexity", default=None,
                    help="llama.cpp's llama-perplexity (default: the peer kit's build; none: llama.cpp is left out)")
+    p.add_argument("--llama-server", default=None,
+                   help="llama.cpp's llama-server, for greedy agreement with llama.cpp (default: the peer kit's "
+                        "build; none: left out)")
     p.add_argument("--output", default="bench/results/accuracy.json", help="where the JSON goes")
 
 
@@ -106,6 +111,35 @@ def llama_perplexity(binary: str, gguf: str, text_file: str, ctx: int, chunks: i
     return float(found.group(1))
 
 
+def llama_server_greedy(binary: str, gguf: str, prompts: list[list[int]], max_tokens: int,
+                        threads: int) -> list[list[int]]:
+    """llama.cpp's greedy tokens for each prompt (token ids in, token ids out), from its own server on a free
+    loopback port; stopped afterwards."""
+    import httpx
+
+    from kvrelay.common.process import ChildProcess
+    from kvrelay.common.system import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [binary, "-m", gguf, "-t", str(threads), "--host", "127.0.0.1", "--port", str(port), "-c", "4096"]
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    with ChildProcess.start("llama-server", argv) as server:
+        server.wait_ready(ready, timeout_s=120)
+        out = []
+        for prompt in prompts:
+            body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "top_k": 1, "ignore_eos": True,
+                    "cache_prompt": False, "return_tokens": True}
+            out.append(list(httpx.post(f"{url}/completion", json=body, timeout=600).json()["tokens"]))
+        return out
+
+
 def _bos_if_added(gguf: str) -> int | None:
     """The BOS token llama.cpp puts at the start of each chunk, when the GGUF says to add one."""
     from gguf import GGUFReader
@@ -157,8 +191,14 @@ def run(args: argparse.Namespace) -> int:
             f.write(text)
             f.flush()
             ppl = llama_perplexity(binary, gguf, f.name, args.ctx, args.chunks, torch.get_num_threads())
-        report["llamacpp"] = {"binary": binary, "perplexity": ppl}
+        report["llamacpp"] = {"perplexity_binary": binary, "perplexity": ppl}
         report["gguf_blocks"]["perplexity_over_llamacpp"] = report["gguf_blocks"]["perplexity"] / ppl
         report["float32"]["perplexity_over_llamacpp"] = report["float32"]["perplexity"] / ppl
+    server = args.llama_server or next((b for b in DEFAULT_SERVER if Path(b).is_file()), None)
+    if server is not None and args.llama_server != "none":
+        theirs = llama_server_greedy(server, gguf, prompts, args.max_tokens, torch.get_num_threads())
+        report.setdefault("llamacpp", {})["server"] = server
+        for name in ("gguf_blocks", "float32"):
+            report[name]["greedy_agreement_with_llamacpp"] = agreement(outputs[name], theirs)
     emit(report, args.output)
     return 0
