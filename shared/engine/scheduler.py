@@ -63,10 +63,14 @@ class Scheduler(RequestTable):
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
         yielded = self._schedule_running(self.running, plan, self._outranked_prefills())
+        admitted = len(plan.new)
         if not plan.preempted:
             self._schedule_waiting(plan)
-        if yielded and plan.budget > 0:  # what the waiting requests left of the budget, preempting nobody
-            self._schedule_running(yielded, plan, frozenset(), preempt=False)
+        if yielded and plan.budget > 0:
+            # What the waiting requests left of the budget: without preempting the requests just admitted; when
+            # none could be admitted, the yield bought nothing and the prompts go on as if they had not yielded
+            # (preempting if their blocks demand it), so that someone always progresses.
+            self._schedule_running(yielded, plan, frozenset(), preempt=len(plan.new) == admitted)
         kv_sends = self.handoff.kv_sends((self.requests[rid], n) for rid, n in plan.tokens.items())
         out = plan.output(self.finished_req_ids, kv_sends, self.kv.drain_block_copies())
         self.finished_req_ids = set()
