@@ -97,16 +97,19 @@ class BucketState:
         return max(0, math.floor(self.level))
 
     @property
+    def cap(self) -> float:
+        """The most the bucket holds."""
+        return self.limit if self.capacity is None else self.capacity
+
+    @property
     def reset_s(self) -> float:
         """Seconds until the bucket is full again."""
-        cap = self.limit if self.capacity is None else self.capacity
-        return max(0.0, (cap - self.level) * 60.0 / self.limit)
+        return max(0.0, (self.cap - self.level) * 60.0 / self.limit)
 
     @property
     def spent(self) -> float:
         """Share of the bucket spent: 0 when full, 1 when empty or in debt."""
-        cap = self.limit if self.capacity is None else self.capacity
-        return min(1.0, max(0.0, 1.0 - self.level / cap))
+        return min(1.0, max(0.0, 1.0 - self.level / self.cap))
 
     def wait_s(self, need: float) -> int:
         """Whole seconds (at least 1) until the bucket holds `need`."""

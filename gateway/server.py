@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from kvrelay.common import tracing
+from kvrelay.common.system import is_loopback
 from kvrelay.gateway.auth import check_admin, check_model, current_principal
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.errors import GatewayError
@@ -357,7 +358,7 @@ def make_server(config: GatewayConfig, gateway: Gateway | None = None, log_level
 
 def serve(config: GatewayConfig, log_level: str = "info") -> int:
     if ((config.api_key or config.api_keys_file) and config.serving_tls() is None
-            and config.host not in ("127.0.0.1", "localhost", "::1")):
+            and not is_loopback(config.host)):
         logger.warning("API keys over plain HTTP on %s: anyone on the path reads them; give --ssl-certfile and "
                        "--ssl-keyfile, or put a TLS proxy in front (docs/security.md)", config.host)
     logging.getLogger("kvrelay.access").setLevel(logging.INFO if config.log_requests else logging.WARNING)

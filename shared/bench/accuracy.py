@@ -2,7 +2,8 @@
 
 For a GGUF model, two of our engines on the same weights: `--quantization gguf` (the file's blocks) and the file
 dequantized once to float32 (the reference our other paths are held to), and, when llama.cpp's
-`llama-perplexity` is at hand (the peer kit's build, --llama-perplexity), llama.cpp on the same GGUF and text.
+`llama-perplexity` is at hand (--llama-perplexity; kvrelay.bench.llamacpp_baseline.find_tool), llama.cpp on the
+same GGUF and text.
 
 - Perplexity on held-out text (the docstrings of the benchmark corpus's standard library modules, never a
   prompt of a test), computed as llama-perplexity does: chunks of --ctx tokens (the first replaced by BOS when
@@ -26,14 +27,12 @@ import math
 import re
 import subprocess
 import tempfile
-from pathlib import Path
 
+from kvrelay.bench.llamacpp_baseline import find_tool, gguf_file
 from kvrelay.bench.report import emit, machine
 from kvrelay.bench.workload import iter_corpus_docs
 
 HELP = "perplexity and greedy agreement of --quantization gguf against float32 and llama.cpp on the same GGUF"
-DEFAULT_PERPLEXITY = ("/tmp/peerkit/llamacpp/bin/llama-perplexity",)
-DEFAULT_SERVER = ("/tmp/peerkit/llamacpp/bin/llama-server",)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,10 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128, help="tokens of text per agreement prompt")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per agreement prompt")
     p.add_argument("--llama-perplexity", default=None,
-                   help="llama.cpp's llama-perplexity (default: the peer kit's build; none: llama.cpp is left out)")
+                   help="llama.cpp's llama-perplexity (default: $KVRELAY_LLAMACPP_BIN's, else the peer kit's; none: "
+                        "left out)")
     p.add_argument("--llama-server", default=None,
-                   help="llama.cpp's llama-server, for greedy agreement with llama.cpp (default: the peer kit's "
-                        "build; none: left out)")
+                   help="llama.cpp's llama-server, for greedy agreement with llama.cpp (default: as "
+                        "--llama-perplexity; none: left out)")
     p.add_argument("--output", default="bench/results/accuracy.json", help="where the JSON goes")
 
 
@@ -159,12 +159,13 @@ def run(args: argparse.Namespace) -> int:
     from kvrelay.common.tokenizer import Tokenizer
     from kvrelay.engine.llm import LLM
     from kvrelay.engine.models.gguf_blocks import kernel_on_every_row
-    from kvrelay.model_files.resolve import default_gguf_path, resolve_model
+    from kvrelay.model_files.resolve import resolve_model
 
-    gguf = str(default_gguf_path()) if args.model == "default" else args.model
-    if not gguf.lower().endswith(".gguf"):
-        raise SystemExit("bench accuracy: give --model a .gguf file or 'default'")
-    binary = args.llama_perplexity or next((b for b in DEFAULT_PERPLEXITY if Path(b).is_file()), None)
+    try:
+        gguf = gguf_file(args.model)
+    except ValueError as e:
+        raise SystemExit(f"bench accuracy: {e}") from None
+    binary, server = find_tool("llama-perplexity", args.llama_perplexity), find_tool("llama-server", args.llama_server)
     tokenizer = Tokenizer(resolve_model(args.model).path)
     text = heldout_text(args.ctx * (args.chunks + 1) * 8)
     tokens = tokenizer.encode(text, add_special_tokens=False)
@@ -186,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     report["gguf_blocks"]["greedy_agreement_with_float32"] = agreement(outputs["gguf_blocks"], outputs["float32"])
     report["gguf_blocks"]["perplexity_over_float32"] = report["gguf_blocks"]["perplexity"] / \
         report["float32"]["perplexity"]
-    if binary is not None and args.llama_perplexity != "none":
+    if binary is not None:
         with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
             f.write(text)
             f.flush()
@@ -194,8 +195,7 @@ def run(args: argparse.Namespace) -> int:
         report["llamacpp"] = {"perplexity_binary": binary, "perplexity": ppl}
         report["gguf_blocks"]["perplexity_over_llamacpp"] = report["gguf_blocks"]["perplexity"] / ppl
         report["float32"]["perplexity_over_llamacpp"] = report["float32"]["perplexity"] / ppl
-    server = args.llama_server or next((b for b in DEFAULT_SERVER if Path(b).is_file()), None)
-    if server is not None and args.llama_server != "none":
+    if server is not None:
         theirs = llama_server_greedy(server, gguf, prompts, args.max_tokens, torch.get_num_threads())
         report.setdefault("llamacpp", {})["server"] = server
         for name in ("gguf_blocks", "float32"):

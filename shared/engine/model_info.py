@@ -44,6 +44,7 @@ class ModelInfo:
     # the engine stops on them as stop tokens unless ignore_eos.
     extra_eos_token_ids: tuple[int, ...] = ()
     quantization: str | None = None  # how the weights are held (ModelConfig.quantization)
+    gguf_path: str | None = None  # quantization "gguf": the file whose blocks the weights are
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,6 +69,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model_info(config: ModelConfig) -> ModelInfo:
+    _check_quantization(config)  # engines built without the CLI's preflight (LLM(...)) get the same error
     resolved = resolve_model(config.model)
     with open(os.path.join(resolved.path, "config.json")) as f:
         hf = json.load(f)
@@ -83,6 +85,7 @@ def load_model_info(config: ModelConfig) -> ModelInfo:
         architecture=(hf.get("architectures") or ["?"])[0],
         extra_eos_token_ids=eos_ids[1:],
         quantization=config.quantization,
+        gguf_path=str(resolved.gguf_path) if config.quantization == "gguf" else None,
     )
 
 

@@ -278,12 +278,21 @@ def unpermute_rotary_rows(weights: np.ndarray, n_heads: int) -> np.ndarray:
     return weights.reshape(n_heads, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def _dequantized(tensor, config: dict) -> np.ndarray:
+def permuted_heads(gguf_name: str, num_heads: int, num_kv_heads: int) -> int | None:
+    """The heads whose rows llama.cpp permuted in this tensor (Q's or K's), None for every other tensor."""
+    if ".attn_q." in gguf_name:
+        return num_heads
+    if ".attn_k." in gguf_name:
+        return num_kv_heads
+    return None
+
+
+def dequantized(tensor, num_heads: int, num_kv_heads: int) -> np.ndarray:
+    """A GGUF tensor as float32 in HF layout (Q and K rows unpermuted)."""
     weights = dequantize(tensor.data, tensor.tensor_type)
-    if ".attn_q." in tensor.name:
-        weights = unpermute_rotary_rows(weights, config["num_attention_heads"])
-    elif ".attn_k." in tensor.name:
-        weights = unpermute_rotary_rows(weights, config["num_key_value_heads"])
+    heads = permuted_heads(tensor.name, num_heads, num_kv_heads)
+    if heads is not None:
+        weights = unpermute_rotary_rows(weights, heads)
     return np.ascontiguousarray(weights, dtype=np.float32)
 
 
@@ -309,7 +318,7 @@ def _write_weights(reader: GGUFReader, config: dict, path: Path, progress: bool)
         fh.write(len(blob).to_bytes(8, "little"))
         fh.write(blob)
         for tensor in bar:
-            array = _dequantized(tensor, config)
+            array = dequantized(tensor, config["num_attention_heads"], config["num_key_value_heads"])
             if list(array.shape) != header[hf_tensor_name(tensor.name)]["shape"]:
                 raise ValueError(
                     f"tensor {tensor.name}: dequantized shape {array.shape} does not match header"

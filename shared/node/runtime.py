@@ -32,7 +32,7 @@ import grpc
 import torch
 
 from kvrelay.common import tracing
-from kvrelay.common.system import advertised
+from kvrelay.common.system import advertised, is_loopback
 from kvrelay.engine.config import dtype_name
 from kvrelay.engine.core import EngineCore
 from kvrelay.kv_transfer import KVConnector, create_connector
@@ -117,7 +117,7 @@ async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
     grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
     try:
         address = f"{config.host}:{config.port}"
-        if config.tls is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        if config.tls is None and not is_loopback(config.host):
             logger.warning("gRPC on %s without --tls-ca-file/--tls-cert-file/--tls-key-file: anyone who reaches "
                            "this port can drive the engine; give the fleet's certificates (docs/security.md)",
                            config.host)

@@ -25,7 +25,8 @@ import pytest
 from kvrelay.common.hashing import prompt_block_hashes
 from kvrelay.common.prometheus import Metrics
 from kvrelay.index.redis_server import start_redis
-from tests.e2e.test_gateway import GatewayThread, make_tiny_with_tokenizer
+from tests.helpers.gateway import GatewayThread
+from tests.helpers.models import make_tiny_with_tokenizer
 from tests.helpers.nodes import all_blocks_free, in_thread, start_nodes, stop_nodes, tiny_args, wait_for
 from tests.helpers.procs import NodeProcess
 

@@ -8,9 +8,7 @@ model's tokenizer, so text round-trips); gateways run in this process on their o
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from pathlib import Path
 
 import grpc
@@ -20,36 +18,13 @@ import pytest
 
 from kvrelay.common.hashing import prompt_block_hashes
 from kvrelay.common.prometheus import Metrics
-from kvrelay.gateway.config import GatewayConfig
-from kvrelay.gateway.server import make_server
 from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as gpb
 from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as gpb_grpc
+from tests.helpers.gateway import API_KEY, GatewayThread
 from tests.helpers.models import make_tiny_with_tokenizer
 from tests.helpers.nodes import start_nodes, stop_nodes, tiny_args, wait_for
 
-API_KEY = "test-key"
 BLOCKS = 1024  # per node: n=128 reservations of a short prompt fit
-
-
-class GatewayThread:
-    """A gateway serving on its own event loop thread (port 0), stopped like SIGTERM would."""
-
-    def __init__(self, **kwargs) -> None:
-        defaults = dict(port=0, shutdown_timeout=2, refresh_interval=0.2, health_interval=0.5)
-        cfg = GatewayConfig(**{**defaults, **kwargs})
-        self.server = make_server(cfg, log_level="warning")
-        self.gateway = self.server.gateway
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.server.started, 60, "gateway start", interval=0.02)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
 
 
 class Fleet:

@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from kvrelay.engine.llm import LLM, BeamSearchParams, SamplingParams
-from tests.e2e.test_gateway import GatewayThread, make_tiny_with_tokenizer
+from tests.helpers.gateway import GatewayThread
+from tests.helpers.models import make_tiny_with_tokenizer
 from tests.helpers.nodes import start_nodes, stop_nodes, tiny_args, wait_for
 
 MODEL = "tiny-spec"

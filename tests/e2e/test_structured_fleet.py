@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.e2e.test_gateway import GatewayThread
+from tests.helpers.gateway import GatewayThread
 from tests.helpers.nodes import start_nodes, stop_nodes
 
 pytestmark = pytest.mark.timeout(900)

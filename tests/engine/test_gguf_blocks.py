@@ -86,7 +86,7 @@ def tiny_models(tmp_path_factory):
     folder = root / "converted"
     ensure_converted(path, folder, progress=False)
     dense = load_model(folder, torch.float32, "cpu", "torch")
-    quantized = load_model(folder, torch.float32, "cpu", "torch", quantization="gguf")
+    quantized = load_model(folder, torch.float32, "cpu", "torch", gguf_blocks=path)
     return dense, quantized
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import threading
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -15,6 +15,7 @@ import pytest
 
 from kvrelay.common.tls import serving_tls_from_flags
 from kvrelay.gateway.config import GatewayConfig
+from tests.helpers.gateway import GatewayThread
 from tests.helpers.tls import make_test_pki
 
 KEY = "sk-tls-test-key"
@@ -25,36 +26,23 @@ def pki(tmp_path_factory) -> dict[str, Path]:
     return make_test_pki(tmp_path_factory.mktemp("pki"))
 
 
-def _config(pki, **extra) -> GatewayConfig:
-    return GatewayConfig(decode=("127.0.0.1:9",), api_key=KEY, health_interval=60, capacity_wait=0.0, port=0,
-                         ssl_certfile=str(pki["server"]), ssl_keyfile=str(pki["server_key"]), **extra)
+def _settings(pki, **extra) -> dict:
+    return dict(decode=("127.0.0.1:9",), api_key=KEY, health_interval=60, capacity_wait=0.0, port=0,
+                ssl_certfile=str(pki["server"]), ssl_keyfile=str(pki["server_key"]), **extra)
 
 
-class _Running:
-    """The gateway's uvicorn server in a thread, on a free port."""
-
-    def __init__(self, config: GatewayConfig) -> None:
-        from kvrelay.gateway.server import make_server
-
-        self.server = make_server(config, log_level="warning")
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the gateway did not start"
-            time.sleep(0.05)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"127.0.0.1:{port}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
+@contextmanager
+def _serving(pki, **extra) -> Iterator[str]:
+    """The gateway over TLS on a free port; its address."""
+    gw = GatewayThread(**_settings(pki, **extra))
+    try:
+        yield gw.address
+    finally:
+        gw.close()
 
 
 def test_https_with_the_operators_certificate_and_no_plain_http(pki):
-    with _Running(_config(pki)) as address:
+    with _serving(pki) as address:
         with httpx.Client(verify=ssl.create_default_context(cafile=str(pki["ca"]))) as client:
             assert client.get(f"https://{address}/health").status_code == 503  # answered: no decode node is up
             assert client.get(f"https://{address}/v1/models").status_code == 401
@@ -67,7 +55,7 @@ def test_https_with_the_operators_certificate_and_no_plain_http(pki):
 
 
 def test_client_certificates_required_with_ssl_ca_certs(pki):
-    with _Running(_config(pki, ssl_ca_certs=str(pki["ca"]))) as address:
+    with _serving(pki, ssl_ca_certs=str(pki["ca"])) as address:
         trusted = ssl.create_default_context(cafile=str(pki["ca"]))
         with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake fails
             httpx.get(f"https://{address}/health", verify=trusted, timeout=5)
@@ -82,7 +70,7 @@ def test_grpc_api_over_tls(pki):
     from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
     async def run() -> tuple[int, grpc.StatusCode]:
-        gateway = Gateway(_config(pki))
+        gateway = Gateway(GatewayConfig(**_settings(pki)))
         await gateway.start()
         server = await start_grpc_server(gateway, "127.0.0.1", 0)
         target, auth = f"127.0.0.1:{gateway.grpc_port}", (("authorization", f"Bearer {KEY}"),)

@@ -7,12 +7,11 @@ import asyncio
 import os
 import shutil
 import stat
-import subprocess
-import time
 
 import pytest
 import redis
 
+from kvrelay.common.process import ChildProcess, ProcessStartError
 from kvrelay.index.redis_server import redact, start_redis
 from tests.helpers.tls import make_test_pki
 
@@ -37,12 +36,12 @@ def test_redact_hides_passwords_only():
     assert redact("rediss://h:6380/0") == "rediss://h:6380/0"
 
 
-def _tls_redis(tmp_path, port: int) -> subprocess.Popen:
+def _tls_redis(tmp_path, port: int) -> ChildProcess:
     pki = make_test_pki(tmp_path)
     argv = [shutil.which("redis-server"), "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(pki["server"]),
             "--tls-key-file", str(pki["server_key"]), "--tls-ca-cert-file", str(pki["ca"]), "--tls-auth-clients", "no",
             "--requirepass", "tls-pass", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return ChildProcess.start("redis-tls", argv, log_dir=tmp_path)
 
 
 def test_rediss_with_the_servers_ca_serves_the_index_and_the_rate_limits(tmp_path):
@@ -52,22 +51,21 @@ def test_rediss_with_the_servers_ca_serves_the_index_and_the_rate_limits(tmp_pat
     from kvrelay.index.redis_index import connect
 
     port = free_port()
-    server = _tls_redis(tmp_path, port)
     url = f"rediss://:tls-pass@127.0.0.1:{port}/0?ssl_ca_certs={tmp_path / 'ca.pem'}"
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            if server.poll() is not None:
-                out = server.stdout.read()
-                if "TLS" in out and "not" in out.lower():
-                    pytest.skip(f"this redis-server has no TLS: {out[-300:]}")
-                raise AssertionError(f"redis-server with TLS did not start: {out[-2000:]}")
-            try:
-                if connect(url, 0.5).ping():
-                    break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server with TLS did not answer"
-                time.sleep(0.1)
+
+    def answers() -> bool:
+        try:
+            return connect(url, 0.5).ping()
+        except redis.ConnectionError:
+            return False
+
+    with _tls_redis(tmp_path, port) as server:
+        try:
+            server.wait_ready(answers, timeout_s=10)
+        except ProcessStartError as e:
+            if "TLS" in str(e) and "not" in str(e).lower():
+                pytest.skip(f"this redis-server has no TLS: {e}")
+            raise
 
         async def admit() -> int:
             limiter = RateLimiter(url, "gw-tls")
@@ -85,6 +83,3 @@ def test_rediss_with_the_servers_ca_serves_the_index_and_the_rate_limits(tmp_pat
         with pytest.raises(redis.ConnectionError, match="certificate verify failed"):  # a CA it does not trust
             connect(f"rediss://:tls-pass@127.0.0.1:{port}/0", 0.5).ping()
         assert redact(url) == f"rediss://:***@127.0.0.1:{port}/0?ssl_ca_certs={tmp_path / 'ca.pem'}"
-    finally:
-        server.terminate()
-        server.wait(10)

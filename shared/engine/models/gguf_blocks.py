@@ -22,7 +22,6 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -136,15 +135,3 @@ def _dequantize_torch(raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
     low = blocks[..., 2:4].contiguous().view(torch.float16).float() if qtype == 3 else -8.0 * d
     return (q * d + low).reshape(raw.shape[0], cols)
-
-
-def gguf_source(model_dir: str | Path) -> Path:
-    """The GGUF a converted model folder was made from (its manifest names it)."""
-    import json
-
-    from kvrelay.model_files.gguf import MANIFEST_NAME
-
-    manifest = Path(model_dir) / MANIFEST_NAME
-    if not manifest.exists():
-        raise ValueError(f"quantization: gguf needs a .gguf model (or 'default'); {model_dir} is a folder")
-    return Path(json.loads(manifest.read_text())["source"])

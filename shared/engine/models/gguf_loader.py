@@ -29,9 +29,8 @@ _EMBED = "model.embed_tokens.weight"
 
 def load_gguf_weights(model: nn.Module, gguf_path: Path, round_to: torch.dtype | None = None) -> None:
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
-    from kvrelay.model_files.gguf import hf_tensor_name, unpermute_rotary_rows
+    from kvrelay.model_files.gguf import dequantized, hf_tensor_name, permuted_heads, unpermute_rotary_rows
 
     reader = GGUFReader(gguf_path)
     arch = model.arch
@@ -46,8 +45,7 @@ def load_gguf_weights(model: nn.Module, gguf_path: Path, round_to: torch.dtype |
             continue
         if name not in targets:
             raise ValueError(f"{gguf_path.name}: tensor {tensor.name} ({name}) is not part of this model")
-        heads = (arch.num_heads if ".attn_q." in tensor.name else
-                 arch.num_kv_heads if ".attn_k." in tensor.name else None)
+        heads = permuted_heads(tensor.name, arch.num_heads, arch.num_kv_heads)
         qtype, cols = int(tensor.tensor_type), int(tensor.shape[0])
         keeps = qtype in BLOCK_BYTES and cols % BLOCK == 0 and (name in owners or name == _EMBED)
         if keeps:
@@ -61,12 +59,9 @@ def load_gguf_weights(model: nn.Module, gguf_path: Path, round_to: torch.dtype |
                 module, shard = owners[name]
                 shards.setdefault(module, {})[shard] = blocks
         else:
-            values = dequantize(tensor.data, tensor.tensor_type)
-            if heads is not None:
-                values = unpermute_rotary_rows(values, heads)
+            values = torch.tensor(dequantized(tensor, arch.num_heads, arch.num_kv_heads))
             param, rows = targets[name]
-            dense_values = torch.from_numpy(np.array(values, dtype=np.float32))
-            copy_into(param, rows, dense_values if round_to is None else dense_values.to(round_to), name)
+            copy_into(param, rows, values if round_to is None else values.to(round_to), name)
             if tensor.tensor_type.name not in ("F32", "F16", "BF16"):
                 dense[tensor.tensor_type.name] += 1
         loaded.add(name)

@@ -30,11 +30,11 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     attn_backend: AttentionBackend | str,
-    quantization: str | None = None,
+    gguf_blocks: str | Path | None = None,
 ) -> nn.Module:
     """attn_backend: an AttentionBackend, or a name for kvrelay.engine.attention.get_attention_backend.
-    quantization "gguf": the weights come from the GGUF the folder was converted from, kept in its block formats
-    (gguf_loader.py); None: the folder's safetensors."""
+    gguf_blocks: the GGUF the folder was converted from, whose tensors are kept in their block formats
+    (`--quantization gguf`, gguf_loader.py); None: the folder's safetensors."""
     from transformers import AutoConfig  # slow to import; only loading needs it
 
     from . import get_model_class
@@ -56,15 +56,12 @@ def load_model(
     model.to_empty(device=device)
     model.after_materialize(device)
     round_to = dtype if compute != dtype else None
-    if quantization == "gguf":
-        from .gguf_blocks import gguf_source
+    if gguf_blocks is not None:
         from .gguf_loader import load_gguf_weights
 
         if device.type != "cpu":
             raise ValueError("quantization: gguf runs on CPU only")
-        load_gguf_weights(model, gguf_source(model_dir), round_to=round_to)
-    elif quantization is not None:
-        raise ValueError(f"quantization: unknown method {quantization!r} (gguf)")
+        load_gguf_weights(model, Path(gguf_blocks), round_to=round_to)
     else:
         load_weights(model, checkpoint_files(Path(model_dir)), round_to=round_to)
     model.after_load()
