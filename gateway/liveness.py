@@ -11,6 +11,11 @@ Lifecycle:
    opened the node's breaker, and every watched call on the node fails with NodeRpcError, which the dispatcher
    answers by moving the request to another node. An answer: the calls were just slow (a long queue, a big
    prefill); their clocks restart.
+   Except a call whose node sent on it within the last round (`interval_s`): its own connection is alive,
+   whatever the new connection the probe opened met. A draining node has closed its listener (so the probe
+   is refused) while its last messages (the aborts that say "node stopped") are still on their way. Such a
+   call stays, and the node is probed again each round until the call ends, goes quiet (then it fails), or
+   the node answers.
 4. A call leaves the monitor when it ends.
 """
 
@@ -35,6 +40,7 @@ class Liveness:
         self.discovery, self.stall_s, self.interval_s = discovery, stall_s, interval_s
         self._watches: dict[str, set[CallWatch]] = {}
         self._nodes: dict[str, Node] = {}
+        self._doubted: set[str] = set()  # nodes that failed a probe while some of their calls still streamed
         self._task: asyncio.Task | None = None
         discovery.on_probe(self._answered)
 
@@ -61,6 +67,7 @@ class Liveness:
                 if not left:
                     del self._watches[node.node_id]
                     self._nodes.pop(node.node_id, None)
+                    self._doubted.discard(node.node_id)
 
     async def _run(self) -> None:
         while True:
@@ -71,11 +78,15 @@ class Liveness:
                 logger.exception("liveness check failed")
 
     def check(self, now: float | None = None) -> None:
-        """One round: probe the nodes whose watched calls went quiet (or that discovery no longer lists)."""
+        """One round: probe the nodes whose watched calls went quiet, that discovery no longer lists, or that
+        failed a probe while some of their calls still streamed."""
         now = time.monotonic() if now is None else now
         known = {n.node_id for n in self.discovery.nodes()}
         for node_id, watches in list(self._watches.items()):
-            if watches and (now - max(w.last for w in watches) >= self.stall_s or node_id not in known):
+            if not watches:
+                continue
+            quiet = now - max(w.last for w in watches) >= self.stall_s
+            if quiet or node_id not in known or node_id in self._doubted:
                 self.discovery.suspect(self._nodes[node_id])
 
     def _answered(self, node: Node, answer: Probe) -> None:
@@ -84,11 +95,21 @@ class Liveness:
         if not watches:
             return
         if answer.healthy:
+            self._doubted.discard(node.node_id)
             for w in watches:
                 w.touch()  # alive, just slow: wait another stall period
             return
-        reason = f"{answer.reason} after {time.monotonic() - max(w.last for w in watches):.1f}s without output"
+        now = time.monotonic()
+        streaming = [w for w in watches if w.heard is not None and now - w.heard < self.interval_s]
+        if streaming:
+            self._doubted.add(node.node_id)
+        else:
+            self._doubted.discard(node.node_id)
+        failing = [w for w in watches if w not in streaming]
+        if not failing:
+            return
+        reason = f"{answer.reason} after {now - max(w.last for w in failing):.1f}s without output"
         logger.warning("node %s stopped answering (%s); failing its %d calls in flight", node.node_id, reason,
-                       len(watches))
-        for w in watches:
+                       len(failing))
+        for w in failing:
             w.fail(f"node {node.node_id} stopped answering: {reason}")

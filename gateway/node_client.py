@@ -204,7 +204,7 @@ class NodeClient:
         try:
             async for chunk in call:
                 if watch is not None:
-                    watch.last = time.monotonic()
+                    watch.output()
                 yield wire.chunk_from_proto(chunk)
         except grpc.aio.AioRpcError as e:
             raise NodeRpcError.from_grpc(self.address, "Generate", e) from None

@@ -69,16 +69,21 @@ class CallWatch:
     """One call in flight on one node, as the liveness monitor sees it: when it last heard from the node,
     and a way to fail the call from outside (the node stopped answering)."""
 
-    __slots__ = ("node_id", "last", "call", "error")
+    __slots__ = ("node_id", "last", "heard", "call", "error")
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
-        self.last = time.monotonic()
+        self.last = time.monotonic()  # since when the call has waited without news (output, or a probe's answer)
+        self.heard: float | None = None  # when the node itself last sent something on this call
         self.call = None
         self.error: str | None = None
 
     def touch(self) -> None:
         self.last = time.monotonic()
+
+    def output(self) -> None:
+        """The node sent something on this call."""
+        self.last = self.heard = time.monotonic()
 
     def fail(self, reason: str) -> None:
         self.error = reason

@@ -106,7 +106,7 @@ class SequenceStream:
                 if isinstance(item, _Marker):
                     raise item.error
                 if watch is not None:
-                    watch.last = time.monotonic()
+                    watch.output()
                 if item.HasField("chunk"):
                     yield item.chunk
                 if item.end:

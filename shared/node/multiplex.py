@@ -39,6 +39,12 @@ class SequenceMux:
         self._tasks: dict[str, asyncio.Task] = {}
         self._outbox: list[pb.SequenceUpdate] = []
         self._wake = asyncio.Event()
+        self._sending = False  # a message is out with gRPC, which asks for the next once it has sent it
+
+    @property
+    def settled(self) -> bool:
+        """No sequence running and nothing left to hand to gRPC (a draining node waits for this)."""
+        return not self._tasks and not self._outbox and not self._sending
 
     async def run(self, requests: AsyncIterator[pb.GenerateManyRequest]) -> AsyncIterator[pb.GenerateManyResponse]:
         reader = asyncio.create_task(self._read(requests))
@@ -48,7 +54,9 @@ class SequenceMux:
                 self._wake.clear()
                 if self._outbox:
                     updates, self._outbox = self._outbox, []
+                    self._sending = True
                     yield pb.GenerateManyResponse(updates=updates)
+                    self._sending = False
                 if reader.done():
                     reader.result()  # the caller's stream failed: end the call with that error
                     if not self._tasks:

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 GIL_SWITCH_INTERVAL_S = 0.001
 _IDLE_STREAMS_GRACE_S = 0.5
+_FLUSH_S = 2.0
 
 _GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a second node on the same port must fail, not share it
@@ -85,6 +86,10 @@ class Node:
         if self.registration is not None:
             await self.registration.stop()
         await engine.shutdown(timeout)
+        # The aborts (what tells a gateway "node stopped") go out before the listener closes: a gateway whose
+        # probe is refused while they are still on their way would report a dead node instead.
+        if not await self.servicer.streams_flushed(_FLUSH_S):
+            logger.warning("%s: token streams still open %.0fs after the engine stopped", node_id, _FLUSH_S)
         # In-flight requests are over; what is left are idle streams (a gateway's GenerateMany): no reason to wait.
         await self.grpc_server.stop(grace=_IDLE_STREAMS_GRACE_S)
         self.servicer.close()

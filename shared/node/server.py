@@ -143,6 +143,8 @@ class NodeServer(pb_grpc.EngineServicer):
         self.engine = AsyncEngine(core, hooks)
         # Transfer waits block a thread each (up to a lease): keep them off the default executor.
         self.waits = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvrelay-wait")
+        self._sequences = 0  # token streams open (Generate calls and GenerateMany's sequences)
+        self._muxes: set[SequenceMux] = set()
 
     # -- hooks for the roles ------------------------------------------------------------------------
     def leases_expired(self, request_ids: list[str]) -> None:
@@ -155,6 +157,16 @@ class NodeServer(pb_grpc.EngineServicer):
 
     def before_abort(self, request_id: str) -> None:
         """Runs on the event loop before an Abort reaches the engine."""
+
+    async def streams_flushed(self, timeout: float) -> bool:
+        """Wait until every token stream has ended and its last message is with gRPC (a draining node's
+        aborts must reach the callers before the server closes); False if `timeout` passed first."""
+        deadline = time.monotonic() + timeout
+        while self._sequences or not all(m.settled for m in self._muxes):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def close(self) -> None:
         self.waits.shutdown(wait=False, cancel_futures=True)
@@ -221,18 +233,27 @@ class NodeServer(pb_grpc.EngineServicer):
 
     @stream_rpc
     async def GenerateMany(self, request_iterator, context):  # noqa: N802
-        async with aclosing(SequenceMux(self.token_chunks, _status).run(request_iterator)) as responses:
-            async for response in responses:
-                yield response
+        mux = SequenceMux(self.token_chunks, _status)
+        self._muxes.add(mux)
+        try:
+            async with aclosing(mux.run(request_iterator)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            self._muxes.discard(mux)
 
     async def token_chunks(self, request: pb.GenerateRequest) -> AsyncIterator[pb.TokenChunk]:
         """One sequence's stream, for Generate and GenerateMany alike."""
         arrival = time.monotonic()
         require_request_id(request.request_id)
-        with self.span("node.generate", request) as span:
-            async with aclosing(self._token_chunks(request, arrival, span)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+        self._sequences += 1
+        try:
+            with self.span("node.generate", request) as span:
+                async with aclosing(self._token_chunks(request, arrival, span)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+        finally:
+            self._sequences -= 1
 
     def span(self, name: str, request):
         """A span of this node around a block, for `request`: the child of the gateway's call (its traceparent),

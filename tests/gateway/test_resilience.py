@@ -252,6 +252,33 @@ def test_every_probe_answer_reaches_the_watched_calls():
     assert "without output" in error
 
 
+def test_a_failed_probe_spares_a_call_the_node_still_streams_on_until_it_goes_quiet():
+    """A draining node refuses new connections while its last messages are on their way: a call that heard
+    from the node within the last round is not failed; once it goes quiet, the next round's probe fails it."""
+    script = Script(die_node="d0", hang=True)
+
+    async def go():
+        server, discovery, _, node = await _probed_node(script)
+        liveness = Liveness(discovery, stall_s=60, interval_s=30)  # rounds driven by hand
+        try:
+            with liveness.watch(node) as quiet, liveness.watch(node) as streaming:
+                streaming.output()
+                await discovery.probe(node)
+                first = quiet.error, streaming.error
+                streaming.heard -= 60  # nothing since, a round later
+                liveness.check()  # the node that failed a probe is asked again, stall or not
+                await asyncio.sleep(0.6)
+                return first, streaming.error
+        finally:
+            await discovery.stop()
+            await server.stop(None)
+
+    (quiet, spared), failed = asyncio.run(go())
+    assert quiet is not None and quiet.startswith("node d0 stopped answering: no answer (")
+    assert spared is None
+    assert failed is not None and failed.startswith("node d0 stopped answering: no answer (")
+
+
 # ----------------------------------------------------------------------------------------- index
 
 

@@ -26,7 +26,9 @@ from tests.helpers.models import make_tiny_checkpoint
 from tests.helpers.nodes import all_blocks_free, generate, start_nodes, stop_nodes, tiny_args, wait_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)  # the tiny model holds 256 positions
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+# Runs far longer than the test needs to cancel it, however loaded the machine: ~900 engine steps.
+LONGEST = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
 _ids = itertools.count()
 
 
@@ -41,8 +43,8 @@ def _start(rid: str, prompt: list[int], params: SamplingParams) -> pb.GenerateMa
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    model = str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny")))
-    (node,) = start_nodes([("decode", tiny_args(model, "ucx"))])
+    model = str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny"), max_position_embeddings=1024))
+    (node,) = start_nodes([("decode", tiny_args(model, "ucx", blocks=128))])
     yield node
     assert stop_nodes([node]) == [0], node.log_tail()
 
@@ -99,26 +101,30 @@ def test_sequences_stream_what_generate_streams_a_step_per_message(node):
 def test_an_error_ends_only_its_sequence(node):
     good, bad, twice = (f"many-{next(_ids)}" for _ in range(3))
     caller = _Caller(node)
-    caller.send(_start(twice, _prompt(1), LONG))
+    caller.send(_start(twice, _prompt(1), LONGEST))
     caller.send(_start(twice, _prompt(2), GREEDY))
     caller.send(_start(bad, [1, 2, 10**9], GREEDY))
     caller.send(_start(good, _prompt(3), GREEDY))
     seen: dict[str, list[pb.SequenceUpdate]] = {good: [], bad: [], twice: []}
-    for response in caller.call:
+    responses = iter(caller.call)
+    cancelled = False
+    for response in responses:
         for update in response.updates:
             seen[update.request_id].append(update)
-        if seen[good] and seen[good][-1].end and seen[bad] and seen[twice] and not seen[twice][-1].end:
-            break
-    (refused,) = [u for u in seen[twice] if u.end]  # not yet: the first one is still running
+        if not cancelled and seen[bad] and any(u.end for u in seen[twice]):
+            # The refusal and the bad request's error come within the first steps: cancel the first `twice`
+            # while it still has hundreds of steps to go.
+            caller.send(pb.GenerateManyRequest(cancel=twice))
+            caller.close()
+            cancelled = True
+    (refused,) = [u for u in seen[twice] if u.end]  # the first `twice` never ended: it was cancelled
     assert refused.error_code == grpc.StatusCode.ALREADY_EXISTS.value[0] and refused.error_kind == "duplicate"
+    assert not any(u.chunk.finish_reason for u in seen[twice])
+    assert len([t for u in seen[twice] for t in u.chunk.token_ids]) < LONGEST.max_tokens
     (err,) = seen[bad]
     assert err.end and err.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "prompt_token_ids" in err.error_message and not err.HasField("chunk")
     assert len([t for u in seen[good] for t in u.chunk.token_ids]) == 12 and seen[good][-1].error_code == 0
-    caller.send(pb.GenerateManyRequest(cancel=twice))
-    caller.close()
-    assert not any(u.request_id == twice and u.chunk.finish_reason == "length"
-                   for r in caller.call for u in r.updates)
     wait_for(lambda: all_blocks_free(node), 10, "blocks of the cancelled sequence freed")
 
 
