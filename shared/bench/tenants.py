@@ -13,6 +13,7 @@ issue's bar: p90 within 1.25x), A's admitted and refused counts against its limi
 
     kvrelay bench tenants
     kvrelay bench tenants --b-rate 2 --a-rpm 120 --flood-factor 10 --duration 30 --rounds 2
+    kvrelay bench tenants --reserved-cores 1     # the engine on a core the gateway and the clients leave alone
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import tempfile
 import time
@@ -30,6 +32,7 @@ from kvrelay.bench.fleet import Server
 from kvrelay.bench.report import emit, machine
 from kvrelay.bench.stats import percentiles
 from kvrelay.bench.workload import TextSource
+from kvrelay.common.system import usable_cores
 from kvrelay.gateway.ratelimit import burst
 
 HELP = "multi-tenant fairness: tenant B's TTFT alone and while tenant A floods past its rate limit, in one run"
@@ -42,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="the model `kvrelay up` serves")
     p.add_argument("--up-flags", nargs=argparse.REMAINDER, default=[],
                    help="more `kvrelay up` flags (last on the line), e.g. --up-flags --prefill 1 --decode 1")
+    p.add_argument("--reserved-cores", type=int, default=0, metavar="N",
+                   help="`kvrelay up --reserved-cores N`: the engines on cores of their own, the gateway, Redis and "
+                        "this load generator on the first N")
     p.add_argument("--b-rate", type=float, default=2.0, help="tenant B's requests per second (Poisson)")
     p.add_argument("--a-rpm", type=int, default=120, help="tenant A's limit, requests per minute")
     p.add_argument("--a-max-concurrent", type=int, default=None,
@@ -115,7 +121,11 @@ def run(args: argparse.Namespace) -> int:
             a_key["max_concurrent"] = args.a_max_concurrent
         keys.write_text(json.dumps([a_key, {"key": _KEYS["B"], "tenant": "B"}]))
         flags = ["--model", args.model, "--api-keys-file", str(keys), *args.up_flags]
+        if args.reserved_cores:
+            flags += ["--reserved-cores", str(args.reserved_cores)]
         with Server.up(flags, log_dir=tmp, timeout_s=args.ready_timeout, name="bench-tenants") as server:
+            if args.reserved_cores:  # the fleet has placed itself: the clients join the gateway's cores
+                os.sched_setaffinity(0, usable_cores()[:args.reserved_cores])
             bodies = _bodies(args)
             phases = []
             for r in range(args.rounds):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvrelay.common.system import parse_cores
+
 
 class UsageError(ValueError):
     """A command line that cannot run: printed as one line, `<prog>: error: <message>`, and exit code 2.
@@ -50,6 +52,14 @@ def add_tls_flags(group) -> None:
                             "mutual TLS, and peers without a certificate the CA signed are refused")
     group.add_argument("--tls-cert-file", default=None, metavar="PEM", help="this process's certificate")
     group.add_argument("--tls-key-file", default=None, metavar="PEM", help="this process's private key")
+
+
+def core_list(text: str) -> tuple[int, ...]:
+    """argparse type of a core list (taskset's form, 0-3,8)."""
+    try:
+        return parse_cores(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def flag_name(field: str) -> str:

@@ -21,7 +21,7 @@ import httpx
 
 from kvrelay.cli.placement import MIN_CORES_PER_ENGINE, Placement, placement
 from kvrelay.common.process import ChildProcess, kill_all, kvrelay_command, stop_all
-from kvrelay.common.system import free_port
+from kvrelay.common.system import format_cores, free_port
 
 if TYPE_CHECKING:
     from kvrelay.cli.up_config import FleetModel, UpConfig
@@ -135,10 +135,12 @@ def plan_children(config: UpConfig, redis_url: str, where: Placement, ports: Fle
         common = [*_set_flags(config, ("otlp_traces_endpoint",)), "--host", config.host, "--num-threads",
                   str(place.threads),
                   "--shutdown-grace", str(config.shutdown_grace), *engine_flags(config, place.model)]
-        for role, name in place.own_node_names():
+        for i, (role, name) in enumerate(place.own_node_names()):
             grpc_port, metrics_port = ports.nodes[name]
             argv = kvrelay_command(role, "--port", str(grpc_port), "--metrics-port", str(metrics_port),
                                    "--connector", place.connector, "--node-id", name, *common)
+            if place.cores:
+                argv += ["--cpu-cores", format_cores(place.cores[i])]
             if role == "decode":  # prefill nodes never decode
                 argv += _set_flags(config, ("speculative_config",))
             children.append(Child(name, argv, metrics_url=f"http://{config.host}:{metrics_port}", env=dict(env)))

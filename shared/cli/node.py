@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvrelay.cli.args import HelpFormatter, add_field_flags, add_tls_flags
+from kvrelay.cli.args import HelpFormatter, add_field_flags, add_tls_flags, core_list
 from kvrelay.cli.log import exit_now
 from kvrelay.cli.preflight import check_engine, check_port
 from kvrelay.common.tls import tls_from_flags
@@ -52,6 +52,9 @@ def add_node_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--num-threads", type=int, default=d.num_threads,
                    help="torch CPU threads (default: the cores divided by --local-nodes; oversubscribed OpenMP "
                         "threads slow every node down many times)")
+    g.add_argument("--cpu-cores", type=core_list, default=d.cpu_cores or None, metavar="LIST",
+                   help="run on these cores only, one torch thread each unless --num-threads says otherwise "
+                        "(taskset's form: 0-3,8; default: the cores it was started with)")
     g.add_argument("--seed", type=int, default=d.engine.model.seed, help="sampler seed for requests that bring none")
     g.add_argument("--shutdown-grace", "--shutdown-timeout", dest="shutdown_timeout", type=float,
                    default=d.shutdown_timeout_s, help="seconds in-flight requests get to finish after SIGTERM")
@@ -142,7 +145,8 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         engine=engine_config(args, d.engine, kv_lease_s=args.kv_lease_seconds, seed=args.seed), connector=connector,
         registry=RegistryConfig(args.redis_url, args.heartbeat_seconds, args.registry_ttl),
         host=args.host, port=args.port, metrics_port=args.metrics_port, node_id=args.node_id,
-        served_model_name=args.served_model_name, num_threads=args.num_threads, local_nodes=args.local_nodes,
+        served_model_name=args.served_model_name, num_threads=args.num_threads, cpu_cores=args.cpu_cores or (),
+        local_nodes=args.local_nodes,
         shutdown_timeout_s=args.shutdown_timeout, ready_file=args.ready_file,
         tls=tls_from_flags(args.tls_ca_file, args.tls_cert_file, args.tls_key_file),
         otlp_traces_endpoint=args.otlp_traces_endpoint,

@@ -5,6 +5,10 @@ One model: one prefill and one decode node where each gets MIN_CORES_PER_ENGINE 
 with every core; --colocated, --prefill 0 or explicit counts are followed. Several models (repeated --model, or a
 fleet file): each model's engines are chosen the same way, and the cores are split over every engine of the fleet.
 The first model's nodes keep their plain names (decode-0); another model's are prefixed with its tag.
+
+With --reserved-cores N (vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU), the first N usable cores are left to the gateway,
+Redis and whatever else runs there (a load generator), and each engine is pinned to its own share of the rest:
+a step then loses no time to a thread of the gateway's, which on a few cores stretches every step.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvrelay.common.system import format_cores, usable_cores
 from kvrelay.node.config import NodeConfig
 
 if TYPE_CHECKING:
@@ -38,6 +43,8 @@ class Placement:
     model: FleetModel | None = None  # None: the config's only model
     prefix: str = ""  # before each node name ("" for the first model)
     others: tuple[Placement, ...] = ()
+    cores: tuple[tuple[int, ...], ...] = ()  # each own node's cores, as own_node_names() lists them; (): unpinned
+    reserved: tuple[int, ...] = ()  # the cores left to the gateway and Redis (the fleet's first placement only)
 
     def own_node_names(self) -> list[tuple[str, str]]:
         """(role, name) of this model's nodes: a colocated engine is a decode node named colocated-<i>."""
@@ -72,13 +79,27 @@ def placement(config: UpConfig) -> Placement:
     shapes = [_shape(config, m, cores, len(models)) for m in models]
     engines = sum(decode if colocated else prefill + decode for colocated, prefill, decode in shapes)
     threads = max(1, cores // engines)
+    pinned: list[tuple[int, ...]] = []
+    reserved: tuple[int, ...] = ()
+    if config.reserved_cores:  # preflight made sure some are left
+        usable = usable_cores()
+        reserved, pool = usable[:config.reserved_cores], usable[config.reserved_cores:]
+        threads = max(1, len(pool) // engines)
+        # An engine each to its own cores; with fewer cores than engines, one core each, taken in turn.
+        pinned = [pool[i * threads:(i + 1) * threads] if len(pool) >= engines else (pool[i % len(pool)],)
+                  for i in range(engines)]
     places = []
     tags: set[str] = set()
     for i, (model, (colocated, prefill, decode)) in enumerate(zip(models, shapes)):
         prefix = "" if i == 0 else _unique(tag(model.model), tags) + "-"
-        places.append(_place(config, model if len(models) > 1 else None, colocated, prefill, decode, threads, cores,
-                             prefix))
-    return Placement(**{**places[0].__dict__, "others": tuple(places[1:])})
+        place = _place(config, model if len(models) > 1 else None, colocated, prefill, decode, threads, cores, prefix)
+        if pinned:
+            own, pinned = pinned[:len(place.own_node_names())], pinned[len(place.own_node_names()):]
+            note = (f"{place.note}; engines on cores {', '.join(format_cores(c) for c in own)}, the gateway and "
+                    f"Redis on {format_cores(reserved)} (--reserved-cores)")
+            place = Placement(**{**place.__dict__, "cores": tuple(own), "note": note})
+        places.append(place)
+    return Placement(**{**places[0].__dict__, "others": tuple(places[1:]), "reserved": reserved})
 
 
 def _shape(config: UpConfig, model: FleetModel, cores: int, num_models: int) -> tuple[bool, int, int]:

@@ -30,6 +30,7 @@ from kvrelay.cli.fleet_file import read_fleet_file
 from kvrelay.cli.preflight import check_at_least, check_engine, check_fleet_shape, check_port, derived_port
 from kvrelay.cli.run_logs import RunLogs
 from kvrelay.cli.up_config import FleetModel, UpConfig
+from kvrelay.common.system import format_cores, usable_cores
 from kvrelay.common.units import byte_size
 from kvrelay.engine.args import SCHEDULING_POLICIES, lora_module, speculative_json
 from kvrelay.engine.config import EngineConfig
@@ -85,7 +86,11 @@ def preflight(config: UpConfig) -> FleetPorts:
                     ("--request-timeout", config.request_timeout, 0.0),
                     ("--migration-limit", config.migration_limit, 0),
                     ("--shutdown-grace", config.shutdown_grace, 0.0),
-                    ("--ready-timeout", config.ready_timeout, 1.0), ("--keep-logs", config.keep_logs, 1)])
+                    ("--ready-timeout", config.ready_timeout, 1.0), ("--keep-logs", config.keep_logs, 1),
+                    ("--reserved-cores", config.reserved_cores, 0)])
+    if config.reserved_cores and config.reserved_cores >= len(usable_cores()):
+        raise UsageError(f"{config.reserved_cores} leaves no core for the engines: this process may use "
+                         f"{len(usable_cores())} ({format_cores(usable_cores())})", "--reserved-cores")
     if config.api_keys_file:
         from kvrelay.gateway.auth import KeysFileError, KeyStore
 
@@ -139,6 +144,8 @@ def run_up(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per readiness poll
     _handle_signals(fleet)
     logger.info("placement: %s", where.note)
+    if where.reserved:  # Redis and the gateway start from here: they inherit it (each node pins itself)
+        os.sched_setaffinity(0, where.reserved)
     logger.info("logs in %s (the newest %d runs are kept)", logs.path, config.keep_logs)
     code = 0
     try:
@@ -315,6 +322,10 @@ def register(sub) -> None:
     f.add_argument("--connector", default=d.connector, choices=sorted(CONNECTORS),
                    help=f"KV transfer connector between processes (default: {_NODE.connector.name}, shared memory to "
                         "nodes on this host and ucx to others; a colocated engine gets local)")
+    f.add_argument("--reserved-cores", type=int, default=d.reserved_cores, metavar="N",
+                   help="leave the first N usable cores to the gateway and Redis (and a load generator you pin "
+                        "there) and pin each engine to its own share of the rest, as vLLM's "
+                        "VLLM_CPU_NUM_OF_RESERVED_CPU; 0: every process on every core")
     f.add_argument("--routing-policy", default=d.routing_policy, choices=ROUTING_POLICIES,
                    help="how the gateway picks prefill and decode nodes")
     f.add_argument("--redis-url", default=d.redis_url, help="use this Redis instead of starting an embedded one")

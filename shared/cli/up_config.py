@@ -59,6 +59,7 @@ class UpConfig:
     decode: int | None = None
     colocated: bool = False
     connector: str | None = None  # None: auto, local for a colocated engine
+    reserved_cores: int = 0  # cores kept for the gateway and Redis; the engines are pinned to the rest (0: unpinned)
     routing_policy: str = _GATEWAY.routing_policy
     redis_url: str | None = None  # None: start an embedded redis-server
     restart: bool = False

@@ -1,5 +1,6 @@
 """Operating-system helpers the launchers, nodes and tests share: free ports, advertised host names,
-children that die with their parent, a heap that keeps what it frees, and huge pages for large tensors."""
+children that die with their parent, a heap that keeps what it frees, huge pages for large tensors, and the
+cores a process may run on."""
 
 from __future__ import annotations
 
@@ -33,6 +34,41 @@ def _ephemeral_range() -> tuple[int, int]:
 def is_loopback(host: str) -> bool:
     """Whether a server bound to `host` is reachable from this machine only."""
     return host in ("127.0.0.1", "localhost", "::1")
+
+
+def usable_cores() -> tuple[int, ...]:
+    """The cores this process may run on (its affinity, which a cgroup or taskset narrows), in order."""
+    if hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(range(os.cpu_count() or 1))
+
+
+def parse_cores(text: str) -> tuple[int, ...]:
+    """A core list as taskset and cgroups write it ("0-3,8,10-11") as sorted core numbers; ValueError if malformed."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        low, sep, high = part.strip().partition("-")
+        try:
+            first, last = int(low), int(high) if sep else int(low)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a core list (like 0-3,8)") from None
+        if first < 0 or last < first:
+            raise ValueError(f"{part.strip()!r} in {text!r} is not a range of core numbers")
+        cores.update(range(first, last + 1))
+    return tuple(sorted(cores))
+
+
+def format_cores(cores: tuple[int, ...]) -> str:
+    """The short form of a core list: (0, 1, 2, 5) -> "0-2,5"."""
+    parts, run = [], []
+    for c in sorted(cores):
+        if run and c != run[-1] + 1:
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    if run:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(parts)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -41,6 +41,7 @@ class NodeConfig:
     node_id: str | None = None  # default: <role>-<host>-<port>
     served_model_name: str | None = None  # default: the model id
     num_threads: int | None = None  # torch CPU threads; None: the cores this process may run on / local_nodes
+    cpu_cores: tuple[int, ...] = ()  # pin the process to these cores (its torch threads: one each); (): as started
     local_nodes: int = 1  # nodes sharing this machine's cores (oversubscribed OpenMP threads slow every node)
     shutdown_timeout_s: float = 30.0  # how long in-flight requests get to finish after SIGTERM
     ready_file: str | None = None  # JSON with the node's addresses, written once it serves

@@ -32,7 +32,7 @@ import grpc
 import torch
 
 from kvrelay.common import tracing
-from kvrelay.common.system import advertised, is_loopback
+from kvrelay.common.system import advertised, format_cores, is_loopback, usable_cores
 from kvrelay.engine.config import dtype_name
 from kvrelay.engine.core import EngineCore
 from kvrelay.kv_transfer import KVConnector, create_connector
@@ -56,8 +56,7 @@ _GRPC_OPTIONS = [
 
 
 def default_num_threads(local_nodes: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_nodes))
+    return max(1, len(usable_cores()) // max(1, local_nodes))
 
 
 def build_connector(config: NodeConfig) -> KVConnector:
@@ -118,7 +117,14 @@ async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
     # runs Python, the engine waits for the GIL, and the engine's other core with it, up to the switch
     # interval: 1 ms instead of Python's 5 measured +6% served tokens/s (docs/results/2026-11-25-zen5/NOTES.md).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    torch.set_num_threads(config.num_threads or default_num_threads(config.local_nodes))
+    if config.cpu_cores:
+        try:
+            os.sched_setaffinity(0, config.cpu_cores)  # before torch's OpenMP team starts: it inherits them
+        except OSError as e:
+            raise ValueError(f"cpu_cores: cannot run on cores {format_cores(config.cpu_cores)} ({e}); this "
+                             f"process may use {format_cores(usable_cores())}") from None
+    torch.set_num_threads(config.num_threads or (len(config.cpu_cores) if config.cpu_cores
+                                                 else default_num_threads(config.local_nodes)))
     grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
     try:
         address = f"{config.host}:{config.port}"
@@ -162,9 +168,9 @@ async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
     await grpc_server.start()
     metrics_server.start(metrics, servicer.health)
     registration = await start_registration(config.registry, servicer.node_info(), servicer.engine.load, publisher)
-    logger.info("%s node %s serving gRPC on %s, KV on %s (%s), metrics on http://%s/metrics, %d torch threads",
-                server_cls.role, settings.node_id, settings.grpc_address, connector.address, config.connector.name,
-                settings.metrics_address, torch.get_num_threads())
+    logger.info("%s node %s serving gRPC on %s, KV on %s (%s), metrics on http://%s/metrics, %d torch threads on "
+                "cores %s", server_cls.role, settings.node_id, settings.grpc_address, connector.address,
+                config.connector.name, settings.metrics_address, torch.get_num_threads(), format_cores(usable_cores()))
     return Node(servicer, grpc_server, metrics_server, connector, registration)
 
 

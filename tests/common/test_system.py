@@ -7,7 +7,16 @@ import sys
 
 import pytest
 
-from kvrelay.common.system import TORCH_THP_ENV, _ephemeral_range, free_port, huge_pages_on_request, thp_mode
+from kvrelay.common.system import (
+    TORCH_THP_ENV,
+    _ephemeral_range,
+    format_cores,
+    free_port,
+    huge_pages_on_request,
+    parse_cores,
+    thp_mode,
+    usable_cores,
+)
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_are_never_repeated():
@@ -113,3 +122,13 @@ def test_large_tensors_ask_for_huge_pages_unless_told_not_to():
     assert took == "False"
     if thp_mode() == "madvise":  # (with `always` every mapping may, asked or not)
         assert eligible == "0"
+
+
+def test_core_lists_read_and_write_as_taskset_does():
+    assert parse_cores("0-3,8,10-11") == (0, 1, 2, 3, 8, 10, 11)
+    assert parse_cores("5, 1") == (1, 5)
+    assert format_cores((0, 1, 2, 3, 8, 10, 11)) == "0-3,8,10-11" and format_cores((7,)) == "7"
+    for bad in ("", "a", "3-1", "-2", "1-"):
+        with pytest.raises(ValueError):
+            parse_cores(bad)
+    assert set(usable_cores()) <= set(range(os.cpu_count() or 1)) and usable_cores()

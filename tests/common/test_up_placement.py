@@ -7,6 +7,8 @@ import argparse
 import pytest
 
 from kvrelay.cli import up
+from kvrelay.cli.args import UsageError
+from kvrelay.common.system import format_cores, parse_cores
 
 
 def _args(*argv: str) -> up.UpConfig:
@@ -80,3 +82,31 @@ def test_nodes_get_the_connector_their_placement_needs(monkeypatch, cores, argv,
     monkeypatch.setattr(up.os, "cpu_count", lambda: cores)
     args = _args(*argv)
     assert _flag(up.plan_children(args, "redis://127.0.0.1:1/0", up.placement(args)), "--connector") == want
+
+
+@pytest.mark.parametrize(("usable", "argv", "want", "reserved"), [
+    ((0, 1), ["--reserved-cores", "1"], {"colocated-0": "1"}, (0,)),
+    ((0, 1, 2, 3, 4, 5, 6, 7), ["--reserved-cores", "2"], {"prefill-0": "2-4", "decode-0": "5-7"}, (0, 1)),
+    ((4, 5, 6, 7), ["--reserved-cores", "1", "--prefill", "2", "--decode", "2"],  # 3 cores for 4 engines
+     {"prefill-0": "5", "prefill-1": "6", "decode-0": "7", "decode-1": "5"}, (4,)),
+])
+def test_reserved_cores_pin_each_engine_to_its_own(monkeypatch, usable, argv, want, reserved):
+    monkeypatch.setattr(up.os, "cpu_count", lambda: len(usable))
+    monkeypatch.setattr("kvrelay.cli.placement.usable_cores", lambda: usable)
+    args = _args(*argv)
+    where = up.placement(args)
+    children = up.plan_children(args, "redis://127.0.0.1:1/0", where)
+    assert _flag(children, "--cpu-cores") == want  # the gateway gets none: it inherits the launcher's
+    threads = _flag(children, "--num-threads")
+    assert all(threads[name] == str(len(parse_cores(cores))) for name, cores in want.items())
+    assert where.reserved == reserved
+    assert f"the gateway and Redis on {format_cores(reserved)} (--reserved-cores)" in where.note
+
+
+def test_unpinned_by_default_and_no_core_left_is_refused(monkeypatch):
+    args = _args()
+    assert up.placement(args).reserved == () and not _flag(up.plan_children(args, "redis://127.0.0.1:1/0",
+                                                                            up.placement(args)), "--cpu-cores")
+    monkeypatch.setattr(up, "usable_cores", lambda: (0, 1))
+    with pytest.raises(UsageError, match="--reserved-cores: 2 leaves no core for the engines"):
+        up.preflight(_args("--reserved-cores", "2"))

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 
 import pytest
 
 from kvrelay.common import wire
 from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.system import usable_cores
 from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from tests.helpers.models import make_tiny_checkpoint
 from tests.helpers.nodes import (
@@ -52,8 +54,9 @@ def reference(tiny_model):
 
 @pytest.fixture(scope="module", params=["auto", "ucx", "nccl"])
 def pair(request, tiny_model):
-    prefill, decode = start_nodes([("prefill", tiny_args(tiny_model, request.param)),
-                                   ("decode", tiny_args(tiny_model, request.param))])
+    cores = usable_cores()  # each pinned to a core of its own where there are two
+    prefill, decode = start_nodes([("prefill", tiny_args(tiny_model, request.param, "--cpu-cores", str(cores[-1]))),
+                                   ("decode", tiny_args(tiny_model, request.param, "--cpu-cores", str(cores[0])))])
     yield prefill, decode
     assert stop_nodes([prefill, decode]) == [0, 0], prefill.log_tail() + decode.log_tail()
 
@@ -121,6 +124,15 @@ def test_logprobs_and_first_token_stop(pair, reference):
     short = disaggregated(prefill, decode, f"r{next(_ids)}", prompt, one)
     assert short.prefill.finish_reason == "length"
     assert short.tokens == [result.tokens[0]] and short.chunks[-1].finish_reason == "length"
+
+
+def test_nodes_run_on_the_cores_they_were_given(pair):
+    prefill, decode = pair
+    for node, core in ((prefill, usable_cores()[-1]), (decode, usable_cores()[0])):
+        threads = Path(f"/proc/{node.proc.pid}/task").iterdir()
+        allowed = {line.split(":")[1].strip() for t in threads for line in (t / "status").read_text().splitlines()
+                   if line.startswith("Cpus_allowed_list:")}
+        assert allowed == {str(core)}, node.log_tail()
 
 
 @pytest.mark.timeout(30)
