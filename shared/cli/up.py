@@ -32,7 +32,7 @@ from kvrelay.cli.run_logs import RunLogs
 from kvrelay.cli.up_config import FleetModel, UpConfig
 from kvrelay.common.system import format_cores, usable_cores
 from kvrelay.common.units import byte_size
-from kvrelay.engine.args import SCHEDULING_POLICIES, lora_module, speculative_json
+from kvrelay.engine.args import QUANTIZATION_METHODS, SCHEDULING_POLICIES, lora_module, speculative_json
 from kvrelay.engine.config import EngineConfig
 from kvrelay.gateway.config import ROUTING_POLICIES, TOOL_CALL_PARSERS, GatewayConfig
 from kvrelay.kv_transfer import CONNECTORS
@@ -263,9 +263,10 @@ def register(sub) -> None:
                         "the model given as --model MODEL (a plain NAME is the first model's)")
     m.add_argument("--device", default=d.device, help="auto (cuda when available), cpu, cuda, cuda:N "
                                                       f"({nodes}: {engine.model.device})")
-    m.add_argument("--quantization", "-q", choices=["gguf"], default=d.quantization,
+    m.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=d.quantization,
                    help="gguf: every node computes on the .gguf model's Q4_0/Q4_1/Q8_0 blocks as the file stores "
-                        "them (int8 kernels, as llama.cpp; CPU), instead of dequantizing it once to --dtype")
+                        "them (int8 kernels, as llama.cpp; CPU), instead of dequantizing it once to --dtype; awq, "
+                        "gptq, fp8: the checkpoint folder's kind (read from its config.json when not given)")
     m.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="context length in tokens (default: the model's, capped at what the KV cache holds); "
                         "checked against the model's config before anything loads")

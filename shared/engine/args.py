@@ -11,6 +11,7 @@ import argparse
 
 from kvrelay.common.units import byte_size
 from kvrelay.engine.config import EngineConfig, LoRAConfig, SchedulingPolicy, SpeculativeConfig, parse_lora_modules
+from kvrelay.engine.quant_config import METHODS as QUANTIZATION_METHODS
 
 SCHEDULING_POLICIES = [p.value for p in SchedulingPolicy]
 
@@ -34,10 +35,12 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig | None = 
                    help="auto (the faster of float32 and bfloat16 on this machine), bfloat16, float32; "
                         "float16 on CUDA only")
     g.add_argument("--device", default=m.device, help="auto (cuda when available), cpu, cuda, cuda:N")
-    g.add_argument("--quantization", "-q", choices=["gguf"], default=m.quantization,
+    g.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=m.quantization,
                    help="gguf: serve a .gguf model's Q4_0/Q4_1/Q8_0 tensors as the file stores them, on int8 "
                         "kernels as llama.cpp does (a quarter to an eighth of the weight memory; CPU only); other "
-                        "types are dequantized at load. Default: dequantize the whole GGUF once, to --dtype")
+                        "types are dequantized at load. Default: dequantize the whole GGUF once, to --dtype. awq, "
+                        "gptq, fp8: a checkpoint folder of that kind, kept quantized and dequantized per tile as it "
+                        "computes (read from its config.json's quantization_config when not given)")
     g.add_argument("--max-model-len", type=int, default=m.max_model_len, help="context length (default: the model's)")
     g.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block (fleet-wide)")
     g.add_argument("--kv-cache-memory", type=byte_size, default=c.kv_cache_memory,

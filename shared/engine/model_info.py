@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvrelay.common.units import format_bytes
 from kvrelay.engine.config import EngineConfig, ModelConfig, parse_dtype
+from kvrelay.engine.quant_config import METHODS, QuantConfigError, effective_method
 from kvrelay.model_files.resolve import resolve_model
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ def load_model_info(config: ModelConfig) -> ModelInfo:
         hf = json.load(f)
     device = resolve_device(config.device)
     eos_ids = _eos_token_ids(resolved.path, hf)
+    quantization = _method(config.quantization, hf)
     return ModelInfo(
         path=resolved.path,
         model_id=resolved.model_id,
@@ -84,7 +86,7 @@ def load_model_info(config: ModelConfig) -> ModelInfo:
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         architecture=(hf.get("architectures") or ["?"])[0],
         extra_eos_token_ids=eos_ids[1:],
-        quantization=config.quantization,
+        quantization=quantization,
         gguf_path=str(resolved.gguf_path) if config.quantization == "gguf" else None,
     )
 
@@ -229,11 +231,26 @@ def check_engine_config(config: EngineConfig, shape: ModelShape | None = None) -
     return shape
 
 
+def _method(flag: str | None, hf: dict) -> str | None:
+    try:
+        return effective_method(flag, hf)
+    except QuantConfigError as e:
+        raise ConfigError("quantization", str(e)) from None
+
+
 def _check_quantization(m: ModelConfig) -> None:
-    if m.quantization is None:
-        return
+    """The method against the model: a checkpoint's quantization_config is read (and must load) whether or not
+    --quantization names it."""
+    if m.quantization not in (None, *METHODS):
+        raise ConfigError("quantization", f"unknown method {m.quantization!r} ({', '.join(METHODS)})")
+    folder = Path(os.fspath(m.model)).expanduser()
+    if folder.is_dir() and (folder / "config.json").is_file():
+        _method(m.quantization if m.quantization != "gguf" else None, json.loads((folder / "config.json").read_text()))
+    elif m.quantization not in (None, "gguf"):
+        raise ConfigError("quantization", f"{m.quantization} loads a checkpoint folder whose config.json says so; "
+                                          f"{m.model!r} is not one (a GGUF's blocks: --quantization gguf)")
     if m.quantization != "gguf":
-        raise ConfigError("quantization", f"unknown method {m.quantization!r} (gguf)")
+        return
     if m.model != "default" and not m.model.lower().endswith(".gguf"):
         raise ConfigError("quantization", f"gguf keeps a .gguf file's blocks; {m.model!r} is not one (give a .gguf "
                                           "file or 'default')")

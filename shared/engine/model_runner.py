@@ -111,7 +111,8 @@ class ModelRunner:
         self.dtype = info.dtype
         self.block_size = config.cache.block_size
         self.attn = get_attention_backend(config.model.attention_backend, self.device)
-        self.model = load_model(info.path, self.dtype, self.device, self.attn, gguf_blocks=info.gguf_path)
+        self.model = load_model(info.path, self.dtype, self.device, self.attn, gguf_blocks=info.gguf_path,
+                                quantization=info.quantization)
         self.lora = lora
         if lora is not None:
             lora.attach(self.model)

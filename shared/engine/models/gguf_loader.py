@@ -20,7 +20,7 @@ from torch import nn
 
 from .gguf_blocks import BLOCK, BLOCK_BYTES, TYPE_NAMES, BlockEmbedding, BlockWeight, block_rows
 from .llama import FusedLinear, Linear
-from .weight_targets import copy_into, weight_targets
+from .weight_targets import copy_into, projection_owners, weight_targets
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def load_gguf_weights(model: nn.Module, gguf_path: Path, round_to: torch.dtype |
 
     reader = GGUFReader(gguf_path)
     arch = model.arch
-    targets, owners = weight_targets(model), _projection_owners(model)
+    targets, owners = weight_targets(model), projection_owners(model)
     shards: dict[Linear, dict[str, BlockWeight]] = {}
     embed: BlockWeight | None = None
     loaded: set[str] = set()
@@ -78,18 +78,6 @@ def load_gguf_weights(model: nn.Module, gguf_path: Path, round_to: torch.dtype |
             model.lm_head.use_blocks(embed)
     logger.info("GGUF weights kept in their blocks: %s; dequantized at load (no kernel): %s",
                 _counts(kept), _counts(dense))
-
-
-def _projection_owners(model: nn.Module) -> dict[str, tuple[Linear, str]]:
-    """HF weight name -> (the projection holding it, its shard name: the HF name's module part)."""
-    owners: dict[str, tuple[Linear, str]] = {}
-    for module_name, module in model.named_modules():
-        if not isinstance(module, Linear):
-            continue
-        prefix, _, own = module_name.rpartition(".")
-        for shard in (module.shards if isinstance(module, FusedLinear) else {own: None}):
-            owners[f"{prefix}.{shard}.weight" if prefix else f"{shard}.weight"] = (module, shard)
-    return owners
 
 
 def _place(module: Linear, parts: dict[str, BlockWeight], round_to: torch.dtype | None,

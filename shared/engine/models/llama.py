@@ -7,8 +7,9 @@ them. The batch is flat (no padding): T tokens of many requests, positions absol
 LoRA: with adapters on (kvrelay.engine.lora), each projection holds its adapters' slots (`lora`), and a forward
 given the step's per-row slots (`LoRABatch`) adds each row's adapter update after the base matmul.
 
-GGUF blocks (`--quantization gguf`, models/gguf_blocks.py): a projection given `use_blocks` computes on the
-file's quantized blocks instead of a dense weight; the embedding becomes a BlockEmbedding.
+Quantized weights: a projection given `use_blocks` computes on a GGUF file's blocks (`--quantization gguf`,
+models/gguf_blocks.py; the embedding becomes a BlockEmbedding) or an AWQ/GPTQ/FP8 checkpoint's weights
+(models/quant_weights.py) instead of a dense weight.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -26,8 +27,19 @@ from kvrelay.engine.lora.layers import LoRABatch, LoRAProjection
 from kvrelay.engine.models.ops import LayerOps
 
 from . import cpu_linear
-from .gguf_blocks import BlockWeight
 from .rotary import RotaryEmbedding, rope_parameters
+
+
+class QuantizedWeight(Protocol):
+    """A [rows, cols] weight held quantized that computes x @ W^T + bias itself."""
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def cols(self) -> int: ...
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -77,12 +89,15 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: cpu_linear.PackedWeight | None = None  # the weight in the CPU kernels' layouts (after_load)
         self.lora: LoRAProjection | None = None  # its LoRA adapters' slots (kvrelay.engine.lora), when on
-        self.blocks: BlockWeight | None = None  # the weight as a GGUF file's blocks (--quantization gguf)
+        # The weight kept quantized: a GGUF file's blocks (--quantization gguf), or an AWQ/GPTQ/FP8 checkpoint's
+        # tiles (models/quant_weights.py); anything with rows, cols and linear(x, bias).
+        self.blocks: QuantizedWeight | None = None
 
-    def use_blocks(self, blocks: BlockWeight) -> None:
+    def use_blocks(self, blocks: QuantizedWeight) -> None:
         """Compute on `blocks` from now on; `weight` keeps its shape and dtype but holds no values."""
         if (blocks.rows, blocks.cols) != tuple(self.weight.shape):
-            raise ValueError(f"gguf: blocks of {blocks.rows} x {blocks.cols} for a {tuple(self.weight.shape)} weight")
+            raise ValueError(f"quantized weight of {blocks.rows} x {blocks.cols} for a {tuple(self.weight.shape)} "
+                             "projection")
         self.blocks = blocks
         self.weight = nn.Parameter(torch.zeros((), dtype=self.weight.dtype).expand(blocks.rows, blocks.cols),
                                    requires_grad=False)

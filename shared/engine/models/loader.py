@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kvrelay.engine.attention.base import AttentionBackend
+from kvrelay.engine.quant_config import CHECKPOINT_METHODS, QuantConfigError, quant_spec
 
 from .ops import layer_ops
 from .weight_targets import copy_into, weight_targets
@@ -31,10 +32,12 @@ def load_model(
     device: torch.device | str,
     attn_backend: AttentionBackend | str,
     gguf_blocks: str | Path | None = None,
+    quantization: str | None = None,
 ) -> nn.Module:
     """attn_backend: an AttentionBackend, or a name for kvrelay.engine.attention.get_attention_backend.
     gguf_blocks: the GGUF the folder was converted from, whose tensors are kept in their block formats
-    (`--quantization gguf`, gguf_loader.py); None: the folder's safetensors."""
+    (`--quantization gguf`, gguf_loader.py); None: the folder's safetensors. quantization awq, gptq or fp8: the
+    folder holds such a checkpoint, kept quantized (quant_weights.py)."""
     from transformers import AutoConfig  # slow to import; only loading needs it
 
     from . import get_model_class
@@ -62,6 +65,13 @@ def load_model(
         if device.type != "cpu":
             raise ValueError("quantization: gguf runs on CPU only")
         load_gguf_weights(model, Path(gguf_blocks), round_to=round_to)
+    elif quantization in CHECKPOINT_METHODS:
+        from .quant_weights import load_quantized_weights
+
+        spec = quant_spec(json.loads((Path(model_dir) / "config.json").read_text()))
+        if spec is None or spec.method != quantization:
+            raise QuantConfigError(f"{quantization}: {model_dir} is not a {quantization} checkpoint")
+        load_quantized_weights(model, checkpoint_files(Path(model_dir)), spec, round_to=round_to)
     else:
         load_weights(model, checkpoint_files(Path(model_dir)), round_to=round_to)
     model.after_load()

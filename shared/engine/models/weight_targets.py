@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .llama import FusedLinear
+from .llama import FusedLinear, Linear
 
 
 def weight_targets(model: nn.Module) -> dict[str, tuple[nn.Parameter, tuple[int, int] | None]]:
@@ -28,3 +28,16 @@ def copy_into(param: nn.Parameter, rows: tuple[int, int] | None, tensor: torch.T
     if dest.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dest.shape)}")
     dest.copy_(tensor)
+
+
+def projection_owners(model: nn.Module) -> dict[str, tuple[Linear, str]]:
+    """HF weight name -> (the projection holding it, its shard name: the HF name's module part). The loaders of
+    quantized weights (GGUF blocks, AWQ/GPTQ/FP8 tiles) hand each projection its weight whole, shards stacked."""
+    owners: dict[str, tuple[Linear, str]] = {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        prefix, _, own = module_name.rpartition(".")
+        for shard in (module.shards if isinstance(module, FusedLinear) else {own: None}):
+            owners[f"{prefix}.{shard}.weight" if prefix else f"{shard}.weight"] = (module, shard)
+    return owners
