@@ -62,7 +62,7 @@ class DraftModelProposer(Proposer):
                                            device=str(device)))
         self.dtype = info.dtype
         self.model = load_model(info.path, info.dtype, device, get_attention_backend(
-            config.model.attention_backend, device))
+            config.model.attention_backend, device), quantization=info.quantization)  # a quantized draft too
         if self.model.vocab_size < target_vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary ({self.model.vocab_size} tokens) "
                              f"does not cover the target's ({target_vocab_size}); it must share its tokenizer")
