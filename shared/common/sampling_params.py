@@ -58,6 +58,37 @@ class StructuredOutputs:
         return cls(StructuredOutputKind.JSON, text)
 
 
+class PoolingType(str, enum.Enum):
+    """Which hidden states make a pooling request's vector (the final norm's output, as HF's last_hidden_state)."""
+
+    LAST = "last"  # the last prompt token's: decoder embedders (Qwen3-Embedding, e5-mistral)
+    MEAN = "mean"  # the mean over the prompt
+    CLS = "cls"  # the first token's
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """A pooling request (an embedding): it ends once its prompt is computed, with a vector instead of tokens."""
+
+    pooling_type: PoolingType = PoolingType.LAST
+    normalize: bool = True  # to unit length (after truncation to `dimensions`)
+    dimensions: int | None = None  # keep only the first n dimensions (Matryoshka embeddings)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "pooling_type", PoolingType(self.pooling_type))
+        except ValueError:
+            kinds = ", ".join(k.value for k in PoolingType)
+            raise ValueError(f"pooling_type: unknown {self.pooling_type!r}; one of {kinds}") from None
+        _check(self.dimensions is None or (isinstance(self.dimensions, int) and self.dimensions >= 1), "dimensions",
+               f"must be an integer >= 1, got {self.dimensions!r}")
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether every prompt position's hidden state is needed (so the prompt never starts from the cache)."""
+        return self.pooling_type != PoolingType.LAST
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -81,6 +112,7 @@ class SamplingParams:
     # The last n prompt tokens are output this request generated before it moved to this engine (a migrated
     # request resumes): max_tokens, min_tokens, stop checks and the output penalties count them as output.
     num_resumed_tokens: int = 0
+    pooling: PoolingParams | None = None  # an embedding request: no tokens, one vector once the prompt is computed
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
@@ -116,6 +148,9 @@ class SamplingParams:
                f"must be an integer >= 0, got {self.num_resumed_tokens!r}")
         _check(self.max_tokens is None or self.num_resumed_tokens < self.max_tokens, "num_resumed_tokens",
                f"must be < max_tokens ({self.max_tokens}): the request already ended, got {self.num_resumed_tokens}")
+        _check(self.pooling is None or (self.n == 1 and self.prompt_logprobs is None and not self.num_resumed_tokens
+                                        and self.structured_outputs is None), "pooling",
+               "a pooling request samples nothing: no n > 1, prompt_logprobs, structured output or resumed output")
 
     @property
     def greedy(self) -> bool:

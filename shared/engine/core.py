@@ -134,7 +134,10 @@ class EngineCore:
         for t in prompt_token_ids:
             if not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
+        if params.pooling is not None:  # nothing is generated: the prompt may fill the context
+            if len(prompt_token_ids) > self.max_model_len:
+                raise ValueError(f"prompt: {len(prompt_token_ids)} tokens exceed max_model_len {self.max_model_len}")
+        elif len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within max_model_len "
                 f"{self.max_model_len}"
@@ -236,6 +239,8 @@ class EngineCore:
         self.check_lora(lora_name)
         self.scheduler.check_room_to_wait(1 if kv_send is not None else params.n)
         if kv_send is not None:
+            if params.pooling is not None:
+                raise ValueError("pooling: a pooling request runs where its prompt is computed; it is not handed off")
             req = self._make_request(request_id, prompt, params.for_child(0), arrival_time, cache_salt, lora_name)
             req.kv_send, req.max_tokens = kv_send, req.num_resumed_tokens + 1
             self._queue(req)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
+from kvrelay.common.sampling_params import BeamSearchParams, PoolingParams, SamplingParams
 from kvrelay.common.tokenizer import Tokenizer
 from kvrelay.engine.config import engine_config_from_kwargs
 from kvrelay.engine.core import EngineCore
@@ -46,6 +46,21 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: tuple | None = None  # (None, TokenLogprobs per later prompt token) when asked
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's record of `LLM.embed`: `outputs.embedding` is the vector."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 @dataclass
@@ -145,6 +160,31 @@ class LLM:
         end_ids = set() if params.ignore_eos else {self.engine.info.eos_token_id, *self.engine.info.extra_eos_token_ids}
         return [BeamSearchOutput([self._sequence(ids, beam, end_ids) for beam in done[rid].beams])
                 for rid, ids in zip(rids, encoded)]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (last-token pooling, normalised, unless `pooling_params` says otherwise)."""
+        params = SamplingParams(pooling=pooling_params or PoolingParams())
+        encoded = [self._encode(p) for p in _as_list(prompts)]
+        for ids in encoded:
+            self.engine.validate(ids, params)
+        results = {str(next(self._ids)): ids for ids in encoded}
+        for rid, ids in results.items():
+            self.engine.add_request(rid, ids, params)
+        vectors: dict[str, list[float]] = {}
+        bar = tqdm(total=len(results), desc="embeddings", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.pooled is not None:
+                        vectors[out.req_id] = list(out.pooled)
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort(list(results))
+            raise
+        finally:
+            bar.close()
+        return [EmbeddingRequestOutput(rid, ids, EmbeddingOutput(vectors[rid])) for rid, ids in results.items()]
 
     def _sequence(self, prompt: list[int], beam, end_ids: set) -> BeamSearchSequence:
         gen = list(beam.token_ids)

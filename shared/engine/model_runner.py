@@ -43,6 +43,7 @@ from kvrelay.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from kvrelay.engine.lora.layers import LoRABatch
 from kvrelay.engine.model_info import ModelInfo
 from kvrelay.engine.models.loader import load_model
+from kvrelay.engine.pooling import Pooler
 from kvrelay.engine.sampler import Sampler, SamplerOutput, SamplingRow, TokenBitmask
 from kvrelay.engine.scheduler_output import KVSend, ModelRunnerOutput, SchedulerOutput
 from kvrelay.engine.spec_decode import Draft, ProposeRequest, Verified, Verifier, VerifyGroup, create_proposer
@@ -91,6 +92,7 @@ class _Batch:
     meta: AttentionMetadata
     sample_req_ids: list[str]
     logits_indices: torch.Tensor  # per sampling request: its last known token's row, then its drafts' rows
+    pool_rows: dict[str, int]  # per pooling request whose prompt this step completes: its last row
     offsets: list[int]  # per attention row (req_ids): its first row in the flat batch
     starts: list[int]  # per attention row: its first position this step
     lora: LoRABatch | None = None  # each flat row's adapter slot (None: no row has an adapter)
@@ -124,6 +126,7 @@ class ModelRunner:
         self.drafts: dict[str, Draft] = {}  # proposed last step, verified when scheduled
         self.kv_caches: list[torch.Tensor] = []
         self.states: dict[str, _ReqState] = {}
+        self.pooler = Pooler()  # embedding requests' partial sums (kvrelay.engine.pooling)
         self.kv_sender = kv_sender
         self.grammars = grammars
         self._bitmask: torch.Tensor | None = None  # int32 [rows, words], reused every step
@@ -185,8 +188,9 @@ class ModelRunner:
         on_layer_done = self._layer_sender(sched.kv_sends) if sched.kv_sends else None
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, on_layer_done, batch.lora)
         self._prompt_logprobs(batch, hidden)
+        pooled = self._pool(batch, hidden)
         if not batch.sample_req_ids:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(pooled=pooled)
         if any(sched.scheduled_spec_tokens.get(rid) for rid in batch.sample_req_ids):
             verified = self._verify(sched, hidden[batch.logits_indices], batch.sample_req_ids)
         else:
@@ -209,7 +213,7 @@ class ModelRunner:
                 st.matcher = None
         drafts = self._propose(sched, sampled)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, spec_token_ids=drafts,
-                                 prompt_logprobs=prompt_logprobs)
+                                 prompt_logprobs=prompt_logprobs, pooled=pooled)
 
     def _verify(self, sched: SchedulerOutput, hidden: torch.Tensor, req_ids: list[str]) -> dict[str, Verified]:
         """A step with drafts: every row's logits (a draft's row scores the position after it); rows of
@@ -287,6 +291,15 @@ class ModelRunner:
                 targets = st.token_ids[lo + 1 : hi + 1]
                 st.prompt_logprobs.extend(_token_logprobs(logits, targets, st.params.prompt_logprobs or 0))
 
+    def _pool(self, batch: _Batch, hidden: torch.Tensor) -> dict[str, tuple[float, ...]]:
+        """Pooling requests' rows to the pooler; the vectors of those whose prompts this step completes."""
+        for i, rid in enumerate(batch.req_ids):
+            if (pooling := self.states[rid].params.pooling) is not None:
+                rows = hidden[batch.offsets[i] : batch.offsets[i] + batch.meta.query_lens_cpu[i]]
+                self.pooler.observe(rid, pooling, rows, batch.starts[i])
+        return {rid: self.pooler.finish(rid, st.params.pooling, hidden[row], st.num_prompt_tokens)
+                for rid, row in batch.pool_rows.items() if (st := self.states[rid]).params.pooling is not None}
+
     def _sample(self, hidden: torch.Tensor, req_ids: list[str], rows: list[SamplingRow]) -> SamplerOutput:
         """Rows the sampler needs only the argmax of skip their logits (the sampler says which)."""
         plain = [self.sampler.argmax_only(r) for r in rows]
@@ -320,6 +333,7 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             self.states.pop(rid, None)
+            self.pooler.drop(rid)
         for rid in sched.finished_req_ids:
             self.drafts.pop(rid, None)  # a preempted request keeps its drafts: it verifies them on resuming
         if self.proposer is not None:
@@ -378,7 +392,7 @@ class ModelRunner:
         ids_parts, pos_parts, slot_parts = [], [], []
         max_blocks = max(len(self.states[r].block_ids) for r in req_ids)
         tables = np.zeros((len(req_ids), max_blocks), dtype=np.int32)
-        sample_ids, sample_rows, offsets = [], [], []
+        sample_ids, sample_rows, offsets, pool_rows = [], [], [], {}
         offset = 0
         for i, rid in enumerate(req_ids):
             offsets.append(offset)
@@ -391,7 +405,9 @@ class ModelRunner:
             pos_parts.append(pos)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
             offset += q_lens[i]
-            if seq_lens[i] == len(st.token_ids) + len(drafts):  # reaches the end: it samples (and verifies)
+            if seq_lens[i] == len(st.token_ids) and st.params.pooling is not None:  # its vector, no token
+                pool_rows[rid] = offset - 1
+            elif seq_lens[i] == len(st.token_ids) + len(drafts):  # reaches the end: it samples (and verifies)
                 sample_ids.append(rid)
                 sample_rows.extend(range(offset - len(drafts) - 1, offset))
         dev = self.device
@@ -420,6 +436,7 @@ class ModelRunner:
             meta=meta,
             sample_req_ids=sample_ids,
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            pool_rows=pool_rows,
             offsets=offsets,
             starts=starts,
             lora=lora,

@@ -147,8 +147,11 @@ class RequestTable:
     # -- admission and preemption --------------------------------------------------------------------
 
     def _lookup(self, req: Request) -> PrefixHit:
-        # Prompt logprobs need every prompt position computed: such a prompt never starts from the cache.
-        if req.num_computed_tokens or req.sampling_params.prompt_logprobs is not None:
+        # Prompt logprobs, and a mean or first-token pooling, need every prompt position computed: such a prompt
+        # never starts from the cache.
+        params = req.sampling_params
+        if req.num_computed_tokens or params.prompt_logprobs is not None or (
+                params.pooling is not None and params.pooling.needs_every_position):
             return NO_HIT
         return self.kv.get_computed_blocks(req)
 

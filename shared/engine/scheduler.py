@@ -261,6 +261,12 @@ class Scheduler(RequestTable):
             req = request_of(rid)
             if req is None or req.is_finished:
                 continue
+            if result.pooled and (vector := result.pooled.get(rid)) is not None:  # its prompt is done: it ends
+                req.status = RequestStatus.FINISHED_STOPPED
+                outputs.append(EngineCoreOutput.of(req, (), pooled=vector))
+                self.running.remove(req)
+                self._free(req)
+                continue
             tokens = sampled_of(rid)
             if not tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt

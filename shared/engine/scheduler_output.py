@@ -84,6 +84,7 @@ class ModelRunnerOutput:
     spec_token_ids: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: _EMPTY)
     # With a request's first sampled token: (None, then TokenLogprobs per prompt token after the first).
     prompt_logprobs: Mapping[str, tuple] = field(default_factory=lambda: _EMPTY)
+    pooled: Mapping[str, tuple[float, ...]] = field(default_factory=lambda: _EMPTY)  # pooling requests done
 
 
 @dataclass(frozen=True)
@@ -97,13 +98,14 @@ class EngineCoreOutput:
     num_cached_tokens: int
     prompt_logprobs: tuple | None = None  # with the first token, when asked: (None, TokenLogprobs, ...)
     beams: tuple[BeamSequence, ...] = ()  # beam search: the finished beams, best first (in the last output)
+    pooled: tuple[float, ...] | None = None  # a pooling request's vector (its only output; no tokens)
 
     @classmethod
     def of(cls, req: Request, new_token_ids: tuple[int, ...], logprobs: Iterable[TokenLogprobs] = (),
-           prompt_logprobs: tuple | None = None) -> EngineCoreOutput:
+           prompt_logprobs: tuple | None = None, pooled: tuple[float, ...] | None = None) -> EngineCoreOutput:
         """A request's new tokens, and how it finished if it did."""
         return cls(req.request_id, new_token_ids, tuple(logprobs), req.finish_reason, req.stop_reason,
-                   req.num_prompt_tokens, req.num_cached_tokens or 0, prompt_logprobs)
+                   req.num_prompt_tokens, req.num_cached_tokens or 0, prompt_logprobs, pooled=pooled)
 
 
 @dataclass

@@ -1,0 +1,101 @@
+"""Pooling requests (embeddings, engine/pooling.py) against HF transformers' last_hidden_state on tiny random
+checkpoints: last-token, mean and first-token pooling, normalised or not, truncated to fewer dimensions; prompts
+longer than a chunk, in one batch with generation, and again from a warm prefix cache. No blocks stay held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel
+
+from kvrelay.common.sampling_params import PoolingParams, PoolingType, SamplingParams
+from tests.helpers.models import make_tiny_checkpoint, make_tiny_with_tokenizer
+from tests.helpers.nodes import colocated_engine
+
+PROMPTS = [[(5 * i + 11 * s + 2) % 500 for i in range(n)] for s, n in ((0, 7), (1, 64), (2, 150))]  # chunks of 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _hf_hidden(folder, prompt: list[int]) -> torch.Tensor:
+    model = AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([prompt])).last_hidden_state[0]
+
+
+def _reference(hidden: torch.Tensor, pooling: PoolingParams) -> torch.Tensor:
+    vec = {PoolingType.LAST: hidden[-1], PoolingType.MEAN: hidden.mean(dim=0),
+           PoolingType.CLS: hidden[0]}[pooling.pooling_type]
+    vec = vec[: pooling.dimensions]
+    return F.normalize(vec, dim=-1) if pooling.normalize else vec
+
+
+def _run(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
+    """Every request at once; per request id its outputs."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    outs: dict[str, list] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.req_id].append(out)
+    return outs
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request, tmp_path_factory):
+    return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.mark.parametrize("pooling", [
+    PoolingParams(),
+    PoolingParams(PoolingType.MEAN),
+    PoolingParams(PoolingType.CLS, normalize=False),
+    PoolingParams(PoolingType.LAST, dimensions=16),
+], ids=["last", "mean", "cls-raw", "last-16"])
+def test_vectors_equal_transformers_beside_generation(model, pooling):
+    engine = colocated_engine(str(model))
+    params = SamplingParams(pooling=pooling)
+    requests = {f"e{i}": (p, params) for i, p in enumerate(PROMPTS)}
+    requests["chat"] = (PROMPTS[2], GREEDY)  # a generation in the same steps
+    for again in (False, True):  # the second time the prefix cache holds every prompt
+        outs = _run(engine, {f"{rid}-{again}": r for rid, r in requests.items()})
+        assert len(outs[f"chat-{again}"][-1].new_token_ids) >= 1
+        for i, prompt in enumerate(PROMPTS):
+            (out,) = outs[f"e{i}-{again}"]  # one output: the vector, and the end
+            assert out.new_token_ids == () and out.finish_reason == "stop" and out.num_prompt_tokens == len(prompt)
+            want = _reference(_hf_hidden(model, prompt), pooling)
+            got = torch.tensor(out.pooled)
+            assert got.shape == want.shape
+            assert F.cosine_similarity(got, want, dim=0) > 1 - 1e-5
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            if again and pooling.needs_every_position:
+                assert out.num_cached_tokens == 0  # a mean needs every position: never from the cache
+    load = engine.load()
+    assert not engine.request_ids() and load.kv_cache_usage == 0 and load.free_kv_blocks == load.total_kv_blocks
+
+
+def test_a_pooling_prompt_may_fill_the_context_and_is_never_handed_off(model):
+    engine = colocated_engine(str(model))
+    params = SamplingParams(pooling=PoolingParams())
+    prompt = [3] * engine.max_model_len
+    (out,) = _run(engine, {"full": (prompt, params)})["full"]
+    assert len(out.pooled) == 64
+    with pytest.raises(ValueError, match="exceed max_model_len"):
+        engine.add_request("over", prompt + [3], params)
+    with pytest.raises(ValueError, match="pooling: a pooling request samples nothing"):
+        SamplingParams(n=2, pooling=PoolingParams())
+    with pytest.raises(ValueError, match="pooling_type: unknown 'max'"):
+        PoolingParams("max")
+
+
+def test_llm_embed_is_vllm_s_offline_call(tmp_path, default_model_dir):
+    from kvrelay.engine.llm import LLM
+
+    model = make_tiny_with_tokenizer(tmp_path / "tiny", default_model_dir)
+    llm = LLM(model=str(model), dtype="float32", kv_cache_memory=8 * 2**20)
+    text = "The capital of France is Paris."
+    outs = llm.embed([text, PROMPTS[1]], PoolingParams(PoolingType.MEAN), use_tqdm=False)
+    assert outs[0].prompt_token_ids == llm.tokenizer.encode(text) and outs[1].prompt_token_ids == PROMPTS[1]
+    for out in outs:
+        want = _reference(_hf_hidden(model, out.prompt_token_ids), PoolingParams(PoolingType.MEAN))
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, rtol=1e-4, atol=1e-4)
