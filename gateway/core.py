@@ -219,6 +219,7 @@ class Generation:
         # Read here, in the request's own context: the client's trace, or the HTTP server span around the call.
         self._trace_parent = tracing.request_parent(tracing.incoming_traceparent.get())
         self._span = None  # the request's span (kvrelay.common.tracing), while deltas() runs
+        self.embedding: tuple[float, ...] | None = None  # a pooling request's vector, once it came
 
     @property
     def usage(self) -> Usage:
@@ -291,6 +292,8 @@ class Generation:
 
     def _consume(self, index: int, chunk: TokenChunk) -> Delta | None:
         now = time.perf_counter()
+        if chunk.embedding:
+            self.embedding = chunk.embedding
         if chunk.token_ids:
             if self._first is None:
                 self._first = now

@@ -142,7 +142,7 @@ class Dispatcher:
                                 lora_name=req.lora_name)
 
     def _attempt(self, decision: RouteDecision, req: EngineRequest, holders: Holders) -> AsyncIterator[TokenChunk]:
-        if decision.local_prefill:
+        if decision.local_prefill or req.params.pooling is not None:  # a pooling request: where its prompt ends
             return self._local([decision.decode, *decision.decode_fallbacks], req, holders,
                                decision.decode_cached_tokens)
         return self._disaggregated(decision, req, holders)

@@ -63,6 +63,14 @@ class InputLimits:
             _count(len(req.suffix), self.max_prompt_chars, "suffix", "characters")
         self._check_common(req)
 
+    def check_embedding(self, req) -> None:
+        """The input's characters, all texts together (before any is tokenized)."""
+        x = req.input
+        if isinstance(x, str):
+            _count(len(x), self.max_prompt_chars, "input", "characters")
+        elif x and isinstance(x[0], str):
+            _count(sum(len(t) for t in x), self.max_prompt_chars, "input", "characters")
+
     def _check_common(self, req) -> None:
         if req.logit_bias is not None:
             _count(len(req.logit_bias), self.max_logit_bias, "logit_bias", "entries")

@@ -63,6 +63,7 @@ class ModelEndpoint:
     chat: object
     completions: object
     tokenize: object
+    embeddings: object  # gateway.serving_embeddings.EmbeddingServing
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,10 @@ from kvrelay.gateway.ratelimit import RateLimiter
 from kvrelay.gateway.router import Router, wait_for_nodes
 from kvrelay.gateway.serving_chat import ChatServing
 from kvrelay.gateway.serving_completions import CompletionServing
+from kvrelay.gateway.serving_embeddings import EmbeddingServing
 from kvrelay.gateway.serving_tokenize import TokenizeServing
 from kvrelay.gateway.tool_parsers import create_tool_parser
+from kvrelay.model_files.pooling import pooling_config
 from kvrelay.model_files.resolve import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -119,7 +121,8 @@ class Gateway:
                            usage_sink=self.limiter.charge_tokens)
         chat = ChatServing(core, parser)
         return ModelEndpoint(model_id, str(resolved.path), names, tokenizer, index, router, dispatcher, core, chat,
-                             CompletionServing(core), TokenizeServing(core, chat.render_for_tokenize))
+                             CompletionServing(core), TokenizeServing(core, chat.render_for_tokenize),
+                             EmbeddingServing(core, pooling_config(resolved.path)))
 
     @property
     def served_names(self) -> list[str]:

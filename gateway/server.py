@@ -61,6 +61,7 @@ from kvrelay.gateway.protocol import (
 )
 from kvrelay.gateway.runtime import Gateway
 from kvrelay.gateway.serving_common import observe_error
+from kvrelay.gateway.serving_embeddings import EmbeddingRequest, EmbeddingResponse
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +191,13 @@ def _openai_routes(gateway: Gateway) -> APIRouter:
     @router.post("/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}})
     async def completions(body: CompletionRequest, request: Request):
         return await _respond(gateway, request, _completions(gateway, body, request))
+
+    @router.post("/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        gateway.input_limits.check_embedding(body)
+        target = resolve(gateway, body.model)
+        return await _respond(gateway, request, target.endpoint.embeddings.create(body, target,
+                                                                                 header_request_id(request)))
 
     @router.post("/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):

@@ -16,7 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvrelay.common.records import BeamSequence, KVLayout, NodeLoad, TokenLogprobs
-from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
+from kvrelay.common.sampling_params import (
+    BeamSearchParams,
+    PoolingParams,
+    PoolingType,
+    SamplingParams,
+    StructuredOutputs,
+)
 from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 
 _INT32_MAX = 2**31 - 1
@@ -104,6 +110,7 @@ class TokenChunk:
     num_cached_tokens: int = 0
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # first chunk: (None, token 1's, ...)
     beams: tuple[BeamSequence, ...] = ()  # beam search: the finished beams, best first (in the last chunk)
+    embedding: tuple[float, ...] = ()  # a pooling request's vector (its only chunk)
 
 
 # ------------------------------------------------------------------------------------ sampling params
@@ -134,6 +141,9 @@ def sampling_from_proto(msg: pb.SamplingParams, present: bool = True) -> Samplin
         logit_bias=tuple(msg.logit_bias.items()),
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         num_resumed_tokens=msg.num_resumed_tokens,
+        pooling=(PoolingParams(msg.pooling.pooling_type or PoolingType.LAST, msg.pooling.normalize,
+                               msg.pooling.dimensions if msg.pooling.HasField("dimensions") else None)
+                 if msg.HasField("pooling") else None),
     )
 
 
@@ -158,6 +168,11 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         msg.logit_bias.update(dict(params.logit_bias))
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    if params.pooling is not None:
+        p = params.pooling
+        msg.pooling.CopyFrom(pb.PoolingParams(pooling_type=p.pooling_type.value, normalize=p.normalize))
+        if p.dimensions is not None:
+            msg.pooling.dimensions = p.dimensions
     return msg
 
 
@@ -339,7 +354,7 @@ def chunk_to_proto(chunk: TokenChunk) -> pb.TokenChunk:
         token_ids=list(chunk.token_ids), finish_reason=chunk.finish_reason,
         num_prompt_tokens=chunk.num_prompt_tokens, num_output_tokens=chunk.num_output_tokens,
         num_cached_tokens=chunk.num_cached_tokens, prompt_logprobs=prompt_logprobs_to_proto(chunk.prompt_logprobs),
-        beams=[beam_to_proto(b) for b in chunk.beams],
+        beams=[beam_to_proto(b) for b in chunk.beams], embedding=list(chunk.embedding),
     )
     if chunk.logprobs:
         msg.logprobs.extend(logprobs_to_proto(lp) for lp in chunk.logprobs)
@@ -354,5 +369,5 @@ def chunk_from_proto(msg: pb.TokenChunk) -> TokenChunk:
         finish_reason=msg.finish_reason, stop_reason=msg.stop_reason if msg.HasField("stop_reason") else None,
         num_prompt_tokens=msg.num_prompt_tokens, num_output_tokens=msg.num_output_tokens,
         num_cached_tokens=msg.num_cached_tokens, prompt_logprobs=prompt_logprobs_from_proto(msg.prompt_logprobs),
-        beams=tuple(beam_from_proto(b) for b in msg.beams),
+        beams=tuple(beam_from_proto(b) for b in msg.beams), embedding=tuple(msg.embedding),
     )

@@ -352,4 +352,5 @@ def token_chunk(out: EngineCoreOutput, num_output_tokens: int) -> wire.TokenChun
         finish_reason=out.finish_reason or "", stop_reason=out.stop_reason,
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=num_output_tokens,
         num_cached_tokens=out.num_cached_tokens, prompt_logprobs=out.prompt_logprobs, beams=out.beams,
+        embedding=out.pooled or (),
     )

@@ -8,11 +8,13 @@ model's tokenizer, so text round-trips); gateways run in this process on their o
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
 import grpc
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -175,6 +177,10 @@ def test_max_completion_tokens(client):
     (lambda c: c.completions.create(model=MODEL, prompt="hi", n=0), 400, "n"),
     (lambda c: c.completions.create(model=MODEL, prompt="hi", extra_body={"stop_token_ids": [10**6]}), 400,
      "stop_token_ids"),
+    (lambda c: c.embeddings.create(model=MODEL, input=[]), 400, "input"),
+    (lambda c: c.embeddings.create(model=MODEL, input=[[1, 2, 10**6]]), 400, "input"),
+    (lambda c: c.embeddings.create(model=MODEL, input="hi " * 2100), 400, "input"),
+    (lambda c: c.embeddings.create(model=MODEL, input="hi", dimensions=65), 400, "dimensions"),
 ])
 def test_errors(client, call, status, param):
     with pytest.raises(openai.APIStatusError) as info:
@@ -184,11 +190,43 @@ def test_errors(client, call, status, param):
     assert body["param"] == param and body["message"] and body["type"]
 
 
+def _hf_embedding(model: str, ids: list[int]):
+    import torch
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return torch.nn.functional.normalize(hf(torch.tensor([ids])).last_hidden_state[0, -1], dim=0)
+
+
+def test_embeddings_equal_transformers_through_the_sdk(client, fleet):
+    import torch
+
+    texts = ["The capital of France is Paris.", "Embeddings beside chat, on the same nodes."]
+    tokens = [fleet.gw.gateway.tokenizer.encode(t) for t in texts]
+    chat = client.chat.completions.create(model=MODEL, messages=_chat(), max_tokens=4)  # the same fleet serves both
+    assert chat.choices[0].message.content is not None
+    # The SDK asks for base64 unless told otherwise and decodes it itself; asked for base64, it hands it over.
+    for fmt in (openai.NOT_GIVEN, "float", "base64"):
+        got = client.embeddings.create(model=MODEL, input=texts, encoding_format=fmt)
+        assert [d.index for d in got.data] == [0, 1] and got.model == MODEL
+        assert got.usage.prompt_tokens == got.usage.total_tokens == sum(map(len, tokens))
+        for data, ids in zip(got.data, tokens, strict=True):
+            vector = data.embedding
+            if fmt == "base64":
+                vector = np.frombuffer(base64.b64decode(vector), dtype="<f4").copy()
+            want = _hf_embedding(fleet.model, ids)
+            assert torch.nn.functional.cosine_similarity(torch.tensor(vector), want, dim=0) > 1 - 1e-5
+    short = client.embeddings.create(model=MODEL, input=[tokens[0]], dimensions=16).data[0].embedding
+    assert len(short) == 16 and abs(sum(x * x for x in short) - 1) < 1e-5
+
+
 def test_auth(fleet):
     with pytest.raises(openai.AuthenticationError):
         fleet.gw.client(api_key="wrong").chat.completions.create(model=MODEL, messages=_chat(), max_tokens=1)
     for r in (httpx.get(fleet.gw.url + "/v1/models"),
-              httpx.post(fleet.gw.url + "/v1/completions", json={"prompt": "hi"})):
+              httpx.post(fleet.gw.url + "/v1/completions", json={"prompt": "hi"}),
+              httpx.post(fleet.gw.url + "/v1/embeddings", json={"input": "hi"})):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(fleet.gw.url + "/health").status_code == 200  # probes need no key
 
