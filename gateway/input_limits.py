@@ -63,13 +63,12 @@ class InputLimits:
             _count(len(req.suffix), self.max_prompt_chars, "suffix", "characters")
         self._check_common(req)
 
-    def check_embedding(self, req) -> None:
-        """The input's characters, all texts together (before any is tokenized)."""
-        x = req.input
-        if isinstance(x, str):
-            _count(len(x), self.max_prompt_chars, "input", "characters")
-        elif x and isinstance(x[0], str):
-            _count(sum(len(t) for t in x), self.max_prompt_chars, "input", "characters")
+    def check_texts(self, texts, param: str) -> None:
+        """Characters of a text, or of a list of texts together (before any is tokenized); token ids pass."""
+        if isinstance(texts, str):
+            _count(len(texts), self.max_prompt_chars, param, "characters")
+        elif texts and isinstance(texts[0], str):
+            _count(sum(len(t) for t in texts), self.max_prompt_chars, param, "characters")
 
     def _check_common(self, req) -> None:
         if req.logit_bias is not None:

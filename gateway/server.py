@@ -62,6 +62,7 @@ from kvrelay.gateway.protocol import (
 from kvrelay.gateway.runtime import Gateway
 from kvrelay.gateway.serving_common import observe_error
 from kvrelay.gateway.serving_embeddings import EmbeddingRequest, EmbeddingResponse
+from kvrelay.gateway.serving_scores import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse, ScoreServing
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +195,25 @@ def _openai_routes(gateway: Gateway) -> APIRouter:
 
     @router.post("/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def embeddings(body: EmbeddingRequest, request: Request):
-        gateway.input_limits.check_embedding(body)
+        gateway.input_limits.check_texts(body.input, "input")
         target = resolve(gateway, body.model)
         return await _respond(gateway, request, target.endpoint.embeddings.create(body, target,
                                                                                  header_request_id(request)))
+
+    @router.post("/score", response_model=ScoreResponse, responses=_ERRORS)
+    async def score(body: ScoreRequest, request: Request):
+        gateway.input_limits.check_texts(body.text_1, "text_1")
+        gateway.input_limits.check_texts(body.text_2, "text_2")
+        target = resolve(gateway, body.model)
+        return await _respond(gateway, request, ScoreServing(target.endpoint.embeddings).score(
+            body, target, header_request_id(request)))
+
+    @router.post("/rerank", response_model=RerankResponse, responses=_ERRORS)
+    async def rerank(body: RerankRequest, request: Request):
+        gateway.input_limits.check_texts([body.query, *body.documents], "documents")
+        target = resolve(gateway, body.model)
+        return await _respond(gateway, request, ScoreServing(target.endpoint.embeddings).rerank(
+            body, target, header_request_id(request)))
 
     @router.post("/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):

@@ -67,35 +67,41 @@ class EmbeddingServing:
 
     async def create(self, req: EmbeddingRequest, target: Target, header_request_id: str | None = None) -> Response:
         request_id = header_request_id or new_request_id("embd")
-        inputs = self._inputs(req)
+        inputs = self.encode(req.input, "input")
         hidden = self.pooling.hidden_size
         if req.dimensions is not None and hidden and req.dimensions > hidden:
             raise BadRequest(f"dimensions: {req.dimensions} is more than the model's {hidden}", param="dimensions")
-        params = SamplingParams(max_tokens=1, pooling=PoolingParams(PoolingType(self.pooling.pooling_type),
-                                                                    req.normalize, req.dimensions))
-        gate = asyncio.Semaphore(MAX_PARALLEL)
-
-        async def one(i: int, ids: list[int]) -> tuple[float, ...]:
-            async with gate:
-                gen = self.core.generate(GenerateInput(ids, params, OutputOptions(), request_id=f"{request_id}-{i}",
-                                                       user=req.user, lora_name=target.lora_name))
-                return await _vector(gen)
-
-        tasks = [asyncio.create_task(one(i, ids)) for i, ids in enumerate(inputs)]
-        try:
-            vectors = await asyncio.gather(*tasks)  # the first error is the answer (400, 429, 502, ...)
-        finally:
-            for task in tasks:  # the rest stop: their requests abort on the nodes
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        vectors = await self.vectors(inputs, target, request_id, req.user, req.normalize, req.dimensions)
         data = [EmbeddingData(index=i, embedding=_encode(v, req.encoding_format)) for i, v in enumerate(vectors)]
         tokens = sum(len(ids) for ids in inputs)
         body = EmbeddingResponse(data=data, model=target.name, usage=EmbeddingUsage(prompt_tokens=tokens,
                                                                                       total_tokens=tokens))
         return json_response(body, request_id_headers(header_request_id))
 
-    def _inputs(self, req: EmbeddingRequest) -> list[list[int]]:
-        x = req.input
+    async def vectors(self, inputs: list[list[int]], target: Target, request_id: str, user: str | None = None,
+                      normalize: bool = True, dimensions: int | None = None) -> list[tuple[float, ...]]:
+        """Each input's vector, at most MAX_PARALLEL computing at once; the first error is the answer (400, 429,
+        502, ...) and the others stop (their requests abort on the nodes)."""
+        params = SamplingParams(max_tokens=1, pooling=PoolingParams(PoolingType(self.pooling.pooling_type),
+                                                                    normalize, dimensions))
+        gate = asyncio.Semaphore(MAX_PARALLEL)
+
+        async def one(i: int, ids: list[int]) -> tuple[float, ...]:
+            async with gate:
+                gen = self.core.generate(GenerateInput(ids, params, OutputOptions(), request_id=f"{request_id}-{i}",
+                                                       user=user, lora_name=target.lora_name))
+                return await _vector(gen)
+
+        tasks = [asyncio.create_task(one(i, ids)) for i, ids in enumerate(inputs)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def encode(self, x: str | list[str] | list[int] | list[list[int]], param: str) -> list[list[int]]:
+        """Texts or token lists as token lists, each checked against the vocabulary and the context."""
         if isinstance(x, str):
             texts: list = [x]
         elif x and all(isinstance(t, int) for t in x):
@@ -103,17 +109,17 @@ class EmbeddingServing:
         else:
             texts = list(x)
         if not texts:
-            raise BadRequest("input: give at least one text or token list", param="input")
+            raise BadRequest(f"{param}: give at least one text or token list", param=param)
         if len(texts) > MAX_INPUTS:
-            raise BadRequest(f"input: at most {MAX_INPUTS} inputs per request, got {len(texts)}", param="input")
+            raise BadRequest(f"{param}: at most {MAX_INPUTS} inputs per request, got {len(texts)}", param=param)
         out = []
         for t in texts:
             ids = self.core.tokenizer.encode(t) if isinstance(t, str) else list(t)
-            self.core.check_prompt(ids, "input")
+            self.core.check_prompt(ids, param)
             limit = self.core.max_model_len
             if len(ids) > limit:
-                raise BadRequest(f"input: {len(ids)} tokens exceed this model's maximum context length of {limit}",
-                                 param="input")
+                raise BadRequest(f"{param}: {len(ids)} tokens exceed this model's maximum context length of {limit}",
+                                 param=param)
             out.append(ids)
         return out
 

@@ -221,6 +221,30 @@ def test_embeddings_equal_transformers_through_the_sdk(client, fleet):
     assert len(short) == 16 and abs(sum(x * x for x in short) - 1) < 1e-5
 
 
+def test_score_and_rerank_are_cosines_of_the_embeddings(fleet):
+    import torch
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    query, docs = "Where is Paris?", ["Paris is in France.", "Dragons breathe fire.", "France's capital is Paris."]
+    vec = {t: _hf_embedding(fleet.model, fleet.gw.gateway.tokenizer.encode(t)) for t in [query, *docs]}
+    want = [float(torch.dot(vec[query], vec[d])) for d in docs]
+    r = httpx.post(fleet.gw.url + "/v1/score", headers=headers, json={"model": MODEL, "text_1": query, "text_2": docs})
+    assert r.status_code == 200, r.text
+    got = [d["score"] for d in r.json()["data"]]
+    assert [d["index"] for d in r.json()["data"]] == [0, 1, 2] and np.allclose(got, want, atol=1e-5)
+    r = httpx.post(fleet.gw.url + "/v1/rerank", headers=headers,
+                   json={"model": MODEL, "query": query, "documents": docs, "top_n": 2})
+    results = r.json()["results"]
+    best = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert [x["index"] for x in results] == best and [x["document"]["text"] for x in results] == [docs[i] for i in best]
+    assert np.allclose([x["relevance_score"] for x in results], [want[i] for i in best], atol=1e-5)
+    bare = httpx.post(fleet.gw.url + "/v1/rerank", headers=headers,
+                      json={"query": query, "documents": docs, "return_documents": False}).json()["results"]
+    assert len(bare) == 3 and all("document" not in x for x in bare)
+    bad = httpx.post(fleet.gw.url + "/v1/score", headers=headers, json={"text_1": ["a", "b"], "text_2": docs})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_1"
+
+
 def test_auth(fleet):
     with pytest.raises(openai.AuthenticationError):
         fleet.gw.client(api_key="wrong").chat.completions.create(model=MODEL, messages=_chat(), max_tokens=1)
