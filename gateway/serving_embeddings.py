@@ -67,23 +67,26 @@ class EmbeddingServing:
 
     async def create(self, req: EmbeddingRequest, target: Target, header_request_id: str | None = None) -> Response:
         request_id = header_request_id or new_request_id("embd")
+        if self.pooling.num_labels:
+            raise BadRequest(f"model: {target.name} is a cross-encoder (a classification head), which cannot embed; "
+                             "use /v1/score or /v1/rerank with it", param="model")
         inputs = self.encode(req.input, "input")
         hidden = self.pooling.hidden_size
         if req.dimensions is not None and hidden and req.dimensions > hidden:
             raise BadRequest(f"dimensions: {req.dimensions} is more than the model's {hidden}", param="dimensions")
-        vectors = await self.vectors(inputs, target, request_id, req.user, req.normalize, req.dimensions)
+        pooling = PoolingParams(PoolingType(self.pooling.pooling_type), req.normalize, req.dimensions)
+        vectors = await self.vectors(inputs, target, request_id, pooling, req.user)
         data = [EmbeddingData(index=i, embedding=_encode(v, req.encoding_format)) for i, v in enumerate(vectors)]
         tokens = sum(len(ids) for ids in inputs)
         body = EmbeddingResponse(data=data, model=target.name, usage=EmbeddingUsage(prompt_tokens=tokens,
                                                                                       total_tokens=tokens))
         return json_response(body, request_id_headers(header_request_id))
 
-    async def vectors(self, inputs: list[list[int]], target: Target, request_id: str, user: str | None = None,
-                      normalize: bool = True, dimensions: int | None = None) -> list[tuple[float, ...]]:
+    async def vectors(self, inputs: list[list[int]], target: Target, request_id: str, pooling: PoolingParams,
+                      user: str | None = None) -> list[tuple[float, ...]]:
         """Each input's vector, at most MAX_PARALLEL computing at once; the first error is the answer (400, 429,
         502, ...) and the others stop (their requests abort on the nodes)."""
-        params = SamplingParams(max_tokens=1, pooling=PoolingParams(PoolingType(self.pooling.pooling_type),
-                                                                    normalize, dimensions))
+        params = SamplingParams(max_tokens=1, pooling=pooling)
         gate = asyncio.Semaphore(MAX_PARALLEL)
 
         async def one(i: int, ids: list[int]) -> tuple[float, ...]:
@@ -110,18 +113,20 @@ class EmbeddingServing:
             texts = list(x)
         if not texts:
             raise BadRequest(f"{param}: give at least one text or token list", param=param)
-        if len(texts) > MAX_INPUTS:
-            raise BadRequest(f"{param}: at most {MAX_INPUTS} inputs per request, got {len(texts)}", param=param)
-        out = []
-        for t in texts:
-            ids = self.core.tokenizer.encode(t) if isinstance(t, str) else list(t)
+        out = [self.core.tokenizer.encode(t) if isinstance(t, str) else list(t) for t in texts]
+        self.check(out, param)
+        return out
+
+    def check(self, inputs: list[list[int]], param: str) -> None:
+        """At most MAX_INPUTS inputs, each within the vocabulary and the context."""
+        if len(inputs) > MAX_INPUTS:
+            raise BadRequest(f"{param}: at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param=param)
+        limit = self.core.max_model_len
+        for ids in inputs:
             self.core.check_prompt(ids, param)
-            limit = self.core.max_model_len
             if len(ids) > limit:
                 raise BadRequest(f"{param}: {len(ids)} tokens exceed this model's maximum context length of {limit}",
                                  param=param)
-            out.append(ids)
-        return out
 
 
 async def _vector(gen: Generation) -> tuple[float, ...]:

@@ -1,7 +1,7 @@
-"""POST /v1/score (vLLM's) and /v1/rerank (Jina's and Cohere's shape, as vLLM serves it) on an embedding model:
-a pair's score is the cosine similarity of the two texts' embeddings (serving_embeddings), as vLLM scores with
-embedding models. A cross-encoder (a model with a classification head, scoring the pair in one pass) is not
-served yet.
+"""POST /v1/score (vLLM's) and /v1/rerank (Jina's and Cohere's shape, as vLLM serves it), as vLLM scores:
+- with a cross-encoder (a *ForSequenceClassification model with one output), the pair is one sequence (the
+  tokenizer's pair template) and its score the sigmoid of the head's output on its last token;
+- with an embedding model, the cosine similarity of the two texts' embeddings (serving_embeddings).
 
 score: `text_1` one text against each of `text_2`, or two lists of equal length pair by pair.
 rerank: `query` against every document, best first, the first `top_n`, with the documents' texts unless
@@ -16,6 +16,7 @@ import time
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
+from kvrelay.common.sampling_params import PoolingParams, PoolingType
 from kvrelay.gateway.core import new_request_id
 from kvrelay.gateway.errors import BadRequest
 from kvrelay.gateway.models import Target
@@ -118,10 +119,20 @@ class ScoreServing:
 
     async def _cosines(self, left: list[str], right: list[str], target: Target, request_id: str,
                        user: str | None, param: str) -> tuple[list[float], int]:
-        """Each pair's cosine similarity (each distinct text embedded once), and the tokens embedded."""
+        """Each pair's score, and the tokens computed: a cross-encoder's on the pair, else the cosine similarity of
+        the texts' embeddings (each distinct text embedded once)."""
+        emb = self.embeddings
+        if emb.pooling.num_labels:
+            if emb.pooling.num_labels != 1:
+                raise BadRequest(f"model: {target.name} classifies into {emb.pooling.num_labels} labels; scoring "
+                                 "needs a cross-encoder with one output", param="model")
+            pairs = [emb.core.tokenizer.encode_pair(a, b) for a, b in zip(left, right, strict=True)]
+            emb.check(pairs, param)
+            scores = await emb.vectors(pairs, target, request_id, PoolingParams(PoolingType.CLASSIFY), user)
+            return [s[0] for s in scores], sum(len(ids) for ids in pairs)
         texts = list(dict.fromkeys([*left, *right]))
-        encoded = self.embeddings.encode(texts, param)
-        vectors = dict(zip(texts, await self.embeddings.vectors(encoded, target, request_id, user), strict=True))
+        encoded = emb.encode(texts, param)
+        vectors = dict(zip(texts, await emb.vectors(encoded, target, request_id, PoolingParams(), user), strict=True))
         scores = [_cosine(vectors[a], vectors[b]) for a, b in zip(left, right, strict=True)]
         return scores, sum(len(ids) for ids in encoded)
 

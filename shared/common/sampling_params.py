@@ -64,6 +64,7 @@ class PoolingType(str, enum.Enum):
     LAST = "last"  # the last prompt token's: decoder embedders (Qwen3-Embedding, e5-mistral)
     MEAN = "mean"  # the mean over the prompt
     CLS = "cls"  # the first token's
+    CLASSIFY = "classify"  # a sequence classifier's head on the last token: sigmoid of one output, else softmax
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,11 @@ class Tokenizer:
         """Token ids; add_special_tokens applies the model's own rule (Llama 2 adds BOS, SmolLM2 nothing)."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """A pair as one sequence, with the separators the tokenizer's template puts between them (what a
+        cross-encoder was trained on, and what transformers gives for tokenizer(text, pair))."""
+        return list(self.hf(text, pair)["input_ids"])
+
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The chat template rendered as text (useful for logs and for the completions API)."""
         if not getattr(self.hf, "chat_template", None):

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from kvrelay.common.records import BlockEvent, BlockHash, KVLayout, NodeLoad
-from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputs
+from kvrelay.common.sampling_params import BeamSearchParams, PoolingType, SamplingParams, StructuredOutputs
 from kvrelay.common.system import TORCH_THP_ENV, huge_pages_for_tensors, keep_freed_memory
 from kvrelay.engine.beam_search import BeamGroup, num_candidates
 from kvrelay.engine.block_pool import BlockPool
@@ -76,6 +76,7 @@ class EngineCore:
         self.lora = LoRAManager(config.lora, self._loras_in_use) if config.lora.enable_lora else None
         self.runner = ModelRunner(config, self.info, kv_sender, kv_allocator, self.grammars, self.lora)
         self.vocab_size = self.runner.vocab_size
+        self.classifier = self.info.architecture.endswith("ForSequenceClassification")  # it scores, never generates
         self.num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
         if kv_sender is not None:
@@ -134,6 +135,11 @@ class EngineCore:
         for t in prompt_token_ids:
             if not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        classify = params.pooling is not None and params.pooling.pooling_type == PoolingType.CLASSIFY
+        if self.classifier != classify:
+            raise ValueError(f"pooling: {self.info.architecture} scores sequences with its classification head; it "
+                             "takes classify pooling requests only (/v1/score, /v1/rerank)" if self.classifier else
+                             f"pooling: classify needs a sequence classifier; {self.info.architecture} is not one")
         if params.pooling is not None:  # nothing is generated: the prompt may fill the context
             if len(prompt_token_ids) > self.max_model_len:
                 raise ValueError(f"prompt: {len(prompt_token_ids)} tokens exceed max_model_len {self.max_model_len}")

@@ -35,7 +35,7 @@ import torch
 
 from kvrelay.common.kv_allocator import KVAllocator
 from kvrelay.common.records import KVLayout, TokenLogprobs, kv_cache_shape
-from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.common.sampling_params import PoolingType, SamplingParams
 from kvrelay.engine import host_memory
 from kvrelay.engine.attention import get_attention_backend
 from kvrelay.engine.attention.base import AttentionMetadata
@@ -297,8 +297,14 @@ class ModelRunner:
             if (pooling := self.states[rid].params.pooling) is not None:
                 rows = hidden[batch.offsets[i] : batch.offsets[i] + batch.meta.query_lens_cpu[i]]
                 self.pooler.observe(rid, pooling, rows, batch.starts[i])
-        return {rid: self.pooler.finish(rid, st.params.pooling, hidden[row], st.num_prompt_tokens)
-                for rid, row in batch.pool_rows.items() if (st := self.states[rid]).params.pooling is not None}
+        out = {}
+        for rid, row in batch.pool_rows.items():
+            st = self.states[rid]
+            last = hidden[row]
+            if st.params.pooling.pooling_type == PoolingType.CLASSIFY:
+                last = self.model.classify(last)
+            out[rid] = self.pooler.finish(rid, st.params.pooling, last, st.num_prompt_tokens)
+        return out
 
     def _sample(self, hidden: torch.Tensor, req_ids: list[str], rows: list[SamplingRow]) -> SamplerOutput:
         """Rows the sampler needs only the argmax of skip their logits (the sampler says which)."""

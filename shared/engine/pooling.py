@@ -30,7 +30,11 @@ class Pooler:
             self._first[rid] = rows[0].float()
 
     def finish(self, rid: str, params: PoolingParams, last: torch.Tensor, num_tokens: int) -> tuple[float, ...]:
-        """The request's vector, once its prompt (`num_tokens` positions; `last`: the last one's row) is done."""
+        """The request's vector, once its prompt (`num_tokens` positions; `last`: the last one's row, for CLASSIFY
+        the classification head's outputs on it) is done."""
+        if params.pooling_type == PoolingType.CLASSIFY:  # as sentence-transformers' CrossEncoder and vLLM score
+            out = torch.sigmoid(last.float()) if last.numel() == 1 else torch.softmax(last.float(), dim=-1)
+            return tuple(out.tolist())
         if params.pooling_type == PoolingType.MEAN:
             vec = self._sums.pop(rid) / num_tokens
         elif params.pooling_type == PoolingType.CLS:

@@ -99,3 +99,41 @@ def test_llm_embed_is_vllm_s_offline_call(tmp_path, default_model_dir):
     for out in outs:
         want = _reference(_hf_hidden(model, out.prompt_token_ids), PoolingParams(PoolingType.MEAN))
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, rtol=1e-4, atol=1e-4)
+
+
+def _tiny_classifier(folder, arch: str, num_labels: int):
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.helpers.models import tiny_config
+
+    config = tiny_config(arch, num_labels=num_labels, pad_token_id=0)
+    torch.manual_seed(1)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15)
+    model.save_pretrained(folder)
+    return folder, model.eval()
+
+
+@pytest.mark.parametrize(("arch", "num_labels"), [("llama", 1), ("qwen2", 3)])
+def test_a_sequence_classifier_scores_as_transformers_and_generates_nothing(tmp_path, arch, num_labels):
+    folder, hf = _tiny_classifier(tmp_path / arch, arch, num_labels)
+    engine = colocated_engine(str(folder))
+    params = SamplingParams(pooling=PoolingParams(PoolingType.CLASSIFY))
+    outs = _run(engine, {f"s{i}": (p, params) for i, p in enumerate(PROMPTS)})
+    for i, prompt in enumerate(PROMPTS):
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt])).logits[0]
+        want = torch.sigmoid(logits) if num_labels == 1 else torch.softmax(logits, dim=-1)
+        torch.testing.assert_close(torch.tensor(outs[f"s{i}"][0].pooled), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="takes classify pooling requests only"):
+        engine.add_request("gen", PROMPTS[0], GREEDY)
+    with pytest.raises(ValueError, match="takes classify pooling requests only"):
+        engine.add_request("embed", PROMPTS[0], SamplingParams(pooling=PoolingParams()))
+
+
+def test_classify_needs_a_classifier(model):
+    engine = colocated_engine(str(model))
+    with pytest.raises(ValueError, match="classify needs a sequence classifier"):
+        engine.add_request("c", PROMPTS[0], SamplingParams(pooling=PoolingParams(PoolingType.CLASSIFY)))

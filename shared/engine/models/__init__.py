@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from .llama import (
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen2ForSequenceClassification,
+    Qwen3ForCausalLM,
+    Qwen3ForSequenceClassification,
+)
 from .loader import load_model
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -12,6 +20,10 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Cross-encoders and rerankers: pooling requests of type classify only (engine/pooling.py)
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
 }
 
 __all__ = ["MODEL_REGISTRY", "get_model_class", "load_model", "supported_architectures"]

@@ -61,6 +61,7 @@ class ArchConfig:
     mlp_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
+    num_labels: int  # a sequence classifier's outputs (its `score` head); 0: a language model (`lm_head`)
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
 
 
@@ -309,6 +310,7 @@ class LlamaForCausalLM(nn.Module):
     QKV_BIAS: bool | None = None  # None: config.attention_bias
     O_BIAS: bool | None = None
     QK_NORM = False
+    CLASSIFIER = False  # *ForSequenceClassification: a `score` head instead of the vocabulary's
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype,
                  ops: LayerOps | None = None) -> None:
@@ -317,9 +319,14 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops = ops or LayerOps()
         self.model = DecoderModel(cfg, attn_backend, dtype, ops)
         # Tied: the head shares the embedding parameter, so it is loaded (and stored) once.
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head: LMHead | None = None
+        self.score: Linear | None = None
+        if cfg.num_labels:
+            self.score = Linear(cfg.hidden_size, cfg.num_labels, False, dtype)
+        else:
+            self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype)
+            if cfg.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.num_layers, self.num_heads, self.num_kv_heads = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads
         self.head_size, self.vocab_size, self.hidden_size = cfg.head_dim, cfg.vocab_size, cfg.hidden_size
@@ -349,6 +356,7 @@ class LlamaForCausalLM(nn.Module):
             mlp_bias=bool(getattr(c, "mlp_bias", False)),
             qk_norm=cls.QK_NORM,
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            num_labels=int(c.num_labels) if cls.CLASSIFIER else 0,
             sliding_windows=sliding_windows(c),
         )
 
@@ -356,7 +364,7 @@ class LlamaForCausalLM(nn.Module):
         """Call once parameters live on `device` (e.g. after to_empty off the meta device): to_empty
         gives each module its own copy of a shared parameter, so the tie is restored here, and the rotary
         tables are built."""
-        if self.arch.tie_word_embeddings:
+        if self.arch.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope.build(device, self.dtype)
 
@@ -399,11 +407,22 @@ class LlamaForCausalLM(nn.Module):
             yield i, mlp.down_proj, {"down_proj": (0, mlp.down_proj.weight.shape[0])}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self._head().forward(hidden).float()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """argmax of compute_logits(hidden) without materialising the logits (see LMHead)."""
-        return self.lm_head.greedy(hidden)
+        return self._head().greedy(hidden)
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A sequence classifier's outputs (fp32) for hidden states (its last token's: what HF pools)."""
+        if self.score is None:
+            raise RuntimeError(f"{type(self).__name__} has no classification head")
+        return self.score(hidden).float()
+
+    def _head(self) -> LMHead:
+        if self.lm_head is None:
+            raise RuntimeError(f"{type(self).__name__} classifies; it has no vocabulary head to generate with")
+        return self.lm_head
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -418,6 +437,20 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     QK_NORM = True
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """A cross-encoder or reranker on the Llama decoder: `score` on the last token's final hidden state."""
+
+    CLASSIFIER = True
+
+
+class Qwen2ForSequenceClassification(Qwen2ForCausalLM):
+    CLASSIFIER = True
+
+
+class Qwen3ForSequenceClassification(Qwen3ForCausalLM):
+    CLASSIFIER = True
 
 
 def sliding_windows(c: Any) -> tuple[int | None, ...]:
