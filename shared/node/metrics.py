@@ -88,6 +88,13 @@ class NodeMetrics:
                                            buckets=_TRANSFER_BUCKETS, registry=reg)
         self.lora_evictions = Counter("kvrelay:lora_adapter_evictions", "LoRA adapters evicted", ["tier"],
                                       registry=reg)
+        # Pooling requests (embeddings, scores): their prompts, and the time to their vector; kept out of the
+        # generation histograms (TTFT, ITL, e2e), which a pooled request would skew.
+        self.pooled = Counter("kvrelay:pooling_requests", "Pooling requests finished (embeddings, scores)", m,
+                              registry=reg)
+        self.pooled_tokens = Counter("kvrelay:pooled_tokens", "Prompt tokens of pooling requests", m, registry=reg)
+        self.pooling_seconds = Histogram("kvrelay:pooling_request_seconds", "Arrival to vector, per pooling request",
+                                         m, registry=reg)
         self.max_loras = 0
         self._lora_labels: tuple[str, str, str] | None = None
         self._last_lora: tuple[int, int, int] = (0, 0, 0)
@@ -161,6 +168,12 @@ class NodeMetrics:
     def observe_output(self, out, since_arrival: float, last_token_at: float | None, now: float,
                        computes_prompt: bool) -> None:
         """One engine output (kvrelay.engine.scheduler_output.EngineCoreOutput) of a request this node serves."""
+        if out.pooled is not None:
+            self.prompt_tokens.labels(self.model_name).inc(out.num_prompt_tokens)
+            self.pooled.labels(self.model_name).inc()
+            self.pooled_tokens.labels(self.model_name).inc(out.num_prompt_tokens)
+            self.pooling_seconds.labels(self.model_name).observe(since_arrival)
+            return
         if last_token_at is None and computes_prompt:
             self.observe_first_token(since_arrival, out.num_prompt_tokens)
         num_tokens = len(out.new_token_ids) + sum(len(b.token_ids) for b in out.beams)

@@ -38,7 +38,7 @@ def served(tmp_path_factory, default_model_dir):
     (node,) = start_nodes([("decode", tiny_args(str(folder), "auto", "--node-id", "xenc-0", blocks=256))])
     gw = GatewayThread(model=str(folder), decode=(node.address,), capacity_wait=1)
     try:
-        yield gw, hf.eval(), AutoTokenizer.from_pretrained(str(folder))
+        yield gw, hf.eval(), AutoTokenizer.from_pretrained(str(folder)), node
     finally:
         gw.close()
         stop_nodes([node])
@@ -50,7 +50,7 @@ def _want(hf, tokenizer, query: str, doc: str) -> float:
 
 
 def test_rerank_and_score_equal_the_transformers_cross_encoder(served):
-    gw, hf, tokenizer = served
+    gw, hf, tokenizer, node = served
     want = [_want(hf, tokenizer, QUERY, d) for d in DOCS]
     r = httpx.post(gw.url + "/v1/rerank", headers=HEADERS, json={"query": QUERY, "documents": DOCS, "top_n": 3})
     assert r.status_code == 200, r.text
@@ -62,10 +62,14 @@ def test_rerank_and_score_equal_the_transformers_cross_encoder(served):
     assert [round(d["score"], 5) for d in r.json()["data"]] == [round(w, 5) for w in want]
     pairs = [tokenizer(QUERY, d)["input_ids"] for d in DOCS]
     assert r.json()["usage"]["prompt_tokens"] == sum(map(len, pairs))
+    metrics = node.metrics()  # pooled requests have their own series, not the generation histograms
+    assert metrics.value("kvrelay:pooling_requests_total", model_name="tiny-xenc") == 8
+    assert metrics.value("kvrelay:pooled_tokens_total", model_name="tiny-xenc") == 2 * sum(map(len, pairs))
+    assert not metrics.value("vllm:time_to_first_token_seconds_count", model_name="tiny-xenc")
 
 
 def test_a_cross_encoder_neither_embeds_nor_chats(served):
-    gw, _, _ = served
+    gw, _, _, _ = served
     r = httpx.post(gw.url + "/v1/embeddings", headers=HEADERS, json={"input": "hello"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     assert "cannot embed" in r.json()["error"]["message"]
