@@ -85,6 +85,28 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         except GatewayError as e:
             await self._abort(context, e)
 
+    async def Embed(self, raw: bytes, context) -> pb.EmbedResponse:  # noqa: N802 - gRPC method names
+        request = await _parse(pb.EmbedRequest, raw, context)
+        try:
+            principal = self._auth(context)
+            target = self.gateway.models.resolve(request.model or None)
+            check_model(principal, target.name)
+            current_rate.set(await self.gateway.limiter.admit(principal))
+            serving = target.endpoint.embeddings
+            if request.texts and request.token_ids:
+                raise BadRequest("give texts or token_ids, not both", param="texts")
+            inputs = serving.encode(list(request.texts) or [list(t.ids) for t in request.token_ids], "texts")
+            pooling = serving.embedding_params(request.normalize if request.HasField("normalize") else True,
+                                               request.dimensions if request.HasField("dimensions") else None,
+                                               target.name)
+            vectors = await serving.vectors(inputs, target, request.request_id or new_request_id("embd"), pooling)
+        except GatewayError as e:
+            await self._abort(context, e)
+        self.gateway.metrics.observe_request("success")
+        tokens = sum(len(ids) for ids in inputs)
+        return pb.EmbedResponse(model=target.name, embeddings=[pb.Embedding(values=v) for v in vectors],
+                                usage=pb.Usage(prompt_tokens=tokens))
+
     def _auth(self, context):
         """The caller's principal (gateway.auth), also as `current_principal` for this call."""
         meta = dict(context.invocation_metadata() or ())
@@ -188,6 +210,8 @@ def _handlers(servicer: GatewayServicer) -> grpc.GenericRpcHandler:
         "ListModels": grpc.unary_unary_rpc_method_handler(
             servicer.ListModels, request_deserializer=_identity,
             response_serializer=pb.ModelsResponse.SerializeToString),
+        "Embed": grpc.unary_unary_rpc_method_handler(
+            servicer.Embed, request_deserializer=_identity, response_serializer=pb.EmbedResponse.SerializeToString),
     }
     return grpc.method_handlers_generic_handler("kvrelay.gateway.v1.Gateway", methods)
 

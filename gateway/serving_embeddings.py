@@ -67,20 +67,24 @@ class EmbeddingServing:
 
     async def create(self, req: EmbeddingRequest, target: Target, header_request_id: str | None = None) -> Response:
         request_id = header_request_id or new_request_id("embd")
-        if self.pooling.num_labels:
-            raise BadRequest(f"model: {target.name} is a cross-encoder (a classification head), which cannot embed; "
-                             "use /v1/score or /v1/rerank with it", param="model")
+        pooling = self.embedding_params(req.normalize, req.dimensions, target.name)
         inputs = self.encode(req.input, "input")
-        hidden = self.pooling.hidden_size
-        if req.dimensions is not None and hidden and req.dimensions > hidden:
-            raise BadRequest(f"dimensions: {req.dimensions} is more than the model's {hidden}", param="dimensions")
-        pooling = PoolingParams(PoolingType(self.pooling.pooling_type), req.normalize, req.dimensions)
         vectors = await self.vectors(inputs, target, request_id, pooling, req.user)
         data = [EmbeddingData(index=i, embedding=_encode(v, req.encoding_format)) for i, v in enumerate(vectors)]
         tokens = sum(len(ids) for ids in inputs)
         body = EmbeddingResponse(data=data, model=target.name, usage=EmbeddingUsage(prompt_tokens=tokens,
                                                                                       total_tokens=tokens))
         return json_response(body, request_id_headers(header_request_id))
+
+    def embedding_params(self, normalize: bool, dimensions: int | None, model: str) -> PoolingParams:
+        """How this model embeds; a 400 for a cross-encoder, which cannot, or for more dimensions than it has."""
+        if self.pooling.num_labels:
+            raise BadRequest(f"model: {model} is a cross-encoder (a classification head), which cannot embed; "
+                             "use /v1/score or /v1/rerank with it", param="model")
+        hidden = self.pooling.hidden_size
+        if dimensions is not None and hidden and dimensions > hidden:
+            raise BadRequest(f"dimensions: {dimensions} is more than the model's {hidden}", param="dimensions")
+        return PoolingParams(PoolingType(self.pooling.pooling_type), normalize, dimensions)
 
     async def vectors(self, inputs: list[list[int]], target: Target, request_id: str, pooling: PoolingParams,
                       user: str | None = None) -> list[tuple[float, ...]]:

@@ -285,6 +285,17 @@ def test_grpc_api(fleet, client):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(req))
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Embeddings for internal callers: the vectors /v1/embeddings gives, in order.
+        texts = ["Rain in Spain", "falls mainly on the plain"]
+        want = [d.embedding for d in client.embeddings.create(model=MODEL, input=texts, encoding_format="float").data]
+        got = stub.Embed(gpb.EmbedRequest(texts=texts), metadata=meta, timeout=60)
+        assert got.model == MODEL and len(got.embeddings) == 2 and got.usage.prompt_tokens > 0
+        assert np.allclose([list(e.values) for e in got.embeddings], want, atol=1e-6)
+        short = stub.Embed(gpb.EmbedRequest(token_ids=[gpb.TokenIds(ids=[5, 6, 7])], dimensions=8), metadata=meta)
+        assert len(short.embeddings[0].values) == 8
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Embed(gpb.EmbedRequest(texts=["a"], token_ids=[gpb.TokenIds(ids=[1])]), metadata=meta)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in info.value.details()
 
 
 def test_disconnect_frees_blocks(fleet):

@@ -44,6 +44,11 @@ class GatewayStub:
                 request_serializer=kvrelay_dot_gateway_dot_v1_dot_gateway__pb2.ModelsRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_gateway_dot_v1_dot_gateway__pb2.ModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/kvrelay.gateway.v1.Gateway/Embed',
+                request_serializer=kvrelay_dot_gateway_dot_v1_dot_gateway__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_gateway_dot_v1_dot_gateway__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -61,6 +66,12 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=kvrelay_dot_gateway_dot_v1_dot_gateway__pb2.ModelsRequest.FromString,
                     response_serializer=kvrelay_dot_gateway_dot_v1_dot_gateway__pb2.ModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=kvrelay_dot_gateway_dot_v1_dot_gateway__pb2.EmbedRequest.FromString,
+                    response_serializer=kvrelay_dot_gateway_dot_v1_dot_gateway__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +145,33 @@ class Gateway:
             '/kvrelay.gateway.v1.Gateway/ListModels',
             kvrelay_dot_gateway_dot_v1_dot_gateway__pb2.ModelsRequest.SerializeToString,
             kvrelay_dot_gateway_dot_v1_dot_gateway__pb2.ModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.gateway.v1.Gateway/Embed',
+            kvrelay_dot_gateway_dot_v1_dot_gateway__pb2.EmbedRequest.SerializeToString,
+            kvrelay_dot_gateway_dot_v1_dot_gateway__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
