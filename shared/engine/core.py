@@ -41,6 +41,7 @@ from kvrelay.engine.kv_handoff import KVHandoff
 from kvrelay.engine.lora import LoRAAdapter, LoRAManager
 from kvrelay.engine.model_info import ModelInfo, load_model_info
 from kvrelay.engine.model_runner import KVAllocator, KVSender, ModelRunner
+from kvrelay.engine.models import MODEL_REGISTRY
 from kvrelay.engine.request import KVSendSpec, Request, RequestStatus
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.scheduler_output import EngineCoreOutput, EngineCounters, Reservation
@@ -67,9 +68,15 @@ class EngineCore:
         self, config: EngineConfig, record_block_events: bool = False, kv_sender: KVSender | None = None,
         kv_allocator: KVAllocator | None = None, grammars: GrammarCompiler | None = None,
     ) -> None:
-        self.config = config
         t0 = time.perf_counter()
         self.info: ModelInfo = load_model_info(config.model)
+        # An encoder (bidirectional attention) computes each sequence whole: no chunks, and no prefix cache, whose
+        # blocks would hold states that depended on other sequences' later tokens.
+        self.encoder = bool(getattr(MODEL_REGISTRY.get(self.info.architecture), "ENCODER", False))
+        if self.encoder:
+            config = replace(config, scheduler=replace(config.scheduler, enable_chunked_prefill=False),
+                             cache=replace(config.cache, enable_prefix_caching=False))
+        self.config = config
         if self.info.device.type == "cpu":
             self._tune_cpu_memory()
         self.grammars = grammars or create_grammar_compiler(config.structured, self._grammar_vocab)
@@ -117,6 +124,10 @@ class EngineCore:
                 f"max_model_len: {limit} exceeds the model's context length {self.info.max_position_embeddings}"
             )
         sched = self.config.scheduler
+        if self.encoder and sched.max_num_batched_tokens < limit:  # a sequence is one step: no longer than one
+            logger.warning("max_model_len %d exceeds max_num_batched_tokens, and an encoder computes a sequence in "
+                           "one step; capping at %d tokens", limit, sched.max_num_batched_tokens)
+            limit = sched.max_num_batched_tokens
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < limit:
             raise ValueError(
                 f"max_num_batched_tokens: {sched.max_num_batched_tokens} is smaller than max_model_len {limit}; "
@@ -136,6 +147,9 @@ class EngineCore:
             if not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
         classify = params.pooling is not None and params.pooling.pooling_type == PoolingType.CLASSIFY
+        if self.encoder and (params.pooling is None or classify):
+            raise ValueError(f"pooling: {self.info.architecture} is an encoder; it takes embedding requests only "
+                             "(last, mean or cls pooling)")
         if self.classifier != classify:
             raise ValueError(f"pooling: {self.info.architecture} scores sequences with its classification head; it "
                              "takes classify pooling requests only (/v1/score, /v1/rerank)" if self.classifier else

@@ -137,3 +137,41 @@ def test_classify_needs_a_classifier(model):
     engine = colocated_engine(str(model))
     with pytest.raises(ValueError, match="classify needs a sequence classifier"):
         engine.add_request("c", PROMPTS[0], SamplingParams(pooling=PoolingParams(PoolingType.CLASSIFY)))
+
+
+def _tiny_bert(folder):
+    from transformers import BertConfig
+    from transformers import BertModel as HFBert
+
+    config = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=128)
+    torch.manual_seed(2)
+    model = HFBert(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "LayerNorm.weight" in name else 0.15 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.mark.parametrize("pooling", [PoolingParams(PoolingType.MEAN), PoolingParams(PoolingType.CLS, normalize=False)],
+                         ids=["mean", "cls-raw"])
+def test_a_bert_encoder_embeds_as_transformers(tmp_path, pooling):
+    folder, hf = _tiny_bert(tmp_path / "bert")
+    engine = colocated_engine(str(folder))
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0][:3]]  # whole sequences of 7, 64 and 3 tokens in one step
+    params = SamplingParams(pooling=pooling)
+    for again in (False, True):  # no prefix cache: the second pass computes everything again
+        outs = _run(engine, {f"b{i}-{again}": (p, params) for i, p in enumerate(prompts)})
+        for i, prompt in enumerate(prompts):
+            (out,) = outs[f"b{i}-{again}"]
+            assert out.num_cached_tokens == 0
+            with torch.inference_mode():
+                want = _reference(hf(torch.tensor([prompt])).last_hidden_state[0], pooling)
+            torch.testing.assert_close(torch.tensor(out.pooled), want, rtol=1e-4, atol=1e-4)
+    assert engine.max_model_len == 64  # a sequence is one step: no longer than the step's budget
+    with pytest.raises(ValueError, match="exceed max_model_len 64"):
+        engine.add_request("long", PROMPTS[2], params)
+    for wrong in (GREEDY, SamplingParams(pooling=PoolingParams(PoolingType.CLASSIFY))):
+        with pytest.raises(ValueError, match="is an encoder; it takes embedding requests only"):
+            engine.add_request("gen", PROMPTS[0], wrong)

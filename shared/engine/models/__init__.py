@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .bert import BertModel
 from .llama import (
     LlamaForCausalLM,
     LlamaForSequenceClassification,
@@ -15,7 +16,7 @@ from .llama import (
 )
 from .loader import load_model
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -24,6 +25,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
+    # Encoders (sentence-transformers' BERT embedders): whole sequences per step, embedding requests only
+    "BertModel": BertModel,
 }
 
 __all__ = ["MODEL_REGISTRY", "get_model_class", "load_model", "supported_architectures"]
