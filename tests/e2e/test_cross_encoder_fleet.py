@@ -4,7 +4,6 @@ tokenizer(query, document); it cannot embed or chat, and says so with a 400."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import httpx
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.gateway import API_KEY, GatewayThread
-from tests.helpers.models import TOKENIZER_FILES, tiny_config
+from tests.helpers.models import copy_tokenizer, make_tiny_classifier
 from tests.helpers.nodes import start_nodes, stop_nodes, tiny_args
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -22,23 +21,15 @@ DOCS = ["Paris is in France.", "Dragons breathe fire.", "The capital of France i
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, default_model_dir):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
     folder = tmp_path_factory.mktemp("xenc") / "tiny-xenc"
-    config = tiny_config("llama", vocab_size=49152, num_labels=1, pad_token_id=0, max_position_embeddings=512)
-    torch.manual_seed(3)
-    hf = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0.0, 0.15)
-    hf.save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        if (Path(default_model_dir) / name).exists():
-            shutil.copy(Path(default_model_dir) / name, folder / name)
+    hf = make_tiny_classifier(folder, "llama", 1, seed=3, vocab_size=49152, max_position_embeddings=512)
+    copy_tokenizer(Path(default_model_dir), folder)
     (node,) = start_nodes([("decode", tiny_args(str(folder), "auto", "--node-id", "xenc-0", blocks=256))])
     gw = GatewayThread(model=str(folder), decode=(node.address,), capacity_wait=1)
     try:
-        yield gw, hf.eval(), AutoTokenizer.from_pretrained(str(folder)), node
+        yield gw, hf, AutoTokenizer.from_pretrained(str(folder)), node
     finally:
         gw.close()
         stop_nodes([node])

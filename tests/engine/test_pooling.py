@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import AutoModel
 
 from kvrelay.common.sampling_params import PoolingParams, PoolingType, SamplingParams
-from tests.helpers.models import make_tiny_checkpoint, make_tiny_with_tokenizer
+from tests.helpers.models import make_tiny_checkpoint, make_tiny_classifier, make_tiny_with_tokenizer
 from tests.helpers.nodes import colocated_engine
 
 PROMPTS = [[(5 * i + 11 * s + 2) % 500 for i in range(n)] for s, n in ((0, 7), (1, 64), (2, 150))]  # chunks of 64
@@ -101,24 +101,10 @@ def test_llm_embed_is_vllm_s_offline_call(tmp_path, default_model_dir):
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, rtol=1e-4, atol=1e-4)
 
 
-def _tiny_classifier(folder, arch: str, num_labels: int):
-    from transformers import AutoModelForSequenceClassification
-
-    from tests.helpers.models import tiny_config
-
-    config = tiny_config(arch, num_labels=num_labels, pad_token_id=0)
-    torch.manual_seed(1)
-    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.15)
-    model.save_pretrained(folder)
-    return folder, model.eval()
-
-
 @pytest.mark.parametrize(("arch", "num_labels"), [("llama", 1), ("qwen2", 3)])
 def test_a_sequence_classifier_scores_as_transformers_and_generates_nothing(tmp_path, arch, num_labels):
-    folder, hf = _tiny_classifier(tmp_path / arch, arch, num_labels)
+    folder = tmp_path / arch
+    hf = make_tiny_classifier(folder, arch, num_labels)
     engine = colocated_engine(str(folder))
     params = SamplingParams(pooling=PoolingParams(PoolingType.CLASSIFY))
     outs = _run(engine, {f"s{i}": (p, params) for i, p in enumerate(PROMPTS)})

@@ -92,6 +92,30 @@ def make_tiny_checkpoint(
     return path
 
 
+def make_tiny_classifier(path: str | Path, arch: str, num_labels: int, seed: int = 1, **config: Any):
+    """A random *ForSequenceClassification (a cross-encoder with `num_labels` outputs) saved into `path`; the
+    transformers model too, in eval mode, as the reference."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(
+        tiny_config(arch, num_labels=num_labels, pad_token_id=0, **config), dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.15)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def copy_tokenizer(tokenizer_dir: Path, path: Path) -> None:
+    """The tokenizer files of `tokenizer_dir` (the default model's) into the model folder `path`."""
+    import shutil
+
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, path / name)
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json")
 
@@ -99,15 +123,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 def make_tiny_with_tokenizer(path: Path, tokenizer_dir: Path) -> Path:
     """A tiny random llama whose vocabulary matches the default model's tokenizer (49152), so text
     round-trips and grammars compile against a real vocabulary."""
-    import shutil
-
     from transformers import AutoModelForCausalLM
 
     config = tiny_config("llama")
     config.vocab_size, config.max_position_embeddings = 49152, 2048
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, path / name)
+    copy_tokenizer(tokenizer_dir, path)
     return path
