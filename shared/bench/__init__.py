@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "lora": "kvrelay.bench.lora",
     "tenants": "kvrelay.bench.tenants",
     "accuracy": "kvrelay.bench.accuracy",
+    "pooling": "kvrelay.bench.pooling",
 }
 
 

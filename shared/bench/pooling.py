@@ -1,0 +1,120 @@
+"""`kvrelay bench pooling`: do embedding requests slow the chat beside them?
+
+One `kvrelay up` fleet serves both. Two phases take turns (alone, mixed, alone, mixed, ... for --rounds), so both
+meet the same machine:
+- alone: streamed chat requests at Poisson arrivals of --chat-rate per second;
+- mixed: the same chat, while /v1/embeddings requests of --batch texts each arrive at --embed-rate per second.
+
+Reported: chat TTFT p50/p90 per phase and the mixed/alone ratio of p90s summed over rounds (the issue's bar:
+1.2x), every request's status (all must succeed), embeddings per second, and the fleet's KV blocks once the
+load is over (nothing left held: `vllm:kv_cache_usage_perc` 0 on every node, from the gateway's /metrics).
+
+    kvrelay bench pooling
+    kvrelay bench pooling --chat-rate 1 --embed-rate 2 --batch 8 --duration 60 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+
+from kvrelay.bench.client import Client, Reply
+from kvrelay.bench.fleet import Server
+from kvrelay.bench.report import emit, machine
+from kvrelay.bench.stats import percentiles
+from kvrelay.bench.workload import TextSource
+
+HELP = "embeddings beside chat: chat TTFT alone and with embedding requests, in one run; nothing left held"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="the model `kvrelay up` serves")
+    p.add_argument("--up-flags", nargs=argparse.REMAINDER, default=[], help="more flags for `kvrelay up` (last)")
+    p.add_argument("--chat-rate", type=float, default=1.0, help="chat requests per second (Poisson)")
+    p.add_argument("--embed-rate", type=float, default=2.0, help="embedding requests per second in mixed phases")
+    p.add_argument("--batch", type=int, default=8, help="texts per embedding request")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of each phase")
+    p.add_argument("--rounds", type=int, default=2, help="alone/mixed pairs")
+    p.add_argument("--prompt-tokens", type=int, default=96, help="corpus text per chat prompt and text, in tokens")
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per chat request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="bench/results/pooling.json", help="where the JSON goes")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for the fleet to come up")
+
+
+async def _arrivals(rate: float, duration: float, rng: random.Random, send) -> list[Reply]:
+    tasks, t_end, next_at = [], time.perf_counter() + duration, time.perf_counter()
+    while True:
+        next_at += rng.expovariate(rate)
+        if next_at >= t_end:
+            break
+        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        tasks.append(asyncio.create_task(send()))
+    return list(await asyncio.gather(*tasks))
+
+
+async def _phase(url: str, args: argparse.Namespace, mixed: bool, texts, seed: int) -> dict:
+    async with Client(url, timeout_s=120) as client:
+        def chat():
+            return client.post("chat", {"model": None, "messages": [{"role": "user", "content": next(texts)}],
+                                        "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+                                        "ignore_eos": True})
+
+        def embed():
+            body = json.dumps({"input": [next(texts) for _ in range(args.batch)]}).encode()
+            return client.request("POST", "embeddings", body)
+
+        runs = [_arrivals(args.chat_rate, args.duration, random.Random(seed), chat)]
+        if mixed:
+            runs.append(_arrivals(args.embed_rate, args.duration, random.Random(seed + 1), embed))
+        started = time.perf_counter()
+        replies = await asyncio.gather(*runs)
+        wall = time.perf_counter() - started
+    chats = replies[0]
+    out = {"chat_ok": sum(r.ok for r in chats), "chat_failed": sum(not r.ok for r in chats),
+           "chat_ttft_ms": percentiles([r.ttft_s for r in chats if r.ok and r.ttft_s is not None], 1000.0, digits=1)}
+    if mixed:
+        embeds = replies[1]
+        out.update(embed_ok=sum(r.ok for r in embeds), embed_failed=sum(not r.ok for r in embeds),
+                   texts_per_s=round(sum(r.ok for r in embeds) * args.batch / wall, 2),
+                   embed_ms=percentiles([r.end - r.start for r in embeds if r.ok], 1000.0, digits=1))
+    return out
+
+
+def _texts(args: argparse.Namespace):
+    from kvrelay.common.tokenizer import Tokenizer
+    from kvrelay.model_files.resolve import resolve_model
+
+    source = TextSource(Tokenizer(resolve_model(args.model).path))
+    rng = random.Random(args.seed)
+    while True:
+        yield source.window(rng, args.prompt_tokens)
+
+
+def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-pooling-") as tmp:
+        flags = ["--model", args.model, *args.up_flags]
+        with Server.up(flags, log_dir=tmp, timeout_s=args.ready_timeout, name="bench-pooling") as server:
+            texts, phases = _texts(args), []
+            for r in range(args.rounds):
+                for mixed in (False, True):
+                    result = asyncio.run(_phase(server.base_url, args, mixed, texts, args.seed + 10 * r))
+                    phases.append({"round": r + 1, "phase": "mixed" if mixed else "alone", **result})
+                    print(json.dumps(phases[-1]), flush=True)
+            time.sleep(2.0)  # the last loads the nodes published
+            usage = [s.value for s in server.metrics().select("vllm:kv_cache_usage_perc")]
+    alone = [p["chat_ttft_ms"]["p90"] for p in phases if p["phase"] == "alone"]
+    mixed = [p["chat_ttft_ms"]["p90"] for p in phases if p["phase"] == "mixed"]
+    report = {
+        "benchmark": "pooling", "machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "phases": phases,
+        "chat_ttft_p90_ratio_mixed_over_alone": round(sum(mixed) / sum(alone), 3) if alone and mixed else None,
+        "all_succeeded": all(not p["chat_failed"] and not p.get("embed_failed") for p in phases),
+        "kv_cache_usage_after": usage,
+    }
+    emit(report, args.output)
+    return 0
