@@ -18,6 +18,7 @@ SCHEDULING_POLICIES = [p.value for p in SchedulingPolicy]
 # The engine flags' destinations; each sets the engine field (and LLM(...) keyword) of its name, but these.
 _ENGINE_FLAGS = ("device", "quantization", "max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
                  "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests", "admission_headroom",
+                 "max_pooling_tokens_per_step",
                  "enable_prefix_caching", "scheduling_policy", "attention_backend", "structured_outputs_backend",
                  "speculative_config", "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
 _KEYWORDS = {"scheduling_policy": "policy"}
@@ -51,6 +52,10 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig | None = 
     g.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens,
                    help="token budget of one engine step")
     g.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs, help="most requests running at once")
+    g.add_argument("--max-pooling-tokens-per-step", type=int, default=s.max_pooling_tokens_per_step,
+                   help="while generation requests are unfinished, the most tokens of a step pooling requests "
+                        "(embeddings, scores) take, so a chat never waits behind a long step of them; alone they "
+                        "take the whole budget (0: no cap)")
     g.add_argument("--max-waiting-requests", type=int, default=s.max_waiting_requests,
                    help="requests (and queued decode reservations) that may wait for room; past it new ones are "
                         "refused, which the gateway answers with 429 (0: no bound)")

@@ -41,6 +41,7 @@ class RequestTable:
         self.max_model_len = max_model_len
         self.handoff = handoff or KVHandoff(kv)
         self.requests: dict[str, Request] = {}  # every unfinished request, reservations included
+        self.num_pooling = 0  # of them, pooling requests (embeddings, scores)
         self.waiting = create_request_queue(config)
         self.running: list[Request] = []
         self.beam_groups = BeamGroups()
@@ -65,6 +66,7 @@ class RequestTable:
     def add_request(self, req: Request) -> None:
         self._check_new_id(req.request_id)
         self.requests[req.request_id] = req
+        self.num_pooling += req.sampling_params.pooling is not None
         self.waiting.add(req)
 
     def add_beam_group(self, group: BeamGroup, root: Request) -> None:
@@ -143,6 +145,7 @@ class RequestTable:
         self.finished_req_ids.add(req.request_id)
         self._unseen.discard(req.request_id)
         del self.requests[req.request_id]
+        self.num_pooling -= req.sampling_params.pooling is not None
 
     # -- admission and preemption --------------------------------------------------------------------
 

@@ -62,6 +62,9 @@ class Scheduler(RequestTable):
 
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        cap = self.config.max_pooling_tokens_per_step
+        if cap and self.num_pooling and len(self.requests) > self.num_pooling:  # generation is waiting or running
+            plan.pooling_budget = cap
         yielded = self._schedule_running(self.running, plan, self._outranked_prefills())
         admitted = len(plan.new)
         if not plan.preempted:
@@ -85,9 +88,16 @@ class Scheduler(RequestTable):
             n = min(n, self.config.long_prefill_token_threshold)
         return min(n, budget)
 
-    def _plan_chunk(self, req: Request, num_computed: int, budget: int) -> Chunk | None:
+    def _plan_chunk(self, req: Request, num_computed: int, budget: int, plan: StepPlan | None = None) -> Chunk | None:
         """This step's chunk of a request with `num_computed` tokens computed: its next known tokens within the
-        budget and the long-prefill threshold, and what speculation adds. None: it waits this step."""
+        budget and the long-prefill threshold (a pooling request's within the step's pooling share, though the
+        first of a step may take a whole sequence that cannot be chunked), and what speculation adds. None: it
+        waits this step."""
+        if plan is not None and plan.pooling_budget is not None and req.sampling_params.pooling is not None:
+            share = max(0, plan.pooling_budget)
+            if share < req.num_tokens - num_computed and not self.config.enable_chunked_prefill and not plan.pooled:
+                share = budget  # a sequence it cannot chunk: one per step, so it is never starved
+            budget = min(budget, share)
         n = self._num_new_tokens(req, num_computed, budget)
         if n <= 0:
             return None
@@ -125,7 +135,7 @@ class Scheduler(RequestTable):
             if req.request_id in defer:
                 deferred.append(req)
                 continue
-            chunk = self._plan_chunk(req, req.num_computed_tokens, plan.budget)
+            chunk = self._plan_chunk(req, req.num_computed_tokens, plan.budget, plan)
             if chunk is None:
                 continue
             new_blocks = (self._allocate_or_preempt(req, chunk, plan) if preempt else
@@ -133,7 +143,7 @@ class Scheduler(RequestTable):
             if new_blocks is None:
                 continue
             rid = req.request_id
-            plan.add(rid, chunk, req.lora_name)
+            plan.add(rid, chunk, req.lora_name, req.sampling_params.pooling is not None)
             if rid in self._unseen or rid in self.kv.rewritten:
                 self._unseen.discard(rid)
                 self.kv.rewritten.discard(rid)
@@ -189,7 +199,10 @@ class Scheduler(RequestTable):
                     break
                 continue
             hit = self._lookup(req)
-            chunk = self._plan_chunk(req, hit.num_tokens, plan.budget)
+            chunk = self._plan_chunk(req, hit.num_tokens, plan.budget, plan)
+            if chunk is None and req.sampling_params.pooling is not None and plan.budget > 0:
+                compiling.append(self.waiting.pop())  # past the step's pooling share: it keeps its place, and
+                continue  # the requests behind it may start
             if chunk is None:
                 break
             if not self.config.enable_chunked_prefill and chunk.num_new < req.num_tokens - hit.num_tokens:
@@ -204,7 +217,7 @@ class Scheduler(RequestTable):
             if keep:
                 headroom += self._blocks_to_grow(req, hit.num_tokens + chunk.num_new)
             self._admit(req, hit)
-            plan.add(req.request_id, chunk, req.lora_name)
+            plan.add(req.request_id, chunk, req.lora_name, req.sampling_params.pooling is not None)
             plan.new.append(self._new_request_data(req))
         for req in reversed(compiling):  # back in their places, ahead of later arrivals
             self.waiting.add_front(req)

@@ -38,10 +38,16 @@ class StepPlan:
     cached: list[CachedRequestData] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
     loras: set[str] = field(default_factory=set)  # the LoRA adapters of the requests scheduled
+    pooling_budget: int | None = None  # tokens pooling requests may still take (None: no cap this step)
+    pooled: bool = False  # a pooling request has a chunk this step
 
-    def add(self, req_id: str, chunk: Chunk, lora_name: str = "") -> None:
+    def add(self, req_id: str, chunk: Chunk, lora_name: str = "", pooling: bool = False) -> None:
         if lora_name:
             self.loras.add(lora_name)
+        if pooling:
+            self.pooled = True
+            if self.pooling_budget is not None:
+                self.pooling_budget -= chunk.num_tokens
         self.tokens[req_id] = chunk.num_tokens
         self.budget -= chunk.num_tokens
         if chunk.drafts:

@@ -4,6 +4,8 @@ longer than a chunk, in one batch with generation, and again from a warm prefix 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -161,3 +163,28 @@ def test_a_bert_encoder_embeds_as_transformers(tmp_path, pooling):
     for wrong in (GREEDY, SamplingParams(pooling=PoolingParams(PoolingType.CLASSIFY))):
         with pytest.raises(ValueError, match="is an encoder; it takes embedding requests only"):
             engine.add_request("gen", PROMPTS[0], wrong)
+
+
+def test_pooling_takes_a_capped_share_of_steps_only_while_generation_waits(model):
+    params = SamplingParams(pooling=PoolingParams())
+
+    def engine_with(chat: bool):
+        engine = colocated_engine(str(model))  # 64-token steps
+        engine.scheduler.config = replace(engine.scheduler.config, max_pooling_tokens_per_step=16)
+        for i, p in enumerate(PROMPTS):  # 7, 64 and 150 tokens, queued first
+            engine.add_request(f"e{i}", p, params)
+        if chat:
+            engine.add_request("chat", PROMPTS[1], GREEDY)
+        return engine
+
+    # With a generation waiting, pooling takes 16 tokens of the step (7, then 9 of the next prompt); the third
+    # keeps its place while the chat, queued behind it, takes the rest.
+    assert dict(engine_with(True).scheduler.schedule().num_scheduled_tokens) == {"e0": 7, "e1": 9, "chat": 48}
+    # Alone, pooling requests take the whole step.
+    assert sum(engine_with(False).scheduler.schedule().num_scheduled_tokens.values()) == 64
+    engine = engine_with(True)
+    done: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            done.setdefault(out.req_id, []).append(out)
+    assert all(done[f"e{i}"][-1].pooled is not None for i in range(3)) and done["chat"][-1].finish_reason
