@@ -118,6 +118,7 @@ def node_engine(config: UpConfig, model: FleetModel | None = None) -> EngineConf
     model = model or config.fleet_models()[0]
     names = ("device", "quantization", "max_model_len", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
              "max_num_batched_tokens", "enable_prefix_caching", "max_waiting_requests", "seed", "max_loras",
+             "max_pooling_tokens_per_step",
              "max_lora_rank", "max_cpu_loras")
     values = {name: getattr(config, name) for name in names if getattr(config, name) is not None}
     if config.scheduling_policy is not None:
@@ -305,6 +306,9 @@ def register(sub) -> None:
     m.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                    help="per node: requests that may wait for room; past it the gateway answers 429 "
                         f"({nodes}: {engine.scheduler.max_waiting_requests})")
+    m.add_argument("--max-pooling-tokens-per-step", type=int, default=d.max_pooling_tokens_per_step,
+                   help="per node: the most tokens of a step embeddings and scores take on a model that chats "
+                        f"({nodes}: {engine.scheduler.max_pooling_tokens_per_step}; 0: no cap)")
     m.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=SCHEDULING_POLICIES,
                    help=f"per node: waiting order ({nodes}: {engine.scheduler.policy.value}; sjf is the shortest "
                         "prompt first, with aging)")

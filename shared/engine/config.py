@@ -86,9 +86,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # A long prompt takes at most this many tokens of one step, so decodes keep flowing.
     long_prefill_token_threshold: int = 0  # 0: no cap beyond the budget
-    # While generation requests are unfinished, pooling requests (embeddings, scores: batch work) take at most
-    # this many tokens of a step, so a chat never waits behind a long step of them; alone they take the budget.
-    max_pooling_tokens_per_step: int = 256  # 0: no cap
+    # On a model that generates, pooling requests (embeddings, scores: batch work) take at most this many tokens
+    # of a step, so a chat never waits long behind a step of them (a step runs to its end once started).
+    max_pooling_tokens_per_step: int = 64  # 0: no cap
     # Disaggregation: how long a reservation or blocks held for a transfer live unclaimed.
     kv_lease_s: float = 30.0
     # Requests (and queued reservations) that may wait for room; past it new ones are refused (QueueFull).

@@ -96,7 +96,8 @@ class EngineCore:
         self.handoff = KVHandoff(self.kv)
         speculation = Speculation.create(config.speculative, config.scheduler, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, speculation, self.handoff,
-                                   max_loras=config.lora.max_loras if self.lora is not None else 0)
+                                   max_loras=config.lora.max_loras if self.lora is not None else 0,
+                                   generates=not (self.encoder or self.classifier))
         if self.lora is not None:
             self.lora.load_modules()
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id -> its grammar's compile

@@ -53,18 +53,20 @@ class Scheduler(RequestTable):
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  speculation: Speculation | None = None, handoff: KVHandoff | None = None,
-                 max_loras: int = 0) -> None:
+                 max_loras: int = 0, generates: bool = True) -> None:
         super().__init__(config, kv, max_model_len, handoff)
         self.speculation = speculation
         self.max_loras = max_loras
+        # A model that generates may get a chat at any moment: pooling requests take capped steps, so none waits
+        # long behind one; an embedder or classifier only (an encoder, a cross-encoder) gives them whole steps.
+        self.generates = generates
 
     # -- schedule -------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
-        cap = self.config.max_pooling_tokens_per_step
-        if cap and self.num_pooling and len(self.requests) > self.num_pooling:  # generation is waiting or running
-            plan.pooling_budget = cap
+        if self.config.max_pooling_tokens_per_step and self.num_pooling and self.generates:
+            plan.pooling_budget = self.config.max_pooling_tokens_per_step
         yielded = self._schedule_running(self.running, plan, self._outranked_prefills())
         admitted = len(plan.new)
         if not plan.preempted:
