@@ -22,11 +22,11 @@ import random
 import tempfile
 import time
 
-from kvrelay.bench.client import Client, Reply
+from kvrelay.bench.client import Client
 from kvrelay.bench.fleet import Server
 from kvrelay.bench.report import emit, machine
 from kvrelay.bench.stats import percentiles
-from kvrelay.bench.workload import TextSource
+from kvrelay.bench.workload import TextSource, send_poisson
 
 HELP = "embeddings beside chat: chat TTFT alone and with embedding requests, in one run; nothing left held"
 
@@ -46,17 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for the fleet to come up")
 
 
-async def _arrivals(rate: float, duration: float, rng: random.Random, send) -> list[Reply]:
-    tasks, t_end, next_at = [], time.perf_counter() + duration, time.perf_counter()
-    while True:
-        next_at += rng.expovariate(rate)
-        if next_at >= t_end:
-            break
-        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-        tasks.append(asyncio.create_task(send()))
-    return list(await asyncio.gather(*tasks))
-
-
 async def _phase(url: str, args: argparse.Namespace, mixed: bool, texts, seed: int) -> dict:
     async with Client(url, timeout_s=120) as client:
         def chat():
@@ -68,9 +57,9 @@ async def _phase(url: str, args: argparse.Namespace, mixed: bool, texts, seed: i
             body = json.dumps({"input": [next(texts) for _ in range(args.batch)]}).encode()
             return client.request("POST", "embeddings", body)
 
-        runs = [_arrivals(args.chat_rate, args.duration, random.Random(seed), chat)]
+        runs = [send_poisson(args.chat_rate, args.duration, random.Random(seed), chat)]
         if mixed:
-            runs.append(_arrivals(args.embed_rate, args.duration, random.Random(seed + 1), embed))
+            runs.append(send_poisson(args.embed_rate, args.duration, random.Random(seed + 1), embed))
         started = time.perf_counter()
         replies = await asyncio.gather(*runs)
         wall = time.perf_counter() - started

@@ -27,11 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvrelay.bench.client import Client, Reply
+from kvrelay.bench.client import Client
 from kvrelay.bench.fleet import Server
 from kvrelay.bench.report import emit, machine
 from kvrelay.bench.stats import percentiles
-from kvrelay.bench.workload import TextSource
+from kvrelay.bench.workload import TextSource, send_poisson
 from kvrelay.common.system import usable_cores
 from kvrelay.gateway.ratelimit import burst
 
@@ -62,26 +62,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for the fleet to come up")
 
 
-async def _tenant(client: Client, rate: float, duration: float, bodies, rng: random.Random) -> list[Reply]:
-    """Poisson arrivals at `rate` per second for `duration` seconds; every reply."""
-    tasks, t_end = [], time.perf_counter() + duration
-    next_at = time.perf_counter()
-    while True:
-        next_at += rng.expovariate(rate)
-        if next_at >= t_end:
-            break
-        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-        tasks.append(asyncio.create_task(client.post("chat", next(bodies))))
-    return list(await asyncio.gather(*tasks))
-
-
 async def _phase(url: str, args: argparse.Namespace, flood: bool, bodies, seed: int) -> dict:
     clients = {name: Client(url, key, timeout_s=120) for name, key in _KEYS.items()}
     try:
-        runs = [_tenant(clients["B"], args.b_rate, args.duration, bodies, random.Random(seed))]
+        def post(name: str):
+            return lambda: clients[name].post("chat", next(bodies))
+
+        runs = [send_poisson(args.b_rate, args.duration, random.Random(seed), post("B"))]
         if flood:
             rate = args.a_rpm / 60.0 * args.flood_factor
-            runs.append(_tenant(clients["A"], rate, args.duration, bodies, random.Random(seed + 1)))
+            runs.append(send_poisson(rate, args.duration, random.Random(seed + 1), post("A")))
         replies = await asyncio.gather(*runs)
     finally:
         for client in clients.values():

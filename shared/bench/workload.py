@@ -13,6 +13,7 @@ docstrings in a fixed order): available offline, and the same wherever the Pytho
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import importlib
@@ -20,8 +21,9 @@ import inspect
 import itertools
 import random
 import re
+import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 # Imported only for their docstrings; none of them has side effects on import.
@@ -239,6 +241,19 @@ def iter_arrivals(rate: float, seed: int) -> Iterator[float]:
     while True:
         yield t
         t += rng.expovariate(rate)
+
+
+async def send_poisson(rate: float, duration: float, rng: random.Random, send: Callable[[], Awaitable]) -> list:
+    """Call `send()` at Poisson arrivals of `rate` per second (the first after one gap) for `duration` seconds,
+    without waiting for the answers; all the answers, in order of sending."""
+    tasks, t_end, next_at = [], time.perf_counter() + duration, time.perf_counter()
+    while True:
+        next_at += rng.expovariate(rate)
+        if next_at >= t_end:
+            break
+        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        tasks.append(asyncio.create_task(send()))
+    return list(await asyncio.gather(*tasks))
 
 
 @dataclass

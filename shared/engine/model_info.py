@@ -70,13 +70,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model_info(config: ModelConfig) -> ModelInfo:
-    _check_quantization(config)  # engines built without the CLI's preflight (LLM(...)) get the same error
+    # Engines built without the CLI's preflight (LLM(...)) get the same errors.
+    quantization = _check_quantization(config)
     resolved = resolve_model(config.model)
     with open(os.path.join(resolved.path, "config.json")) as f:
         hf = json.load(f)
     device = resolve_device(config.device)
     eos_ids = _eos_token_ids(resolved.path, hf)
-    quantization = _method(config.quantization, hf)
     return ModelInfo(
         path=resolved.path,
         model_id=resolved.model_id,
@@ -238,24 +238,28 @@ def _method(flag: str | None, hf: dict) -> str | None:
         raise ConfigError("quantization", str(e)) from None
 
 
-def _check_quantization(m: ModelConfig) -> None:
-    """The method against the model: a checkpoint's quantization_config is read (and must load) whether or not
-    --quantization names it."""
+def _check_quantization(m: ModelConfig) -> str | None:
+    """The method against the model, and the method the weights load with: a checkpoint folder's
+    quantization_config is read (and must load) whether or not --quantization names it."""
     if m.quantization not in (None, *METHODS):
         raise ConfigError("quantization", f"unknown method {m.quantization!r} ({', '.join(METHODS)})")
     folder = Path(os.fspath(m.model)).expanduser()
     if folder.is_dir() and (folder / "config.json").is_file():
-        _method(m.quantization if m.quantization != "gguf" else None, json.loads((folder / "config.json").read_text()))
+        method = _method(m.quantization if m.quantization != "gguf" else None,
+                         json.loads((folder / "config.json").read_text()))
+        if m.quantization != "gguf":
+            return method
     elif m.quantization not in (None, "gguf"):
         raise ConfigError("quantization", f"{m.quantization} loads a checkpoint folder whose config.json says so; "
                                           f"{m.model!r} is not one (a GGUF's blocks: --quantization gguf)")
     if m.quantization != "gguf":
-        return
+        return None
     if m.model != "default" and not m.model.lower().endswith(".gguf"):
         raise ConfigError("quantization", f"gguf keeps a .gguf file's blocks; {m.model!r} is not one (give a .gguf "
                                           "file or 'default')")
     if m.device.startswith("cuda"):
         raise ConfigError("quantization", "gguf runs on CPU only (--device cpu)")
+    return "gguf"
 
 
 def _check_device(device: str) -> None:

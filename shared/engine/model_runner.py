@@ -92,6 +92,7 @@ class _Batch:
     meta: AttentionMetadata
     sample_req_ids: list[str]
     logits_indices: torch.Tensor  # per sampling request: its last known token's row, then its drafts' rows
+    pooling: list[int]  # attention rows (req_ids) of pooling requests
     pool_rows: dict[str, int]  # per pooling request whose prompt this step completes: its last row
     offsets: list[int]  # per attention row (req_ids): its first row in the flat batch
     starts: list[int]  # per attention row: its first position this step
@@ -293,10 +294,10 @@ class ModelRunner:
 
     def _pool(self, batch: _Batch, hidden: torch.Tensor) -> dict[str, tuple[float, ...]]:
         """Pooling requests' rows to the pooler; the vectors of those whose prompts this step completes."""
-        for i, rid in enumerate(batch.req_ids):
-            if (pooling := self.states[rid].params.pooling) is not None:
-                rows = hidden[batch.offsets[i] : batch.offsets[i] + batch.meta.query_lens_cpu[i]]
-                self.pooler.observe(rid, pooling, rows, batch.starts[i])
+        for i in batch.pooling:
+            rid = batch.req_ids[i]
+            rows = hidden[batch.offsets[i] : batch.offsets[i] + batch.meta.query_lens_cpu[i]]
+            self.pooler.observe(rid, self.states[rid].params.pooling, rows, batch.starts[i])
         out = {}
         for rid, row in batch.pool_rows.items():
             st = self.states[rid]
@@ -398,7 +399,7 @@ class ModelRunner:
         ids_parts, pos_parts, slot_parts = [], [], []
         max_blocks = max(len(self.states[r].block_ids) for r in req_ids)
         tables = np.zeros((len(req_ids), max_blocks), dtype=np.int32)
-        sample_ids, sample_rows, offsets, pool_rows = [], [], [], {}
+        sample_ids, sample_rows, offsets, pooling, pool_rows = [], [], [], [], {}
         offset = 0
         for i, rid in enumerate(req_ids):
             offsets.append(offset)
@@ -411,8 +412,10 @@ class ModelRunner:
             pos_parts.append(pos)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
             offset += q_lens[i]
-            if seq_lens[i] == len(st.token_ids) and st.params.pooling is not None:  # its vector, no token
-                pool_rows[rid] = offset - 1
+            if st.params.pooling is not None:
+                pooling.append(i)
+                if seq_lens[i] == len(st.token_ids):  # its vector, no token
+                    pool_rows[rid] = offset - 1
             elif seq_lens[i] == len(st.token_ids) + len(drafts):  # reaches the end: it samples (and verifies)
                 sample_ids.append(rid)
                 sample_rows.extend(range(offset - len(drafts) - 1, offset))
@@ -442,6 +445,7 @@ class ModelRunner:
             meta=meta,
             sample_req_ids=sample_ids,
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            pooling=pooling,
             pool_rows=pool_rows,
             offsets=offsets,
             starts=starts,

@@ -95,7 +95,7 @@ class Scheduler(RequestTable):
         budget and the long-prefill threshold (a pooling request's within the step's pooling share, though the
         first of a step may take a whole sequence that cannot be chunked), and what speculation adds. None: it
         waits this step."""
-        if plan is not None and plan.pooling_budget is not None and req.sampling_params.pooling is not None:
+        if plan is not None and _capped_pooling(plan, req):
             share = max(0, plan.pooling_budget)
             if share < req.num_tokens - num_computed and not self.config.enable_chunked_prefill and not plan.pooled:
                 share = budget  # a sequence it cannot chunk: one per step, so it is never starved
@@ -145,7 +145,7 @@ class Scheduler(RequestTable):
             if new_blocks is None:
                 continue
             rid = req.request_id
-            plan.add(rid, chunk, req.lora_name, req.sampling_params.pooling is not None)
+            plan.add(rid, chunk, req.lora_name, _capped_pooling(plan, req))
             if rid in self._unseen or rid in self.kv.rewritten:
                 self._unseen.discard(rid)
                 self.kv.rewritten.discard(rid)
@@ -219,7 +219,7 @@ class Scheduler(RequestTable):
             if keep:
                 headroom += self._blocks_to_grow(req, hit.num_tokens + chunk.num_new)
             self._admit(req, hit)
-            plan.add(req.request_id, chunk, req.lora_name, req.sampling_params.pooling is not None)
+            plan.add(req.request_id, chunk, req.lora_name, _capped_pooling(plan, req))
             plan.new.append(self._new_request_data(req))
         for req in reversed(compiling):  # back in their places, ahead of later arrivals
             self.waiting.add_front(req)
@@ -338,3 +338,8 @@ class Scheduler(RequestTable):
         for parent, token in beams.continued:
             parent.append_output_token(token)
             self._unseen.add(parent.request_id)  # the runner appended its own sample: rebuild its state
+
+
+def _capped_pooling(plan: StepPlan, req: Request) -> bool:
+    """A pooling request in a step that caps them (checked in that order: the common step has no cap)."""
+    return plan.pooling_budget is not None and req.sampling_params.pooling is not None

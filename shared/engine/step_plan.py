@@ -39,7 +39,7 @@ class StepPlan:
     preempted: set[str] = field(default_factory=set)
     loras: set[str] = field(default_factory=set)  # the LoRA adapters of the requests scheduled
     pooling_budget: int | None = None  # tokens pooling requests may still take (None: no cap this step)
-    pooled: bool = False  # a pooling request has a chunk this step
+    pooled: bool = False  # a pooling request has a chunk this step (counted while pooling_budget is set)
 
     def add(self, req_id: str, chunk: Chunk, lora_name: str = "", pooling: bool = False) -> None:
         if lora_name:

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
+import time
 
 import pytest
 import torch
 
-from kvrelay.bench.workload import WorkloadSpec, build_workload, corpus_tokens, fingerprint, iter_corpus_docs
+from kvrelay.bench.workload import (
+    WorkloadSpec,
+    build_workload,
+    corpus_tokens,
+    fingerprint,
+    iter_corpus_docs,
+    send_poisson,
+)
 from kvrelay.engine.models.loader import compute_dtype
 
 
@@ -125,3 +135,22 @@ def test_end_to_end_tiny_with_hf_baseline(tmp_path, capsys):
     assert agreement["requests_checked"] == 4
     assert 0.0 <= agreement["identical_token_fraction"] <= 1.0
     assert (tmp_path / "results" / "throughput.png").stat().st_size > 1000
+
+
+def test_send_poisson_sends_at_the_seeded_arrivals_and_returns_the_answers_in_order():
+    gaps, t = [], 0.0
+    rng = random.Random(7)
+    while (t := t + rng.expovariate(50.0)) < 0.4:
+        gaps.append(t)
+    sent: list[float] = []
+    start = time.perf_counter()
+
+    async def send() -> int:
+        sent.append(time.perf_counter() - start)
+        index = len(sent)
+        await asyncio.sleep(0.05 / index)  # later ones answer sooner: the answers still come in sending order
+        return index
+
+    answers = asyncio.run(send_poisson(50.0, 0.4, random.Random(7), send))
+    assert answers == list(range(1, len(gaps) + 1))  # every arrival before the end, none after, in order
+    assert all(got >= want - 1e-3 for got, want in zip(sent, gaps, strict=True))  # never early

@@ -21,6 +21,7 @@ loading and checking such checkpoints, not a fast one (README: quantization).
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,18 +42,20 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column held by each 4-bit slot o
 _QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "weight_scale_inv", "input_scale")
 
 
-class TiledWeight:
+class TiledWeight(ABC):
     """A [rows, cols] weight that dequantizes `tile(start, stop)` (fp32 rows) on demand."""
 
     rows: int
     cols: int
 
     @property
+    @abstractmethod
     def nbytes(self) -> int:
-        raise NotImplementedError
+        """Bytes held (the quantized values and their scales)."""
 
+    @abstractmethod
     def tile(self, start: int, stop: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Rows [start, stop) in fp32."""
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T + bias, in x's dtype (computed in fp32)."""
