@@ -40,6 +40,7 @@ from kvrelay.bench.client import Client, Reply
 from kvrelay.bench.fleet import Server
 from kvrelay.bench.report import emit, machine
 from kvrelay.bench.workload import TextSource
+from kvrelay.common.process import freeze
 from kvrelay.common.units import byte_size
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class Faults:
             if kind == "kill":
                 os.kill(pids[name], signal.SIGKILL)
             else:
-                os.kill(pids[name], signal.SIGSTOP)
+                freeze(pids[name])
                 time.sleep(self.hang_s)
                 os.kill(pids[name], signal.SIGCONT)
 

@@ -51,6 +51,27 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def freeze(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP a process (a hang: it keeps its sockets open and answers nothing) and return once every thread
+    of it has stopped. The kernel stops the threads one after another, once one has taken the signal: until
+    then, on a loaded machine, another thread may go on answering for a while."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while not _all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop within {timeout_s:.0f}s of SIGSTOP")
+        time.sleep(0.005)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        states = [(task / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+                  for task in Path(f"/proc/{pid}/task").iterdir()]
+    except (OSError, IndexError):
+        return not pid_alive(pid)  # gone (or going): nothing of it runs
+    return all(state in ("T", "t") for state in states)
+
+
 class ProcessStartError(RuntimeError):
     """A child exited, or did not become ready in time; the message ends with the tail of its log."""
 

@@ -7,12 +7,14 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from kvrelay.common.process import (
     ChildProcess,
     ProcessStartError,
+    freeze,
     kill_all,
     kvrelay_command,
     pid_alive,
@@ -82,6 +84,31 @@ def test_a_grandchild_left_behind_by_a_clean_exit_is_killed_too(tmp_path):
     grandchild = _logged(child, "grandchild")
     assert child.stop(grace_s=10) == 3
     _gone(grandchild)
+
+
+SPINNERS = """
+import os, threading
+def spin():
+    while True:
+        pass
+for _ in range(3):
+    threading.Thread(target=spin, daemon=True).start()
+print("ready", os.getpid(), flush=True)
+spin()
+"""
+
+
+def test_freeze_returns_once_every_thread_has_stopped(tmp_path):
+    child = ChildProcess.start("spinners", _py(SPINNERS), log_dir=tmp_path)
+    try:
+        child.wait_ready(lambda: "ready" in child.log_path.read_text(), timeout_s=30)
+        freeze(child.pid)
+        tasks = list((Path("/proc") / str(child.pid) / "task").iterdir())
+        assert len(tasks) == 4
+        assert {(t / "stat").read_text().rsplit(")", 1)[-1].split()[0] for t in tasks} == {"T"}
+        child.send_signal(signal.SIGCONT)
+    finally:
+        child.kill()
 
 
 def test_kill_is_sigkill_to_the_group(tmp_path):

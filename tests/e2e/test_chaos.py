@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.common.process import freeze
 from kvrelay.common.prometheus import Metrics
 from kvrelay.index.redis_server import start_redis
 from tests.helpers.gateway import GatewayThread
@@ -175,7 +176,7 @@ def test_decode_hung_mid_stream(chaos):
     s = _Stream(chaos.gw.url, body)
     assert s.started.wait(60)
     victim = chaos.nodes[s.headers["x-kvrelay-decode-node"]]
-    os.kill(victim.proc.pid, signal.SIGSTOP)
+    freeze(victim.proc.pid)
     try:
         assert s.result() == expected
         assert chaos.gw.gateway.discovery.breaker_state(victim.info["node_id"]) == "open"
@@ -194,7 +195,7 @@ def _prefill_fault(chaos, fault: str) -> None:
     chaos.ensure("prefill")
     body = _body(_prompt(f"prefill {fault}"), True, True, max_tokens=40)
     victim = chaos.nodes[chaos.predict(chaos.gw.gateway.tokenizer.encode(body["prompt"])).prefill.node_id]
-    os.kill(victim.proc.pid, signal.SIGSTOP)  # the Prefill call will wait on it
+    freeze(victim.proc.pid)  # the Prefill call will wait on it
     try:
         s = _Stream(chaos.gw.url, body)
         if fault == "kill":
@@ -306,11 +307,11 @@ def test_prefill_killed_mid_transfer(chaos):
         chaos.ensure("prefill", 1)
         decision = chaos.predict(chaos.gw.gateway.tokenizer.encode(body["prompt"]))
     prefill, decode = chaos.nodes[decision.prefill.node_id], chaos.nodes[decision.decode.node_id]
-    os.kill(prefill.proc.pid, signal.SIGSTOP)
+    freeze(prefill.proc.pid)
     thread, box = in_thread(_complete, chaos.gw.url, body)
     try:
         wait_for(lambda: decode.load().num_reserved == 1, 5, "the reservation on the decode node", interval=0.02)
-        os.kill(decode.proc.pid, signal.SIGSTOP)
+        freeze(decode.proc.pid)
         os.kill(prefill.proc.pid, signal.SIGCONT)
         wait_for(lambda: prefill.load().num_held == 1, 5, "the prefill node to be mid-transfer", interval=0.02)
         prefill.kill()

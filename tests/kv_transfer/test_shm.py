@@ -9,13 +9,13 @@ keeps its control sockets in its own folder (shm_dir), so nothing else on the ma
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvrelay.common.process import freeze
 from kvrelay.common.records import KVLayout
 from kvrelay.kv_transfer import ConnectorConfig, TransferError, create_connector
 from kvrelay.kv_transfer._shm_io import parse_address
@@ -118,7 +118,7 @@ def test_receiver_killed_mid_transfer(tmp_path):
         sender.call("send", "tx", address, "t0", SRC, DST)
         sender.call("wait", "tx", "t0", 20)  # connected and working
         doomed.call("expect", "rx", "t1", DST)
-        os.kill(doomed.pid, signal.SIGSTOP)
+        freeze(doomed.pid)  # every thread stopped: no layer of t1 is taken in
         sender.call("send", "tx", address, "t1", SRC, DST)
         time.sleep(0.2)
         doomed.kill()
