@@ -46,6 +46,7 @@ class GatewayConfig:
     routing_policy: str = "cache_aware"
     local_prefill_threshold: int = 64  # tokens the decode node would compute at most to prefill itself
     block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_dtype: str = "auto"  # the nodes' --kv-cache-dtype: part of every block hash (common.hashing)
     max_model_len: int | None = None  # None: the smallest any node announces
     shutdown_timeout: float = 30.0
     refresh_interval: float = 0.5  # registry poll

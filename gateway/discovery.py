@@ -102,6 +102,7 @@ class Probe:
 class DiscoveryConfig:
     model_id: str
     block_size: int
+    kv_cache_dtype: str = "auto"  # the nodes' --kv-cache-dtype: part of each block hash the router looks up
     other_models: tuple[str, ...] = ()  # the gateway's other models' ids (several models behind one gateway)
     static_prefill: tuple[str, ...] = ()
     static_decode: tuple[str, ...] = ()

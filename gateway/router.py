@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.common.hashing import kv_dtype_key, prompt_block_hashes
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.discovery import Discovery, Node
 from kvrelay.gateway.errors import NoCapacity
@@ -102,6 +102,7 @@ class Router:
         self.inflight = InFlight()
         self.model_id = discovery.config.model_id
         self.block_size = discovery.config.block_size
+        self.kv_dtype = kv_dtype_key(discovery.config.kv_cache_dtype)
         self._lookup_is_async = index is not None and inspect.iscoroutinefunction(index.lookup)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.index_error: str | None = None
@@ -139,7 +140,8 @@ class Router:
         return [n for n in nodes if n.node_id not in exclude] if exclude else nodes
 
     def _hashes(self, prompt_token_ids: Sequence[int], cache_salt: str, lora_name: str = "") -> list[bytes]:
-        return prompt_block_hashes(prompt_token_ids, self.model_id, self.block_size, cache_salt, lora_name)
+        return prompt_block_hashes(prompt_token_ids, self.model_id, self.block_size, cache_salt, lora_name,
+                                   self.kv_dtype)
 
     def _lora_extra(self, nodes: list[Node], lora_name: str) -> dict[str, float]:
         """Node id -> what running the adapter adds to its cost, for the nodes that can run it."""

@@ -82,7 +82,8 @@ class Gateway:
                                    tls_from_flags(config.tls_ca_file, config.tls_cert_file, config.tls_key_file))
         self.registry = open_registry(config.redis_url) if config.redis_url else None
         self.discovery = Discovery(DiscoveryConfig(
-            model_id=model_ids[0], block_size=config.block_size, other_models=tuple(model_ids[1:]),
+            model_id=model_ids[0], block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
+            other_models=tuple(model_ids[1:]),
             static_prefill=tuple(config.prefill), static_decode=tuple(config.decode),
             refresh_s=config.refresh_interval, health_s=config.health_interval, probe_timeout_s=config.probe_timeout,
         ), self.clients, self.registry, self.metrics)

@@ -86,7 +86,10 @@ def scatter(cache: torch.Tensor, block_ids: list[int], kind: int, data: torch.Te
     """The inverse of gather: write data into the given blocks."""
     if cache.is_cuda:
         index = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
-        _part(cache, kind).index_copy_(1 if kind == BOTH else 0, index, data)
+        part = _part(cache, kind)
+        if part.element_size() == 1:  # fp8: torch has no index_copy_ for it, so the bytes move
+            part, data = part.view(torch.uint8), data.view(torch.uint8)
+        part.index_copy_(1 if kind == BOTH else 0, index, data)
         return
     nlead = 2 if kind == BOTH else 1
     rows = _rows(_part(cache, kind), nlead)

@@ -83,7 +83,7 @@ def engine_flags(config: UpConfig, model: FleetModel | None = None) -> list[str]
     defaults apply to the rest). The model and block size are what the gateway checks a node against."""
     model = model or config.fleet_models()[0]
     flags = ["--model", model.model, "--block-size", str(config.block_size), "--dtype", model.dtype or config.dtype,
-             *_set_flags(config, ("device", "quantization", "max_model_len", "kv_cache_memory",
+             *_set_flags(config, ("device", "quantization", "max_model_len", "kv_cache_memory", "kv_cache_dtype",
                                   "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed",
                                   "max_waiting_requests", "scheduling_policy", "max_loras", "max_lora_rank",
                                   "max_cpu_loras", "max_pooling_tokens_per_step"))]
@@ -105,7 +105,7 @@ def gateway_flags(config: UpConfig) -> list[str]:
     flags = ["--block-size", str(config.block_size), "--migration-limit", str(config.migration_limit),
              "--routing-policy", config.routing_policy, "--fleet-metrics",
              *_set_flags(config, ("max_concurrent_requests", "request_timeout", "tool_call_parser",
-                                  "otlp_traces_endpoint"))]
+                                  "otlp_traces_endpoint", "kv_cache_dtype"))]
     for m in models:
         flags += ["--model", m.model]
     names = [name if i == 0 or "=" in name else f"{name}={m.model}"

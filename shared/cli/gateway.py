@@ -10,6 +10,7 @@ import os
 from kvrelay.cli.args import HelpFormatter, UsageError, add_field_flags, add_tls_flags
 from kvrelay.cli.log import exit_now
 from kvrelay.cli.preflight import check_port
+from kvrelay.common.hashing import KV_CACHE_DTYPES
 from kvrelay.gateway.config import INDEX_BACKENDS, ROUTING_POLICIES, TOOL_CALL_PARSERS, GatewayConfig
 
 EXAMPLES = """examples:
@@ -92,6 +93,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="a static prefill node")
     r.add_argument("--decode", action="append", default=list(d.decode), metavar="HOST:PORT",
                    help="a static decode node")
+    r.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="the nodes' --kv-cache-dtype: blocks of a quantized KV cache hash apart from the model "
+                        "dtype's, and the router looks prompts up as the nodes store them")
     r.add_argument("--routing-policy", choices=ROUTING_POLICIES, default=d.routing_policy,
                    help="cache_aware: the nodes holding the longest cached prefix, weighed against their load; "
                         "round_robin; least_loaded")

@@ -30,6 +30,7 @@ from kvrelay.cli.fleet_file import read_fleet_file
 from kvrelay.cli.preflight import check_at_least, check_engine, check_fleet_shape, check_port, derived_port
 from kvrelay.cli.run_logs import RunLogs
 from kvrelay.cli.up_config import FleetModel, UpConfig
+from kvrelay.common.hashing import KV_CACHE_DTYPES
 from kvrelay.common.system import format_cores, usable_cores
 from kvrelay.common.units import byte_size
 from kvrelay.engine.args import QUANTIZATION_METHODS, SCHEDULING_POLICIES, lora_module, speculative_json
@@ -116,7 +117,8 @@ def node_engine(config: UpConfig, model: FleetModel | None = None) -> EngineConf
     """The engine config each node of `model` (None: the first) will run (its own defaults, with what `up` passes
     on set over them)."""
     model = model or config.fleet_models()[0]
-    names = ("device", "quantization", "max_model_len", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
+    names = ("device", "quantization", "max_model_len", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization",
+             "max_num_seqs",
              "max_num_batched_tokens", "enable_prefix_caching", "max_waiting_requests", "seed", "max_loras",
              "max_pooling_tokens_per_step",
              "max_lora_rank", "max_cpu_loras")
@@ -275,6 +277,10 @@ def register(sub) -> None:
     m.add_argument("--kv-cache-memory", type=byte_size, default=d.kv_cache_memory,
                    help="KV cache per node: bytes, or with a unit (512MiB, 4GiB, 2e9); at least one sequence "
                         "(default 2 GiB on CPU)")
+    m.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="fp8 (= fp8_e4m3): every node keeps K/V as e4m3 bytes, twice a bf16 cache's tokens in the "
+                        "same memory and half the bytes per KV transfer, at some accuracy (docs/quantization.md); "
+                        f"the gateway hashes prompts for it ({nodes}: {engine.cache.kv_cache_dtype})")
     m.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="CUDA: fraction of device memory for weights plus KV cache when --kv-cache-memory is not "
                         f"given ({nodes}: {engine.cache.gpu_memory_utilization:g}); on CPU the KV cache is "

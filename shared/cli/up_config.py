@@ -40,6 +40,7 @@ class UpConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int | None = None  # None: the model's
     kv_cache_memory: int | None = None  # None: the engine's
+    kv_cache_dtype: str | None = None  # None: the engine's (auto); the gateway hashes blocks for it too
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None

@@ -1,10 +1,12 @@
 """KV-block hashing: the one function the gateway and every engine share (docs/architecture.md, "Block hash").
 
-    h_0 = H(model_id, block_size, cache_salt)
+    h_0 = H(model_id, block_size, cache_salt[, kv_dtype])
     h_i = H(h_{i-1} || token ids of block i as little-endian int32 || extra keys)
 
 H is xxh3-128, kept as 16 bytes. Only full blocks are hashed. The encoding of the root is fixed here:
-the UTF-8 of model_id, a NUL, block_size as little-endian uint32, a NUL, the UTF-8 of cache_salt.
+the UTF-8 of model_id, a NUL, block_size as little-endian uint32, a NUL, the UTF-8 of cache_salt; then, for a
+quantized KV cache only (--kv-cache-dtype), a NUL and the UTF-8 of its dtype ("fp8_e4m3"), so no node, tier or
+index ever takes a block of one KV dtype for the same prefix in another.
 The extra keys name the LoRA adapter a block was computed with (`lora_extra_keys`): empty for the base model,
 so a block is shared within one adapter and never across adapters or with the base model.
 
@@ -29,9 +31,22 @@ DEFAULT_BLOCK_SIZE = 16
 
 _U32 = struct.Struct("<I")
 
+# --kv-cache-dtype (vLLM's names): auto keeps K/V in the model's dtype; fp8 and fp8_e4m3 store OCP e4m3 bytes.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
-def root_hash(model_id: str, block_size: int, cache_salt: str = "") -> BlockHash:
+
+def kv_dtype_key(kv_cache_dtype: str) -> str:
+    """What a block hash's root carries for --kv-cache-dtype: "" for auto (the model's dtype, as before the
+    flag existed), else the canonical name of the quantized dtype (fp8 and fp8_e4m3 are one)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: unknown {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    return "" if kv_cache_dtype == "auto" else "fp8_e4m3"
+
+
+def root_hash(model_id: str, block_size: int, cache_salt: str = "", kv_dtype: str = "") -> BlockHash:
     payload = model_id.encode() + b"\x00" + _U32.pack(block_size) + b"\x00" + cache_salt.encode()
+    if kv_dtype:
+        payload += b"\x00" + kv_dtype.encode()
     return xxhash.xxh3_128_digest(payload)
 
 
@@ -82,9 +97,11 @@ def _hash_blocks_py(
 
 
 def prompt_block_hashes(
-    token_ids: Sequence[int], model_id: str, block_size: int, cache_salt: str = "", lora_name: str = ""
+    token_ids: Sequence[int], model_id: str, block_size: int, cache_salt: str = "", lora_name: str = "",
+    kv_dtype: str = "",
 ) -> list[BlockHash]:
     """All full-block hashes of a prompt, the way the gateway computes them for routing (`lora_name`: the
-    adapter the request runs with, "" for the base model)."""
-    return hash_blocks(token_ids, block_size, root_hash(model_id, block_size, cache_salt), 0,
+    adapter the request runs with, "" for the base model; `kv_dtype`: the nodes' quantized KV dtype, "" for
+    none)."""
+    return hash_blocks(token_ids, block_size, root_hash(model_id, block_size, cache_salt, kv_dtype), 0,
                        lora_extra_keys(lora_name))

@@ -46,7 +46,7 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
     return (2, num_blocks, block_size, num_kv_heads, head_size)
 
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int8": 1, "uint8": 1}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int8": 1, "uint8": 1, "float8_e4m3fn": 1}
 
 
 @dataclass(frozen=True)

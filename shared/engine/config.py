@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvrelay.common.hashing import DEFAULT_BLOCK_SIZE
+from kvrelay.common.hashing import DEFAULT_BLOCK_SIZE, kv_dtype_key
 
 if TYPE_CHECKING:  # torch is imported lazily: `kvrelay --help` should not pay for it
     import torch
@@ -35,6 +35,14 @@ _DTYPES = {
     "fp16": "float16",
     "half": "float16",
 }
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for --kv-cache-dtype (KV_CACHE_DTYPES): fp8 is e4m3 with the scale 1.0 vLLM uses
+    when a checkpoint brings none (half a bf16 cache, a quarter of fp32)."""
+    import torch
+
+    return model_dtype if kv_dtype_key(name) == "" else torch.float8_e4m3fn
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -73,6 +81,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total device memory for weights + KV
     num_gpu_blocks_override: int | None = None  # tests: exact block count
     cache_salt: str = ""
+    kv_cache_dtype: str = "auto"  # common.hashing.KV_CACHE_DTYPES
+
+    def __post_init__(self) -> None:
+        kv_dtype_key(self.kv_cache_dtype)  # ValueError naming the choices
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+from kvrelay.common.hashing import kv_dtype_key
 from kvrelay.common.records import BlockEvent, BlockHash, KVLayout, NodeLoad
 from kvrelay.common.sampling_params import BeamSearchParams, PoolingType, SamplingParams, StructuredOutputs
 from kvrelay.common.system import TORCH_THP_ENV, huge_pages_for_tensors, keep_freed_memory
 from kvrelay.engine.beam_search import BeamGroup, num_candidates
 from kvrelay.engine.block_pool import BlockPool
-from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.config import EngineConfig, dtype_name
 from kvrelay.engine.kv_cache_manager import KVCacheManager
 from kvrelay.engine.kv_handoff import KVHandoff
 from kvrelay.engine.lora import LoRAAdapter, LoRAManager
@@ -92,7 +93,8 @@ class EngineCore:
         capacity = self.num_blocks * block_size
         self.max_model_len = self._max_model_len(capacity)
         pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, record_events=record_block_events)
-        self.kv = KVCacheManager(pool, block_size, self.info.model_id, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(pool, block_size, self.info.model_id, config.cache.enable_prefix_caching,
+                                 kv_dtype_key(config.cache.kv_cache_dtype))
         self.handoff = KVHandoff(self.kv)
         speculation = Speculation.create(config.speculative, config.scheduler, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, speculation, self.handoff,
@@ -102,11 +104,11 @@ class EngineCore:
             self.lora.load_modules()
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id -> its grammar's compile
         logger.info(
-            "engine ready in %.1fs: %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens (%.1f MiB), "
+            "engine ready in %.1fs: %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens (%.1f MiB, %s), "
             "max_model_len %d",
             time.perf_counter() - t0, self.info.model_id, self.info.dtype, self.info.device,
             self.num_blocks, block_size, capacity, self.num_blocks * self.runner.bytes_per_block / 2**20,
-            self.max_model_len,
+            dtype_name(self.runner.kv_dtype), self.max_model_len,
         )
 
     @staticmethod

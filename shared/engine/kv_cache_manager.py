@@ -41,10 +41,12 @@ class KVCacheManager:
         block_size: int,
         model_id: str,
         enable_caching: bool = True,
+        kv_dtype: str = "",
     ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.model_id = model_id
+        self.kv_dtype = kv_dtype  # a quantized KV cache's dtype ("": the model's), part of every block hash
         self.enable_caching = enable_caching
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request already carry their hash.
@@ -73,7 +75,7 @@ class KVCacheManager:
     def _root(self, salt: str) -> bytes:
         root = self._roots.get(salt)
         if root is None:
-            root = self._roots[salt] = root_hash(self.model_id, self.block_size, salt)
+            root = self._roots[salt] = root_hash(self.model_id, self.block_size, salt, self.kv_dtype)
         return root
 
     def get_computed_blocks(self, req: Request) -> PrefixHit:

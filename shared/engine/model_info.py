@@ -208,7 +208,7 @@ def check_engine_config(config: EngineConfig, shape: ModelShape | None = None) -
         raise ConfigError("gpu_memory_utilization", f"{c.gpu_memory_utilization:g} is not a fraction in (0, 1]")
     _check_quantization(m)
     _check_device(m.device)
-    element = kv_element_size(m.dtype)
+    element = 1 if c.kv_cache_dtype != "auto" else kv_element_size(m.dtype)
     shape = shape or read_model_shape(m.model)
     if m.max_model_len is not None:
         if m.max_model_len < 2:

@@ -39,7 +39,7 @@ from kvrelay.common.sampling_params import PoolingType, SamplingParams
 from kvrelay.engine import host_memory
 from kvrelay.engine.attention import get_attention_backend
 from kvrelay.engine.attention.base import AttentionMetadata
-from kvrelay.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from kvrelay.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, kv_cache_torch_dtype
 from kvrelay.engine.lora.layers import LoRABatch
 from kvrelay.engine.model_info import ModelInfo
 from kvrelay.engine.models.loader import load_model
@@ -112,6 +112,7 @@ class ModelRunner:
         self.info = info
         self.device = info.device
         self.dtype = info.dtype
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, info.dtype)  # the KV cache's
         self.block_size = config.cache.block_size
         self.attn = get_attention_backend(config.model.attention_backend, self.device)
         self.model = load_model(info.path, self.dtype, self.device, self.attn, gguf_blocks=info.gguf_path,
@@ -138,7 +139,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         m = self.model
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         draft = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
         return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_size * elem + draft
 
@@ -163,9 +164,9 @@ class ModelRunner:
         m = self.model
         shape = kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads, m.head_size)
         if self.kv_allocator is not None:
-            self.kv_caches = self.kv_allocator.allocate_kv_caches(m.num_layers, shape, self.dtype, self.device)
+            self.kv_caches = self.kv_allocator.allocate_kv_caches(m.num_layers, shape, self.kv_dtype, self.device)
         else:
-            self.kv_caches = [host_memory.zeros(shape, self.dtype, self.device) for _ in range(m.num_layers)]
+            self.kv_caches = [host_memory.zeros(shape, self.kv_dtype, self.device) for _ in range(m.num_layers)]
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
 
@@ -174,6 +175,8 @@ class ModelRunner:
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
         draft = self.proposer.kv_caches if self.proposer is not None else []
         for cache in [*self.kv_caches, *draft]:
+            if cache.element_size() == 1:  # fp8: torch has no index_copy_ for it, so the bytes move
+                cache = cache.view(torch.uint8)
             cache.index_copy_(1, dst, cache.index_select(1, src))
 
     # -- step ----------------------------------------------------------------------------------------

@@ -112,8 +112,9 @@ class NodeMetrics:
     def observe_config(self, config, device: str, dtype: str, max_model_len: int, num_blocks: int) -> None:
         """The engine's settings (kvrelay.engine.config.EngineConfig) and what they came to on this machine."""
         c, s = config.cache, config.scheduler
-        self.cache_info.labels(str(c.block_size), dtype, str(c.enable_prefix_caching), str(c.gpu_memory_utilization),
-                               str(num_blocks)).set(1)
+        kv_dtype = dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
+        self.cache_info.labels(str(c.block_size), kv_dtype, str(c.enable_prefix_caching),
+                               str(c.gpu_memory_utilization), str(num_blocks)).set(1)
         self.engine_info.labels(device, dtype, str(max_model_len), str(s.max_num_seqs), str(s.max_num_batched_tokens),
                                 str(config.model.seed), s.policy.value).set(1)
         if config.lora.enable_lora:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvrelay.common.hashing import hash_block, hash_blocks, prompt_block_hashes, root_hash
+from kvrelay.common.hashing import hash_block, hash_blocks, kv_dtype_key, prompt_block_hashes, root_hash
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,6 +60,20 @@ def test_root_hash_is_16_bytes():
 )
 def test_root_hash_distinguishes_model_block_size_salt(a, b):
     assert root_hash(*a) != root_hash(*b)
+
+
+def test_a_quantized_kv_cache_hashes_apart():
+    """--kv-cache-dtype fp8: a NUL and the canonical dtype name end the root; auto leaves it as it was."""
+    assert [kv_dtype_key(n) for n in ("auto", "fp8", "fp8_e4m3")] == ["", "fp8_e4m3", "fp8_e4m3"]
+    with pytest.raises(ValueError, match="unknown 'int4'; choose one of auto, fp8, fp8_e4m3"):
+        kv_dtype_key("int4")
+    assert root_hash("m", 16, "s", "") == root_hash("m", 16, "s")
+    fp8 = root_hash("m", 16, "s", "fp8_e4m3")
+    assert fp8 == xxhash.xxh3_128_digest(b"m\x00\x10\x00\x00\x00\x00s\x00fp8_e4m3")
+    tokens = list(range(40))
+    assert prompt_block_hashes(tokens, "m", 16, "s", kv_dtype="fp8_e4m3") == hash_blocks(tokens, 16, fp8)
+    assert set(prompt_block_hashes(tokens, "m", 16, "s", kv_dtype="fp8_e4m3")).isdisjoint(
+        prompt_block_hashes(tokens, "m", 16, "s"))
 
 
 # -- blocks --------------------------------------------------------------------------------------------

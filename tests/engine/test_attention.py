@@ -147,6 +147,44 @@ def test_torch_backend_bf16_cache_fp32_compute():
     assert (out - case.reference()).abs().max().item() < 1e-5
 
 
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "portable"])
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_fp8_cache_equals_attention_over_the_values_it_holds(compute, native):
+    """--kv-cache-dtype fp8: the kernels read e4m3 bytes in place (one byte a value) and attend exactly as over
+    those values widened; the step's new rows are written as torch casts them (nearest even, saturated)."""
+    case = Case(LONG_BATCH, 16, torch.float32)
+    for k in case.keys:  # beyond e4m3's largest finite (448): saturated, not NaN
+        k[0, 0, :3], k[-1, 1, :3] = torch.tensor([1000.0, -500.0, 449.0]), torch.tensor([-1000.0, 600.0, 3.0])
+    case.q = case.q.to(compute).float()  # the reference attends with the query as the step computes it
+    def held(x: torch.Tensor, context: int) -> torch.Tensor:  # the cache's rows: the step's new ones via `compute`
+        return torch.cat([x[:context].to(FP8), x[context:].to(compute).to(FP8)]).float()
+
+    keys = [held(k, c) for k, (c, _) in zip(case.keys, case.batch)]
+    values = [held(v, c) for v, (c, _) in zip(case.values, case.batch)]
+    flat = case.cache.view(2, -1, NUM_KV_HEADS, HEAD_SIZE)
+    for i, (context, _) in enumerate(case.batch):
+        flat[0][case.slots(i, range(context))] = case.keys[i][:context]
+    case.cache = case.cache.to(FP8)
+    q, k, v, meta = case.inputs()
+    backend = TorchAttentionBackend(use_native=native)
+    assert backend._native_ok(q.to(compute), case.cache, meta) == (backend._native is not None and native)
+    out = backend.forward(q.to(compute), k.to(compute), v.to(compute), case.cache, meta, SCALE)
+    new = case.cache.view(2, -1, NUM_KV_HEADS, HEAD_SIZE)[:, meta.slot_mapping]
+    assert torch.equal(new[0].float(), k.to(compute).to(FP8).float())
+    assert torch.equal(new[1].float(), v.to(compute).to(FP8).float())
+    case.keys, case.values = keys, values
+    ref = case.reference()
+    if compute == torch.float32 and native:
+        assert (out - ref).abs().max().item() < 1e-4
+    else:  # bf16 rounding of the output
+        decodes = meta.num_decodes
+        assert (out[:decodes].float() - ref[:decodes]).abs().max().item() < 2e-2
+        assert (out.float() - ref).abs().mean().item() < 1e-2
+
+
 def test_torch_backend_new_metadata_each_step():
     # Per-step plans are reused across layers; a new metadata object must never see a stale one.
     backend = TorchAttentionBackend()

@@ -43,11 +43,11 @@ def stop_nodes(nodes: Iterable[NodeProcess], grace: float = 20.0) -> list[int]:
     return stop_all(nodes, grace)
 
 
-def colocated_engine(model: str, blocks: int = TINY_BLOCKS) -> EngineCore:
+def colocated_engine(model: str, blocks: int = TINY_BLOCKS, kv_cache_dtype: str = "auto") -> EngineCore:
     """The reference: one engine in this process, configured like the nodes."""
     return EngineCore(EngineConfig(
         model=ModelConfig(model=model, dtype="float32", device="cpu"),
-        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=blocks),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=blocks, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK),
     ))
 

@@ -1,5 +1,6 @@
 """Prefill and decode nodes as real processes on loopback, over auto (shared memory: both run on this
-host), ucx (tcp) and nccl (gloo on CPU).
+host), ucx (tcp) and nccl (gloo on CPU), the last pair with an fp8 KV cache (--kv-cache-dtype fp8: a quarter of
+the float32 bytes move, and its blocks hash apart from the float32 cache's).
 
 Disaggregated outputs (Reserve -> Prefill -> Generate with the hand-off) must equal the colocated engine's
 (an EngineCore in this process, and the decode node prefilling locally), for prompts longer than the chunk
@@ -33,7 +34,8 @@ from tests.helpers.nodes import (
     wait_for,
 )
 
-BYTES_PER_BLOCK = 12288  # the tiny llama: 3 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x 4 bytes
+# The tiny llama: 3 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x 4 bytes (float32), or 1 (fp8).
+BYTES_PER_BLOCK = {"auto": 12288, "fp8": 3072}
 
 PARAMS = {
     "greedy": SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
@@ -47,16 +49,32 @@ def tiny_model(tmp_path_factory) -> str:
     return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny")))
 
 
+@pytest.fixture(scope="module", params=[("auto", "auto"), ("ucx", "auto"), ("nccl", "fp8")],
+                ids=["auto", "ucx", "nccl-fp8kv"])
+def setup(request) -> tuple[str, str]:
+    """(connector, --kv-cache-dtype) of the node pair."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_model):
-    return colocated_engine(tiny_model)
+def engines(tiny_model):
+    """The colocated reference engine of each KV dtype, made on first use."""
+    made: dict[str, object] = {}
+    return lambda kv: made.get(kv) or made.setdefault(kv, colocated_engine(tiny_model, kv_cache_dtype=kv))
 
 
-@pytest.fixture(scope="module", params=["auto", "ucx", "nccl"])
-def pair(request, tiny_model):
+@pytest.fixture(scope="module")
+def reference(engines, setup):
+    return engines(setup[1])
+
+
+@pytest.fixture(scope="module")
+def pair(setup, tiny_model):
+    connector, kv = setup
     cores = usable_cores()  # each pinned to a core of its own where there are two
-    prefill, decode = start_nodes([("prefill", tiny_args(tiny_model, request.param, "--cpu-cores", str(cores[-1]))),
-                                   ("decode", tiny_args(tiny_model, request.param, "--cpu-cores", str(cores[0])))])
+    args = [(role, tiny_args(tiny_model, connector, "--cpu-cores", str(core), "--kv-cache-dtype", kv))
+            for role, core in (("prefill", cores[-1]), ("decode", cores[0]))]
+    prefill, decode = start_nodes(args)
     yield prefill, decode
     assert stop_nodes([prefill, decode]) == [0, 0], prefill.log_tail() + decode.log_tail()
 
@@ -67,8 +85,9 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", list(PARAMS))
-def test_disaggregated_equals_colocated(pair, reference, kind):
+def test_disaggregated_equals_colocated(pair, reference, setup, kind):
     prefill, decode = pair
+    block_bytes = BYTES_PER_BLOCK[setup[1]]
     params = PARAMS[kind]
     prompt = _prompt(list(PARAMS).index(kind), 150)  # longer than the 64-token chunk: 3 prefill chunks
     expected = run_colocated(reference, f"c{next(_ids)}", prompt, params)
@@ -76,7 +95,7 @@ def test_disaggregated_equals_colocated(pair, reference, kind):
     first = disaggregated(prefill, decode, f"r{next(_ids)}", prompt, params)
     assert first.tokens == expected
     assert first.reservation.num_cached_tokens == 0 and first.prefill.num_cached_tokens == 0
-    assert first.prefill.bytes_transferred == 10 * BYTES_PER_BLOCK  # ceil(150 / 16) blocks, all of them
+    assert first.prefill.bytes_transferred == 10 * block_bytes  # ceil(150 / 16) blocks, all of them
     assert first.chunks[-1].finish_reason == "length" and first.chunks[-1].num_output_tokens == 12
 
     # Again: a prefix hit on the prefill node (9 full blocks), and the decode node holds them too now.
@@ -84,7 +103,7 @@ def test_disaggregated_equals_colocated(pair, reference, kind):
     assert again.tokens == expected
     assert again.prefill.num_cached_tokens == 144
     assert again.reservation.num_cached_tokens == 144
-    assert again.prefill.bytes_transferred == 1 * BYTES_PER_BLOCK
+    assert again.prefill.bytes_transferred == 1 * block_bytes
 
     # A longer prompt sharing the prefix: only the blocks the decode node lacks move.
     longer = prompt + [11, 12, 13] * 20
@@ -95,7 +114,7 @@ def test_disaggregated_equals_colocated(pair, reference, kind):
     assert held == 9
     missing = -(-len(longer) // BLOCK) - held
     assert len(third.reservation.dst_block_ids) == missing
-    assert third.prefill.bytes_transferred == missing * BYTES_PER_BLOCK
+    assert third.prefill.bytes_transferred == missing * block_bytes
 
     # The decode node prefilling locally gives the same tokens.
     local, _ = generate(decode, f"g{next(_ids)}", longer, params)
@@ -136,9 +155,11 @@ def test_nodes_run_on_the_cores_they_were_given(pair):
 
 
 @pytest.mark.timeout(30)
-def test_metrics(pair):
+def test_metrics(pair, setup):
     prefill, decode = pair
     p, d = prefill.metrics(), decode.metrics()
+    kv_dtype = "float32" if setup[1] == "auto" else setup[1]
+    assert p.value("vllm:cache_config_info", cache_dtype=kv_dtype, block_size="16") == 1
     connector = prefill.info["kv_address"].split("://")[0]
     sent = p.value("kvrelay:kv_transfer_bytes_total", connector=connector, direction="send")
     assert sent > 0
@@ -181,7 +202,7 @@ def test_default_model_disaggregated(default_model_dir):
 
 
 @pytest.mark.timeout(60)
-def test_async_engine_in_process(tiny_model, reference):
+def test_async_engine_in_process(tiny_model, engines):
     """The engine thread behind the asyncio API: same tokens, n > 1, early exit aborts, draining refuses."""
     import asyncio
 
@@ -190,7 +211,7 @@ def test_async_engine_in_process(tiny_model, reference):
 
     prompt = _prompt(9, 100)
     params = PARAMS["seeded"]
-    expected = run_colocated(reference, f"c{next(_ids)}", prompt, params)
+    expected = run_colocated(engines("auto"), f"c{next(_ids)}", prompt, params)
 
     async def scenario() -> None:
         engine = AsyncEngine(colocated_engine(tiny_model))

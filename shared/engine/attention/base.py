@@ -55,8 +55,12 @@ class AttentionBackend(ABC):
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new keys/values into their slots (the paged equivalent of appending)."""
+    """Scatter new keys/values into their slots (the paged equivalent of appending), cast to the cache's dtype
+    (fp8 e4m3: rounded to nearest even and saturated at +-448)."""
     num_kv_heads, head_size = k.shape[1], k.shape[2]
     flat = kv_cache.view(2, -1, num_kv_heads, head_size)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    if kv_cache.element_size() == 1:  # torch has no index_copy_ for fp8: move the bytes
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)

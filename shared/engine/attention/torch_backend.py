@@ -63,7 +63,7 @@ class TorchAttentionBackend(AttentionBackend):
             self._native is not None
             and q.device.type == "cpu"
             and q.dtype in (torch.float32, torch.bfloat16)
-            and kv_cache.dtype in (torch.float32, torch.bfloat16)
+            and kv_cache.dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
             and kv_cache.is_contiguous()
             and q.stride(2) == 1
             and q.stride(1) == q.shape[2]
@@ -88,6 +88,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _portable(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
         write_kv(k, v, kv_cache, meta.slot_mapping)
+        if kv_cache.element_size() == 1:  # fp8: a first chunk attends over its K/V as the cache holds them, as
+            k, v = k.to(kv_cache.dtype).to(k.dtype), v.to(kv_cache.dtype).to(v.dtype)  # the native kernels do
         plan = self._step_plan(meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes

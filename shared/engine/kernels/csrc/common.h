@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +17,20 @@
 #endif
 
 namespace kvrelay {
+
+// A KV cache of fp8 e4m3 numbers (--kv-cache-dtype fp8, vLLM's OCP e4m3fn: 4 exponent bits, bias 7, no
+// infinities, largest finite 448): one byte a value, widened to fp32 where the kernels read it.
+using Fp8 = c10::Float8_e4m3fn;
+
+// e4m3 to fp32 exactly, subnormals included: the 7 magnitude bits placed at fp32's exponent/mantissa boundary read
+// as 2^(e - 127) (1 + m/8) (or m 2^-149 for e == 0), which 2^120 rescales to e4m3's 2^(e - 7) (1 + m/8) (m 2^-9).
+inline float fp8_to_f32(uint8_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b & 0x7f) << 20;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  f *= 0x1p120f;
+  return (b & 0x80) ? -f : f;
+}
 
 inline float bf16_to_f32(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;  // bf16 is the top half of fp32
@@ -38,6 +53,11 @@ inline const float* as_f32(const float* src, float* /*buf*/, int64_t /*n*/) { re
 inline const float* as_f32(const at::BFloat16* src, float* buf, int64_t n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
   for (int64_t i = 0; i < n; ++i) buf[i] = bf16_to_f32(s[i]);
+  return buf;
+}
+inline const float* as_f32(const Fp8* src, float* buf, int64_t n) {
+  const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
+  for (int64_t i = 0; i < n; ++i) buf[i] = fp8_to_f32(s[i]);
   return buf;
 }
 template <typename T>
@@ -66,6 +86,14 @@ inline __m256 load8(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+// fp8 e4m3 widened in registers, as fp8_to_f32 does one value.
+inline __m256 load8(const Fp8* p) {
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7f)), 20);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+  const __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
+  return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
+}
 #endif
 
 // Element i as fp32, and a value stored in the tensor's dtype (bf16 rounds to nearest even).
@@ -73,6 +101,9 @@ inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const at::BFloat16* p, int64_t i) { return bf16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]); }
 inline void put(float* p, int64_t i, float v) { p[i] = v; }
 inline void put(at::BFloat16* p, int64_t i, float v) { reinterpret_cast<uint16_t*>(p)[i] = f32_to_bf16(v); }
+inline float load(const Fp8* p, int64_t i) { return fp8_to_f32(reinterpret_cast<const uint8_t*>(p)[i]); }
+// Rounded to nearest even and saturated at +-448, as torch's cast to float8_e4m3fn does.
+inline void put(Fp8* p, int64_t i, float v) { p[i] = Fp8(std::isnan(v) ? v : std::clamp(v, -448.f, 448.f)); }
 
 // a . b with a in fp32 and b in fp32 or bf16; the same sum, in the same order, for either type of b.
 template <int D, typename T>

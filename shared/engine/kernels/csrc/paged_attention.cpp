@@ -111,7 +111,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
 }  // namespace
 
 // q [tokens, heads, d] fp32|bf16 (rows may be strided: a view of a fused qkv projection); kv_cache
-// [2, num_blocks, bs, kvh, d] fp32|bf16; block_tables [reqs, max_blocks], query_start_loc [reqs + 1], seq_lens
+// [2, num_blocks, bs, kvh, d] fp32|bf16|fp8 e4m3 (new rows rounded and saturated to it); block_tables
+// [reqs, max_blocks], query_start_loc [reqs + 1], seq_lens
 // [reqs] int32, the first num_decodes requests with one query token each; window <= 0: full attention.
 // k, v [tokens, kvh, d] (strided rows) and slot_mapping [tokens] int64: the step's new keys and values, written
 // into the cache first (None: the cache holds them already). Returns [tokens, heads, d] in q's dtype.
@@ -121,8 +122,9 @@ torch::Tensor paged_attention(TensorArg q, OptTensorArg k, OptTensorArg v, Tenso
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, d] with contiguous heads");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "q: float32 or bfloat16");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous [2, nb, bs, kvh, d]");
-  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 || kv_cache.scalar_type() == torch::kBFloat16,
-              "kv_cache dtype must be float32 or bfloat16");
+  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 || kv_cache.scalar_type() == torch::kBFloat16 ||
+                  kv_cache.scalar_type() == torch::kFloat8_e4m3fn,
+              "kv_cache dtype must be float32, bfloat16 or float8_e4m3fn");
   TORCH_CHECK(kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0,
               "head size must match and heads must be a multiple of kv heads");
   TORCH_CHECK(q.size(2) <= 256, "head size above 256");
@@ -145,12 +147,15 @@ torch::Tensor paged_attention(TensorArg q, OptTensorArg k, OptTensorArg v, Tenso
   }
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const bool kf32 = kv_cache.scalar_type() == torch::kFloat32, qf32 = q.scalar_type() == torch::kFloat32;
+  const bool kfp8 = kv_cache.scalar_type() == torch::kFloat8_e4m3fn;
   auto go = [&](auto* tag_t, auto* tag_q) {
     using T = std::remove_pointer_t<decltype(tag_t)>;
     using Q = std::remove_pointer_t<decltype(tag_q)>;
     run<T, Q>(q, kv_cache, block_tables, query_start_loc, seq_lens, num_decodes, scale, window, fresh, out);
   };
-  if (kf32 && qf32) go(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  if (kfp8 && qf32) go(static_cast<Fp8*>(nullptr), static_cast<float*>(nullptr));
+  else if (kfp8) go(static_cast<Fp8*>(nullptr), static_cast<at::BFloat16*>(nullptr));
+  else if (kf32 && qf32) go(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
   else if (kf32) go(static_cast<float*>(nullptr), static_cast<at::BFloat16*>(nullptr));
   else if (qf32) go(static_cast<at::BFloat16*>(nullptr), static_cast<float*>(nullptr));
   else go(static_cast<at::BFloat16*>(nullptr), static_cast<at::BFloat16*>(nullptr));

@@ -367,4 +367,7 @@ template void decode_item(const AttnView<at::BFloat16, float>&, int64_t, int64_t
 template void decode_item(const AttnView<at::BFloat16, at::BFloat16>&, int64_t, int64_t, int64_t, int64_t, int64_t,
                           Scratch&);
 
+template void decode_item(const AttnView<Fp8, float>&, int64_t, int64_t, int64_t, int64_t, int64_t, Scratch&);
+template void decode_item(const AttnView<Fp8, at::BFloat16>&, int64_t, int64_t, int64_t, int64_t, int64_t, Scratch&);
+
 }  // namespace kvrelay

@@ -1,0 +1,71 @@
+"""--kv-cache-dtype fp8: the engine keeps K/V as e4m3 bytes (kvrelay.engine.attention, csrc kernels).
+
+What it buys: the same memory holds 4x the tokens of a float32 cache (2x bf16), and a transfer moves a quarter of
+the bytes. What it must keep: the tokens the engine would compute over K/V rounded to e4m3 (a beam's forked
+blocks copied byte for byte), and hashes of its own (the gateway hashes prompts the same way).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrelay.common.hashing import prompt_block_hashes
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.block_pool import BlockPool
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.core import EngineCore
+from kvrelay.engine.kv_cache_manager import KVCacheManager
+from kvrelay.engine.llm import LLM, BeamSearchParams
+from kvrelay.engine.request import Request
+from tests.helpers.models import make_tiny_checkpoint, make_tiny_with_tokenizer
+
+MEMORY = 3 * 2**20
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny")))
+
+
+def core(model: str, dtype: str, kv: str, **kw) -> EngineCore:
+    return EngineCore(EngineConfig().with_kwargs(model=model, dtype=dtype, device="cpu", kv_cache_memory=MEMORY,
+                                                 kv_cache_dtype=kv, **kw))
+
+
+def test_fp8_holds_four_times_float32_and_twice_bf16_tokens_in_the_same_memory(tiny):
+    f32, bf16, fp8 = core(tiny, "float32", "auto"), core(tiny, "bfloat16", "auto"), core(tiny, "float32", "fp8")
+    assert fp8.num_blocks == 4 * f32.num_blocks == 2 * bf16.num_blocks
+    layout = fp8.kv_layout()
+    assert layout.dtype == "float8_e4m3fn" and {c.dtype for c in fp8.runner.kv_caches} == {torch.float8_e4m3fn}
+    assert 4 * layout.transfer_nbytes(10) == f32.kv_layout().transfer_nbytes(10)
+    with pytest.raises(ValueError, match="kv_cache_dtype: unknown 'int4'"):
+        core(tiny, "float32", "int4")
+
+
+def test_the_engine_hashes_fp8_blocks_as_the_gateway_routes():
+    tokens = list(range(64))
+    kv = KVCacheManager(BlockPool(16), 16, "m", kv_dtype="fp8_e4m3")
+    req = Request("r", tokens, SamplingParams())
+    kv.update_block_hashes(req)
+    assert req.block_hashes == prompt_block_hashes(tokens, "m", 16, kv_dtype="fp8_e4m3")
+    assert set(req.block_hashes).isdisjoint(prompt_block_hashes(tokens, "m", 16))
+
+
+def test_beams_with_forked_fp8_blocks_equal_beams_that_never_share_a_block(tmp_path, default_model_dir):
+    """Beams fork mid-block and copy the shared block before writing (copy-on-write, byte for byte in fp8); with
+    one-token blocks no block is ever written after it is shared. Same e4m3 values either way: same beams."""
+    model = str(make_tiny_with_tokenizer(tmp_path / "m", Path(default_model_dir)))
+    params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + 3 * i for i in range(21)]}, {"prompt_token_ids": list(range(100, 140))}]
+    beams = []
+    for block_size in (16, 1):
+        llm = LLM(model=model, dtype="float32", kv_cache_memory=MEMORY, kv_cache_dtype="fp8", block_size=block_size,
+                  enable_prefix_caching=False)
+        outs = llm.beam_search(prompts, params)
+        beams.append([[(s.tokens, round(s.score, 4)) for s in out.sequences] for out in outs])
+        assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+    assert beams[0] == beams[1]
+    assert len({tuple(t) for t, _ in beams[0][0]}) == 3
