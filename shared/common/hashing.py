@@ -31,8 +31,9 @@ DEFAULT_BLOCK_SIZE = 16
 
 _U32 = struct.Struct("<I")
 
-# --kv-cache-dtype (vLLM's names): auto keeps K/V in the model's dtype; fp8 and fp8_e4m3 store OCP e4m3 bytes.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# --kv-cache-dtype (vLLM's names, and int8): auto keeps K/V in the model's dtype; fp8 and fp8_e4m3 store OCP e4m3
+# bytes; int8 stores int8 values with an fp16 scale per 32 of them.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 
 
 def kv_dtype_key(kv_cache_dtype: str) -> str:
@@ -40,7 +41,7 @@ def kv_dtype_key(kv_cache_dtype: str) -> str:
     flag existed), else the canonical name of the quantized dtype (fp8 and fp8_e4m3 are one)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: unknown {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
-    return "" if kv_cache_dtype == "auto" else "fp8_e4m3"
+    return {"auto": "", "int8": "int8"}.get(kv_cache_dtype, "fp8_e4m3")
 
 
 def root_hash(model_id: str, block_size: int, cache_salt: str = "", kv_dtype: str = "") -> BlockHash:

@@ -38,7 +38,7 @@ from kvrelay.common.records import KVLayout, TokenLogprobs, kv_cache_shape
 from kvrelay.common.sampling_params import PoolingType, SamplingParams
 from kvrelay.engine import host_memory
 from kvrelay.engine.attention import get_attention_backend
-from kvrelay.engine.attention.base import AttentionMetadata
+from kvrelay.engine.attention.base import AttentionMetadata, cache_row
 from kvrelay.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, kv_cache_torch_dtype
 from kvrelay.engine.lora.layers import LoRABatch
 from kvrelay.engine.model_info import ModelInfo
@@ -117,6 +117,7 @@ class ModelRunner:
         self.attn = get_attention_backend(config.model.attention_backend, self.device)
         self.model = load_model(info.path, self.dtype, self.device, self.attn, gguf_blocks=info.gguf_path,
                                 quantization=info.quantization)
+        self.kv_row = cache_row(self.model.head_size, self.kv_dtype)  # elements per head row of the cache
         self.lora = lora
         if lora is not None:
             lora.attach(self.model)
@@ -141,7 +142,7 @@ class ModelRunner:
         m = self.model
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         draft = self.proposer.kv_bytes_per_block if self.proposer is not None else 0
-        return m.num_layers * 2 * self.block_size * m.num_kv_heads * m.head_size * elem + draft
+        return m.num_layers * 2 * self.block_size * m.num_kv_heads * self.kv_row * elem + draft
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -162,7 +163,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
-        shape = kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads, m.head_size)
+        shape = kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads, self.kv_row)
         if self.kv_allocator is not None:
             self.kv_caches = self.kv_allocator.allocate_kv_caches(m.num_layers, shape, self.kv_dtype, self.device)
         else:

@@ -18,6 +18,7 @@ from kvrelay.engine.attention import (
     TorchAttentionBackend,
     get_attention_backend,
 )
+from kvrelay.engine.attention.base import as_cached, cache_row, dequantize_int8, quantize_int8
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 8, 2, 32
 SCALE = HEAD_SIZE**-0.5
@@ -31,28 +32,29 @@ LONG_BATCH = [(300, 1), *BATCH, (290, 40)]
 class Case:
     """Random k/v histories for a batch of requests, their paged layout, and the step's metadata."""
 
-    def __init__(self, batch, block_size: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, batch, block_size: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
+                 head_size: int = HEAD_SIZE) -> None:
         lens = [n for _, n in batch]
         # The metadata contract: every single-token decode comes before the first multi-token chunk.
         assert lens[: lens.count(1)] == [1] * lens.count(1), f"decodes must lead the batch: {batch}"
         gen = torch.Generator().manual_seed(seed)
         num_blocks = sum(-(-(c + n) // block_size) for c, n in batch) + 8
         free = random.Random(seed).sample(range(1, num_blocks), num_blocks - 1)
-        self.batch, self.block_size, self.device = batch, block_size, device
+        self.batch, self.block_size, self.device, self.d = batch, block_size, device, head_size
         self.keys, self.values, self.blocks = [], [], []
         for context, new in batch:
             total = context + new
-            self.keys.append(torch.randn(total, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype))
-            self.values.append(torch.randn(total, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype))
+            self.keys.append(torch.randn(total, NUM_KV_HEADS, self.d, generator=gen).to(dtype))
+            self.values.append(torch.randn(total, NUM_KV_HEADS, self.d, generator=gen).to(dtype))
             self.blocks.append([free.pop() for _ in range(-(-total // block_size))])
         num_tokens = sum(new for _, new in batch)
-        self.q = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, generator=gen).to(dtype)
-        shape = kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE)
+        self.q = torch.randn(num_tokens, NUM_HEADS, self.d, generator=gen).to(dtype)
+        shape = kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS, self.d)
         self.cache = (torch.randn(shape, generator=gen) * 100).to(dtype)  # unwritten slots hold garbage
         for i, (context, _) in enumerate(batch):
             slots = self.slots(i, range(context))
-            self.cache[0].view(-1, NUM_KV_HEADS, HEAD_SIZE)[slots] = self.keys[i][:context]
-            self.cache[1].view(-1, NUM_KV_HEADS, HEAD_SIZE)[slots] = self.values[i][:context]
+            self.cache[0].view(-1, NUM_KV_HEADS, self.d)[slots] = self.keys[i][:context]
+            self.cache[1].view(-1, NUM_KV_HEADS, self.d)[slots] = self.values[i][:context]
         self.cache = self.cache.to(device)
 
     def slots(self, i: int, positions: range) -> torch.Tensor:
@@ -91,15 +93,15 @@ class Case:
         outs, start = [], 0
         for i, (_, new) in enumerate(self.batch):
             q = self.q[start : start + new].float()
-            outs.append(_dense_attention(q, self.keys[i].float(), self.values[i].float(), window))
+            outs.append(_dense_attention(q, self.keys[i].float(), self.values[i].float(), window, self.d**-0.5))
             start += new
         return torch.cat(outs)
 
 
-def _dense_attention(q, keys, values, window):
+def _dense_attention(q, keys, values, window, scale=SCALE):
     group = NUM_HEADS // NUM_KV_HEADS
     k, v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     q_pos = torch.arange(len(keys) - len(q), len(keys))[:, None]
     k_pos = torch.arange(len(keys))[None, :]
     keep = k_pos <= q_pos
@@ -147,34 +149,36 @@ def test_torch_backend_bf16_cache_fp32_compute():
     assert (out - case.reference()).abs().max().item() < 1e-5
 
 
-FP8 = torch.float8_e4m3fn
-
-
 @pytest.mark.parametrize("native", [True, False], ids=["native", "portable"])
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
-def test_fp8_cache_equals_attention_over_the_values_it_holds(compute, native):
-    """--kv-cache-dtype fp8: the kernels read e4m3 bytes in place (one byte a value) and attend exactly as over
-    those values widened; the step's new rows are written as torch casts them (nearest even, saturated)."""
-    case = Case(LONG_BATCH, 16, torch.float32)
-    for k in case.keys:  # beyond e4m3's largest finite (448): saturated, not NaN
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_a_quantized_cache_equals_attention_over_the_values_it_holds(kv_dtype, compute, native):
+    """--kv-cache-dtype fp8 / int8: the kernels read the cache's bytes in place (e4m3 values; int8 values and the
+    fp16 scale of each 32) and attend exactly as over those values widened. The step's new rows are written as
+    torch casts them (fp8: nearest even, saturated) or as quantize_int8 computes them, byte for byte."""
+    d = 64  # the vector paths (AVX2, AVX512) of the decode kernels
+    case = Case(LONG_BATCH, 16, torch.float32, head_size=d)
+    for k in case.keys:  # beyond e4m3's largest finite (448): saturated, not NaN; an int8 group's scale grows
         k[0, 0, :3], k[-1, 1, :3] = torch.tensor([1000.0, -500.0, 449.0]), torch.tensor([-1000.0, 600.0, 3.0])
     case.q = case.q.to(compute).float()  # the reference attends with the query as the step computes it
+
     def held(x: torch.Tensor, context: int) -> torch.Tensor:  # the cache's rows: the step's new ones via `compute`
-        return torch.cat([x[:context].to(FP8), x[context:].to(compute).to(FP8)]).float()
+        return torch.cat([as_cached(x[:context], kv_dtype), as_cached(x[context:].to(compute), kv_dtype).float()])
 
     keys = [held(k, c) for k, (c, _) in zip(case.keys, case.batch)]
     values = [held(v, c) for v, (c, _) in zip(case.values, case.batch)]
-    flat = case.cache.view(2, -1, NUM_KV_HEADS, HEAD_SIZE)
+    flat = case.cache.view(2, -1, NUM_KV_HEADS, d)
     for i, (context, _) in enumerate(case.batch):
         flat[0][case.slots(i, range(context))] = case.keys[i][:context]
-    case.cache = case.cache.to(FP8)
+    case.cache = quantize_int8(case.cache) if kv_dtype == torch.int8 else case.cache.to(kv_dtype)
     q, k, v, meta = case.inputs()
     backend = TorchAttentionBackend(use_native=native)
     assert backend._native_ok(q.to(compute), case.cache, meta) == (backend._native is not None and native)
-    out = backend.forward(q.to(compute), k.to(compute), v.to(compute), case.cache, meta, SCALE)
-    new = case.cache.view(2, -1, NUM_KV_HEADS, HEAD_SIZE)[:, meta.slot_mapping]
-    assert torch.equal(new[0].float(), k.to(compute).to(FP8).float())
-    assert torch.equal(new[1].float(), v.to(compute).to(FP8).float())
+    out = backend.forward(q.to(compute), k.to(compute), v.to(compute), case.cache, meta, d**-0.5)
+    new = case.cache.view(2, -1, NUM_KV_HEADS, case.cache.shape[-1])[:, meta.slot_mapping]
+    for written, fresh in zip(new, (k, v)):
+        expected = (quantize_int8(fresh.to(compute)) if kv_dtype == torch.int8 else fresh.to(compute).to(kv_dtype))
+        assert torch.equal(written.view(torch.uint8), expected.view(torch.uint8))
     case.keys, case.values = keys, values
     ref = case.reference()
     if compute == torch.float32 and native:
@@ -183,6 +187,19 @@ def test_fp8_cache_equals_attention_over_the_values_it_holds(compute, native):
         decodes = meta.num_decodes
         assert (out[:decodes].float() - ref[:decodes]).abs().max().item() < 2e-2
         assert (out.float() - ref).abs().mean().item() < 1e-2
+
+
+def test_int8_rows_hold_their_scales_beside_their_values():
+    x = torch.tensor([[0.5] * 32 + [-254.0] + [1.0] * 31])
+    rows = quantize_int8(x)
+    assert rows.shape == (1, 68) and cache_row(64, torch.int8) == 68 and cache_row(64, torch.bfloat16) == 64
+    small = torch.tensor(0.5 / 127).half().float()  # the first group's scale, as fp16 holds it
+    assert rows[0, :4].contiguous().view(torch.float16).tolist() == [2.0, small.item()]  # the last group's first
+    assert rows[0, 4:36].tolist() == [127] * 32 and rows[0, 36:].tolist() == [-127] + [0] * 31  # 1 / 2 = 0.5: even
+    expected = torch.cat([(127 * small).repeat(32), torch.tensor([-254.0] + [0.0] * 31)])
+    assert torch.equal(dequantize_int8(rows, 64), expected[None])
+    with pytest.raises(ValueError, match="multiple of 32 .* is 48"):
+        cache_row(48, torch.int8)
 
 
 def test_torch_backend_new_metadata_each_step():

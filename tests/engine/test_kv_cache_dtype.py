@@ -1,8 +1,10 @@
-"""--kv-cache-dtype fp8: the engine keeps K/V as e4m3 bytes (kvrelay.engine.attention, csrc kernels).
+"""--kv-cache-dtype fp8 / int8: the engine keeps K/V as e4m3 bytes, or int8 values with an fp16 scale per 32
+(kvrelay.engine.attention, csrc kernels).
 
-What it buys: the same memory holds 4x the tokens of a float32 cache (2x bf16), and a transfer moves a quarter of
-the bytes. What it must keep: the tokens the engine would compute over K/V rounded to e4m3 (a beam's forked
-blocks copied byte for byte), and hashes of its own (the gateway hashes prompts the same way).
+What it buys: the same memory holds 4x the tokens of a float32 cache (2x bf16) in fp8, 1.88x bf16's in int8 with
+64-value heads, and a transfer moves that much fewer bytes. What it must keep: the tokens the engine would compute
+over K/V as the cache holds them (a beam's forked blocks copied byte for byte), and hashes of its own (the gateway
+hashes prompts the same way).
 """
 
 from __future__ import annotations
@@ -43,6 +45,16 @@ def test_fp8_holds_four_times_float32_and_twice_bf16_tokens_in_the_same_memory(t
     assert 4 * layout.transfer_nbytes(10) == f32.kv_layout().transfer_nbytes(10)
     with pytest.raises(ValueError, match="kv_cache_dtype: unknown 'int4'"):
         core(tiny, "float32", "int4")
+    with pytest.raises(ValueError, match="int8 needs a head size that is a multiple of 32 .*is 16"):
+        core(tiny, "float32", "int8")
+
+
+def test_int8_rows_carry_their_scales(tmp_path):
+    """Heads of 32: a row is 2 bytes of scale and 32 values, so 128 / 34 the tokens of float32 in the same memory."""
+    model = str(make_tiny_checkpoint("llama", tmp_path, head_dim=32))
+    f32, q8 = core(model, "float32", "auto"), core(model, "float32", "int8")
+    assert q8.kv_layout().head_size == 34 and q8.kv_layout().dtype == "int8"
+    assert q8.num_blocks == MEMORY // (3 * 2 * 16 * 2 * 34) and f32.num_blocks == MEMORY // (3 * 2 * 16 * 2 * 32 * 4)
 
 
 def test_the_engine_hashes_fp8_blocks_as_the_gateway_routes():
@@ -54,15 +66,17 @@ def test_the_engine_hashes_fp8_blocks_as_the_gateway_routes():
     assert set(req.block_hashes).isdisjoint(prompt_block_hashes(tokens, "m", 16))
 
 
-def test_beams_with_forked_fp8_blocks_equal_beams_that_never_share_a_block(tmp_path, default_model_dir):
-    """Beams fork mid-block and copy the shared block before writing (copy-on-write, byte for byte in fp8); with
-    one-token blocks no block is ever written after it is shared. Same e4m3 values either way: same beams."""
-    model = str(make_tiny_with_tokenizer(tmp_path / "m", Path(default_model_dir)))
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_beams_with_forked_blocks_equal_beams_that_never_share_a_block(tmp_path, default_model_dir, kv):
+    """Beams fork mid-block and copy the shared block before writing (copy-on-write, byte for byte: fp8 values,
+    int8 values with their scales); with one-token blocks no block is ever written after it is shared. The same
+    cached values either way: the same beams."""
+    model = str(make_tiny_with_tokenizer(tmp_path / "m", Path(default_model_dir), head_dim=32))
     params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5 + 3 * i for i in range(21)]}, {"prompt_token_ids": list(range(100, 140))}]
     beams = []
     for block_size in (16, 1):
-        llm = LLM(model=model, dtype="float32", kv_cache_memory=MEMORY, kv_cache_dtype="fp8", block_size=block_size,
+        llm = LLM(model=model, dtype="float32", kv_cache_memory=MEMORY, kv_cache_dtype=kv, block_size=block_size,
                   enable_prefix_caching=False)
         outs = llm.beam_search(prompts, params)
         beams.append([[(s.tokens, round(s.score, 4)) for s in out.sequences] for out in outs])

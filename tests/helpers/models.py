@@ -120,12 +120,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "special_tokens_map.json")
 
 
-def make_tiny_with_tokenizer(path: Path, tokenizer_dir: Path) -> Path:
+def make_tiny_with_tokenizer(path: Path, tokenizer_dir: Path, **config: Any) -> Path:
     """A tiny random llama whose vocabulary matches the default model's tokenizer (49152), so text
-    round-trips and grammars compile against a real vocabulary."""
+    round-trips and grammars compile against a real vocabulary; `config` overrides config values."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config("llama")
+    config = tiny_config("llama", **config)
     config.vocab_size, config.max_position_embeddings = 49152, 2048
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -11,8 +12,10 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
 #define KVRELAY_AVX2 1  // the kernels' hand-vectorised paths
 #endif
 
@@ -30,6 +33,27 @@ inline float fp8_to_f32(uint8_t b) {
   std::memcpy(&f, &bits, sizeof f);
   f *= 0x1p120f;
   return (b & 0x80) ? -f : f;
+}
+
+// An int8 KV cache (--kv-cache-dtype int8): each head's row is [s_{G-1} .. s_1 s_0][v_0 .. v_{d-1}], G = d / 32
+// fp16 scales (reversed) then d int8 values, value i standing for v_i * s_{i / 32}. The kernels' row pointers point
+// at v_0 (a view's base is offset by the scales' bytes), so a scale is found from the row and the offset alone.
+struct Q8 {
+  int8_t v;
+};
+constexpr int64_t kQ8Group = 32;
+inline int64_t q8_lead(int64_t d) { return 2 * (d / kQ8Group); }  // bytes of a row's scales
+inline float half_to_f32(const c10::Half* p) {
+#if defined(__F16C__)
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(*p);
+#endif
+}
+inline float q8_scale(const Q8* row, int64_t i) {
+  return half_to_f32(reinterpret_cast<const c10::Half*>(row) - 1 - i / kQ8Group);
 }
 
 inline float bf16_to_f32(uint16_t v) {
@@ -94,6 +118,13 @@ inline __m256 load8(const Fp8* p) {
   const __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
   return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
 }
+// Eight values from offset c (a multiple of 8) of a row: rows of an int8 cache need the row to find their scale.
+template <typename T>
+inline __m256 load8(const T* row, int64_t c) { return load8(row + c); }
+inline __m256 load8(const Q8* row, int64_t c) {
+  const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(x), _mm256_set1_ps(q8_scale(row, c)));
+}
 #endif
 
 // Element i as fp32, and a value stored in the tensor's dtype (bf16 rounds to nearest even).
@@ -104,6 +135,22 @@ inline void put(at::BFloat16* p, int64_t i, float v) { reinterpret_cast<uint16_t
 inline float load(const Fp8* p, int64_t i) { return fp8_to_f32(reinterpret_cast<const uint8_t*>(p)[i]); }
 // Rounded to nearest even and saturated at +-448, as torch's cast to float8_e4m3fn does.
 inline void put(Fp8* p, int64_t i, float v) { p[i] = Fp8(std::isnan(v) ? v : std::clamp(v, -448.f, 448.f)); }
+inline float load(const Q8* row, int64_t i) { return static_cast<float>(row[i].v) * q8_scale(row, i); }
+
+// d values (any dtype load() reads) into an int8 row (its pointer at v_0): per group of 32, s = fp16(absmax / 127)
+// and v = round-half-even(x / s) clamped to [-127, 127], as kvrelay.engine.attention.base.quantize_int8 does.
+template <typename N>
+inline void quantize_q8_row(const N* src, int64_t d, Q8* row) {
+  for (int64_t g = 0; g < d / kQ8Group; ++g) {
+    float amax = 0.f;
+    for (int64_t i = g * kQ8Group; i < (g + 1) * kQ8Group; ++i) amax = std::max(amax, std::fabs(load(src, i)));
+    const c10::Half scale(amax / 127.f);
+    reinterpret_cast<c10::Half*>(row)[-1 - g] = scale;
+    const float s = static_cast<float>(scale);
+    for (int64_t i = g * kQ8Group; i < (g + 1) * kQ8Group; ++i)  // s == 0: every value of the group is 0
+      row[i].v = s > 0.f ? static_cast<int8_t>(std::clamp(std::nearbyint(load(src, i) / s), -127.f, 127.f)) : 0;
+  }
+}
 
 // a . b with a in fp32 and b in fp32 or bf16; the same sum, in the same order, for either type of b.
 template <int D, typename T>
@@ -115,7 +162,7 @@ inline float dot(const float* a, const T* b, int64_t d_arg) {
 #pragma GCC unroll 16
     for (int i = 0; i < D; i += 32)
       for (int j = 0; j < 4; ++j)
-        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), load8(b + i + 8 * j), acc[j]);
+        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), load8(b, i + 8 * j), acc[j]);
     return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
   }
 #endif
@@ -136,10 +183,10 @@ inline __m128 dot4(const float* a, const T* b0, const T* b1, const T* b2, const 
 #pragma GCC unroll 16
   for (int i = 0; i < D; i += 8) {
     const __m256 av = _mm256_loadu_ps(a + i);
-    s0 = _mm256_fmadd_ps(av, load8(b0 + i), s0);
-    s1 = _mm256_fmadd_ps(av, load8(b1 + i), s1);
-    s2 = _mm256_fmadd_ps(av, load8(b2 + i), s2);
-    s3 = _mm256_fmadd_ps(av, load8(b3 + i), s3);
+    s0 = _mm256_fmadd_ps(av, load8(b0, i), s0);
+    s1 = _mm256_fmadd_ps(av, load8(b1, i), s1);
+    s2 = _mm256_fmadd_ps(av, load8(b2, i), s2);
+    s3 = _mm256_fmadd_ps(av, load8(b3, i), s3);
   }
   // [s0 s1 s2 s3] of the low and high 128-bit halves, then their sum
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
@@ -155,7 +202,7 @@ inline void axpy(float a, const T* x, float* y, int64_t d_arg) {
     const __m256 av = _mm256_set1_ps(a);
 #pragma GCC unroll 16
     for (int i = 0; i < D; i += 8)
-      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load8(x + i), _mm256_loadu_ps(y + i)));
+      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load8(x, i), _mm256_loadu_ps(y + i)));
     return;
   }
 #endif

@@ -318,4 +318,7 @@ template void prefill_item(const AttnView<at::BFloat16, at::BFloat16>&, int64_t,
 template void prefill_item(const AttnView<Fp8, float>&, int64_t, int64_t, int64_t, int64_t, int64_t, Scratch&);
 template void prefill_item(const AttnView<Fp8, at::BFloat16>&, int64_t, int64_t, int64_t, int64_t, int64_t, Scratch&);
 
+template void prefill_item(const AttnView<Q8, float>&, int64_t, int64_t, int64_t, int64_t, int64_t, Scratch&);
+template void prefill_item(const AttnView<Q8, at::BFloat16>&, int64_t, int64_t, int64_t, int64_t, int64_t, Scratch&);
+
 }  // namespace kvrelay

@@ -123,6 +123,12 @@ inline __m512 load16(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+template <typename T>
+inline __m512 load16(const T* row, int64_t c) { return load16(row + c); }
+inline __m512 load16(const Q8* row, int64_t c) {  // as load8(const Q8*, c) (common.h), 16 lanes
+  const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(x), _mm512_set1_ps(q8_scale(row, c)));
+}
 inline __m512 load16(const Fp8* p) {  // as load8(const Fp8*) (common.h), 16 lanes
   const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)), 20);
@@ -159,14 +165,18 @@ inline __m256 hsum8x8(__m256 a[8]) {
 }
 #endif
 
-// W lanes of fp32 from fp32 or bf16 memory, and W vectors' lane sums at once, at the machine's width.
+// W lanes of fp32 from offset c of a row of fp32, bf16, fp8 or int8 memory, and W vectors' lane sums at once, at the machine's width.
 #if defined(KVRELAY_AVX512)
 template <typename T>
 inline Vf::R load_w(const T* p) { return load16(p); }
+template <typename T>
+inline Vf::R load_w(const T* row, int64_t c) { return load16(row, c); }
 inline Vf::R hsum_wxw(Vf::R a[Vf::W]) { return hsum16x16(a); }
 #elif defined(KVRELAY_AVX2)
 template <typename T>
 inline Vf::R load_w(const T* p) { return load8(p); }
+template <typename T>
+inline Vf::R load_w(const T* row, int64_t c) { return load8(row, c); }
 inline Vf::R hsum_wxw(Vf::R a[Vf::W]) { return hsum8x8(a); }
 #endif
 
