@@ -13,6 +13,8 @@ same GGUF and text.
 - Greedy agreement with the float32 engine, and with llama.cpp's own server when at hand (--llama-server):
   --prompts prompts of the same text generate --max-tokens tokens greedily under each; the share of tokens
   before the first divergence, and of positions equal.
+- The quantized KV caches (--kv-cache-dtypes, default fp8 and int8), each against the cache of the model's
+  dtype (--kv-compute-dtype, bfloat16) on the same dequantized weights: the same perplexity and agreement.
 
     kvrelay bench accuracy
     kvrelay bench accuracy --model my.Q4_0.gguf --chunks 16
@@ -48,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-server", default=None,
                    help="llama.cpp's llama-server, for greedy agreement with llama.cpp (default: as "
                         "--llama-perplexity; none: left out)")
+    p.add_argument("--kv-cache-dtypes", default="fp8,int8",
+                   help="quantized KV caches to hold against the --kv-compute-dtype cache (comma-separated; 'none')")
+    p.add_argument("--kv-compute-dtype", default="bfloat16", help="the model dtype of the KV cache arms")
     p.add_argument("--output", default="bench/results/accuracy.json", help="where the JSON goes")
 
 
@@ -200,5 +205,30 @@ def run(args: argparse.Namespace) -> int:
         report.setdefault("llamacpp", {})["server"] = server
         for name in ("gguf_blocks", "float32"):
             report[name]["greedy_agreement_with_llamacpp"] = agreement(outputs[name], theirs)
+    kv_dtypes = [] if args.kv_cache_dtypes == "none" else args.kv_cache_dtypes.split(",")
+    if kv_dtypes:
+        report["kv_cache"] = kv_cache_arms(args, kv_dtypes, chunks, prompts)
     emit(report, args.output)
     return 0
+
+
+def kv_cache_arms(args: argparse.Namespace, kv_dtypes: list[str], chunks: list[list[int]],
+                  prompts: list[list[int]]) -> dict:
+    """Each quantized KV cache against the cache of the model's dtype, on the dense weights: perplexity, and
+    greedy agreement with the unquantized cache's tokens."""
+    from kvrelay.engine.llm import LLM
+
+    out: dict = {"compute_dtype": args.kv_compute_dtype}
+    tokens = {}
+    for kv in ["auto", *kv_dtypes]:
+        llm = LLM(model=args.model, dtype=args.kv_compute_dtype, kv_cache_dtype=kv, enable_prefix_caching=False,
+                  max_model_len=max(args.ctx + 1, args.prompt_tokens + args.max_tokens))
+        out[kv] = {"perplexity": perplexity(llm, chunks), "kv_cache_blocks": llm.engine.num_blocks}
+        tokens[kv] = greedy(llm, prompts, args.max_tokens)
+        del llm
+        gc.collect()
+    for kv in kv_dtypes:
+        out[kv]["perplexity_over_auto"] = out[kv]["perplexity"] / out["auto"]["perplexity"]
+        out[kv]["greedy_agreement_with_auto"] = agreement(tokens[kv], tokens["auto"])
+        out[kv]["tokens_over_auto"] = out[kv]["kv_cache_blocks"] / out["auto"]["kv_cache_blocks"]
+    return out

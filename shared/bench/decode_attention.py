@@ -8,6 +8,10 @@ KV bytes read per second, the speed-up, the largest difference between the two o
 kernels prefetch KV rows into on this machine.
 
     kvrelay bench decode-attention --decodes 128 --context 600 --dtype bfloat16
+    kvrelay bench decode-attention --dtype bfloat16 --kv-cache-dtype int8   # also: the bf16 cache, same run
+
+With --kv-cache-dtype fp8 or int8 both paths read the quantized cache, and the native kernel also reads the same
+values in a cache of --dtype, in the same invocation: what the quantized cache's reads cost or save per layer.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ def _metadata(tables: torch.Tensor, lens: torch.Tensor, block_size: int):
 def measure(args: argparse.Namespace) -> dict:
     from kvrelay.engine import host_memory
     from kvrelay.engine import kernels as cpu_kernels
+    from kvrelay.engine.attention.base import cache_row, dequantize_int8, quantize_int8
     from kvrelay.engine.attention.torch_backend import TorchAttentionBackend
+    from kvrelay.engine.config import kv_cache_torch_dtype
 
     torch.manual_seed(0)
     bs, kvh, d, heads = args.block_size, args.kv_heads, args.head_size, args.heads
@@ -62,11 +68,23 @@ def measure(args: argparse.Namespace) -> dict:
     flat = kv.view(2, -1, kvh, d)
     k, v = flat[0, meta.slot_mapping].clone(), flat[1, meta.slot_mapping].clone()
     native, portable = TorchAttentionBackend(use_native=True), TorchAttentionBackend(use_native=False)
+    unquantized = kv
+    kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
+    if kv_dtype != dtype:  # the quantized cache, and the same values in the --dtype cache to set beside it
+        kv = quantize_int8(kv) if kv_dtype == torch.int8 else kv.to(kv_dtype)
+        unquantized = (kv.float() if kv_dtype != torch.int8 else dequantize_int8(kv, d)).to(dtype)
+        flat = unquantized.view(2, -1, kvh, d)
+        k, v = flat[0, meta.slot_mapping].clone(), flat[1, meta.slot_mapping].clone()
     run_native = lambda: native.forward(q, k, v, kv, meta, scale)  # noqa: E731
     run_portable = lambda: portable.forward(q, k, v, kv, meta, scale)  # noqa: E731
     diff = (run_native().float() - run_portable().float()).abs().max().item()
     t_native, t_portable = (statistics.fmean(timings(fn, args.seconds)) for fn in (run_native, run_portable))
-    kv_bytes = args.decodes * args.context * kvh * d * 2 * kv.element_size()
+    kv_bytes = args.decodes * args.context * kvh * cache_row(d, kv_dtype) * 2 * kv.element_size()
+    extra = {}
+    if kv is not unquantized:
+        t_plain = statistics.fmean(timings(lambda: native.forward(q, k, v, unquantized, meta, scale), args.seconds))
+        extra = {"native_over_a_cache_of_dtype": {"ms_per_layer": t_plain * 1e3},
+                 "quantized_speedup": t_plain / t_native}
     return {
         "benchmark": "decode_attention", "machine": machine(),
         "shape": {"decodes": args.decodes, "context": args.context, "heads": heads, "kv_heads": kvh,
@@ -76,7 +94,10 @@ def measure(args: argparse.Namespace) -> dict:
         "portable": {"ms_per_layer": t_portable * 1e3, "kv_gb_per_s": kv_bytes / t_portable / 1e9},
         "native_speedup": t_portable / t_native,
         "max_abs_diff": diff,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        **extra,
     }
+
 
 
 HELP = "native CPU decode kernel vs gather + SDPA, one layer"
@@ -90,6 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="queries and KV cache")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], default="auto",
+                   help="the cache's dtype (auto: --dtype)")
     p.add_argument("--num-blocks", type=int, default=2900, help="blocks in the cache (the requests' are scattered)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seconds", type=float, default=2.0, help="timing per path")

@@ -15,6 +15,10 @@ reported. The default dtype, auto, is what the engine picks on this machine (the
     kvrelay bench throughput --baseline vllm --num-requests 256
     kvrelay bench throughput --baseline all --dtype float32
     kvrelay bench throughput --quantization gguf --baseline llamacpp   # one stream, against llama-bench
+    kvrelay bench throughput --kv-cache-dtype int8 --kv-cache-memory 16MiB --baseline kv-auto
+
+`--baseline kv-auto`: the same engine with the cache in the model's dtype (--kv-cache-dtype auto), on the same
+requests in the same invocation: what a quantized KV cache buys where KV capacity bounds concurrency.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tokenizer", default=None,
                    help="tokenizer folder for the workload text (default: the model's; UTF-8 bytes if it has none)")
     b = p.add_argument_group("baseline and output")
-    b.add_argument("--baseline", choices=["none", "hf", "vllm", "all", "llamacpp"], default="none",
+    b.add_argument("--baseline", choices=["none", "hf", "vllm", "all", "llamacpp", "kv-auto"], default="none",
                    help="hf: also run transformers generate (same folder, dtype, sdpa); vllm: vLLM's CPU build from "
                         "its own venv (--vllm-python) on the same requests; all: both. Ratios ours/baseline. "
                         "llamacpp: single-stream prefill and decode, ours and llama.cpp's llama-bench on the same "
@@ -196,6 +200,24 @@ def run_baseline(name: str, args, engine_info: dict, requests, our_tokens, resul
         our_tokens[:n], tokens[:n], requests[:n])
 
 
+def kv_auto_baseline(args, requests, our_tokens, result: dict, progress: bool) -> dict:
+    """The same engine with the cache in the model's dtype, on the same requests: its rates, its KV blocks, ours
+    over its rates, and how many requests' greedy tokens the two caches agree on."""
+    from kvrelay.bench.hf_baseline import compare_greedy
+    from kvrelay.engine.args import engine_config
+    from kvrelay.engine.core import EngineCore
+
+    engine = EngineCore(engine_config(argparse.Namespace(**{**vars(args), "kv_cache_dtype": "auto"})))
+    metrics, tokens = run_ours(engine, requests, progress)
+    metrics["num_kv_blocks"] = engine.num_blocks
+    del engine
+    gc.collect()
+    result["ours_over_kv_auto"] = ratios(result["ours"], metrics)
+    n = min(args.check_requests, len(requests))
+    result["greedy_agreement_kv_auto"] = compare_greedy(our_tokens[:n], tokens[:n], requests[:n])
+    return metrics
+
+
 def llamacpp_inputs(args) -> tuple[str, str]:
     """llama-bench and the GGUF it runs, before anything loads (SystemExit saying what is missing)."""
     from kvrelay.bench.llamacpp_baseline import find_tool, gguf_file
@@ -241,6 +263,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--baseline {args.baseline}: the vLLM baseline is vLLM's CPU build; on {asked} "
                          "compare with --baseline hf")
     llamacpp = llamacpp_inputs(args) if args.baseline == "llamacpp" else None  # fails before anything loads
+    if args.baseline == "kv-auto" and args.kv_cache_dtype == "auto":
+        raise SystemExit("--baseline kv-auto compares a quantized KV cache with the model dtype's: give "
+                         "--kv-cache-dtype fp8 or int8")
     t0 = time.perf_counter()
     engine = EngineCore(engine_config(args))
     load_s = time.perf_counter() - t0
@@ -272,6 +297,8 @@ def run(args: argparse.Namespace) -> int:
         result["single_stream"] = single_stream_vs_llamacpp(engine, *llamacpp)
     del engine
     gc.collect()
+    if args.baseline == "kv-auto":
+        result["kv_auto"] = kv_auto_baseline(args, requests, our_tokens, result, not args.no_progress)
     for baseline in ("hf", "vllm"):
         if args.baseline in (baseline, "all"):
             add_ceiling(result, matmul_runs)

@@ -37,3 +37,15 @@ def test_bf16_run_agrees_within_bf16_rounding():
     # Both paths round their output to bf16 (and the native one its weights for p . v): a few units in the last
     # place of outputs whose magnitude stays below the largest value, ~4 for these normal draws.
     assert r["max_abs_diff"] < 8 * torch.finfo(torch.bfloat16).eps
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_a_quantized_cache_is_set_beside_the_same_values_in_a_cache_of_the_dtype(kv):
+    p = argparse.ArgumentParser()
+    decode_attention.add_arguments(p)
+    args = p.parse_args(["--decodes", "4", "--context", "50", "--num-blocks", "30", "--seconds", "0.01",
+                         "--kv-cache-dtype", kv])
+    r = decode_attention.measure(args)
+    assert r["kv_cache_dtype"] == kv and r["max_abs_diff"] < 1e-4
+    plain = r["native_over_a_cache_of_dtype"]["ms_per_layer"]
+    assert r["quantized_speedup"] == pytest.approx(plain / r["native"]["ms_per_layer"])

@@ -23,6 +23,13 @@ def test_llamacpp_baseline_needs_a_gguf():
     assert "engine ready" not in done.stderr
 
 
+def test_kv_auto_baseline_needs_a_quantized_cache():
+    done = subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "throughput", "--baseline", "kv-auto",
+                           "--no-progress"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "give --kv-cache-dtype fp8 or int8" in done.stderr
+    assert "engine ready" not in done.stderr
+
+
 def test_single_stream_measurements_of_ours(tmp_path):
     from kvrelay.bench.llamacpp_baseline import run_ours_single_stream
     from kvrelay.engine.config import engine_config_from_kwargs

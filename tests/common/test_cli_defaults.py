@@ -106,6 +106,18 @@ def test_up_hands_quantization_to_every_node(parser):
     assert "--quantization" not in engine_flags(up.UpConfig())
 
 
+def test_up_hands_the_kv_cache_dtype_to_every_node_and_the_gateway(parser):
+    from kvrelay.cli.fleet import engine_flags, gateway_flags
+
+    config = up.config_from_args(parser.parse_args(["up", "--kv-cache-dtype", "int8"]))
+    assert up.node_engine(config).cache.kv_cache_dtype == "int8"
+    for flags in (engine_flags(config), gateway_flags(config)):
+        assert flags[flags.index("--kv-cache-dtype") + 1] == "int8"
+    assert "--kv-cache-dtype" not in engine_flags(up.UpConfig()) + gateway_flags(up.UpConfig())
+    gateway = parser.parse_args(["gateway", "--kv-cache-dtype", "fp8"])
+    assert gateway.kv_cache_dtype == "fp8"
+
+
 def test_a_bad_environment_variable_is_reported_when_the_node_starts(parser, monkeypatch):
     monkeypatch.setenv("KVRELAY_MAX_NUM_SEQS", "many")
     p = argparse.ArgumentParser()

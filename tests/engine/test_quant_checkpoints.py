@@ -126,17 +126,21 @@ def test_missing_and_misshapen_tensors_name_the_tensor():
 
 
 @pytest.mark.timeout(180)
-def test_disaggregated_equals_colocated_on_a_quantized_checkpoint(tmp_path):
-    """Prefill and decode nodes on a GPTQ checkpoint (found from its config.json, no flag): the KV handed over
-    is the quantized model's, and the tokens are the colocated engine's."""
-    src = make_tiny_checkpoint("qwen2", tmp_path / "fp32")
+def test_disaggregated_equals_colocated_on_a_quantized_checkpoint_and_cache(tmp_path):
+    """Prefill and decode nodes on a GPTQ checkpoint (found from its config.json, no flag) with an int8 KV cache:
+    the KV handed over is the quantized model's, its values with their scales, and the tokens are the colocated
+    engine's."""
+    src = make_tiny_checkpoint("qwen2", tmp_path / "fp32", head_dim=32)
     quantize_checkpoint(src, tmp_path / "gptq", tmp_path / "ref", "gptq", act_order=True)
     model = str(tmp_path / "gptq")
-    expected = [run_colocated(colocated_engine(model), f"c-{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-    prefill, decode = start_nodes([("prefill", tiny_args(model, "auto")), ("decode", tiny_args(model, "auto"))])
+    expected = [run_colocated(colocated_engine(model, kv_cache_dtype="int8"), f"c-{i}", p, GREEDY)
+                for i, p in enumerate(PROMPTS)]
+    args = tiny_args(model, "auto", "--kv-cache-dtype", "int8")
+    prefill, decode = start_nodes([("prefill", args), ("decode", args)])
     try:
         got = [disaggregated(prefill, decode, f"d-{i}", p, GREEDY).tokens for i, p in enumerate(PROMPTS)]
-        assert "(gptq weights)" in decode.stub().GetNodeInfo(pb.NodeInfoRequest(), timeout=5).layout.model_id
+        layout = decode.stub().GetNodeInfo(pb.NodeInfoRequest(), timeout=5).layout
+        assert "(gptq weights)" in layout.model_id and (layout.dtype, layout.head_size) == ("int8", 34)
     finally:
         assert stop_nodes([prefill, decode]) == [0, 0], prefill.log_tail() + decode.log_tail()
     assert got == expected

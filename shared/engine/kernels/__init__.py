@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled once per machine with torch's C++ extension builder and cached.
 
     paged_attention  a step's attention (decodes and prefill chunks) reading K/V in place through the block
-                     table (fp32/bf16 q and cache; AVX512-BF16 dot products where the CPU has them)
+                     table (fp32/bf16 q; fp32, bf16, fp8 or int8 cache; AVX512-BF16 dot products where the CPU has them)
     add_rms_norm     residual add + RMSNorm in one pass
     silu_mul         SiLU(gate) * up in one pass
     rope_write_kv    rotary embedding of q and k in place + the KV-cache write, in one pass

@@ -1,4 +1,4 @@
-// Small helpers shared by the CPU kernels: fp32 views of bf16 data, vectorisable row loops, prefetch.
+// Small helpers shared by the CPU kernels: fp32 views of bf16, fp8 and int8 data, vectorisable row loops, prefetch.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,7 +15,7 @@
 #if defined(__AVX2__) && defined(__FMA__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // every AVX2 CPU has FMA and F16C
 #define KVRELAY_AVX2 1  // the kernels' hand-vectorised paths
 #endif
 
@@ -79,11 +79,6 @@ inline const float* as_f32(const at::BFloat16* src, float* buf, int64_t n) {
   for (int64_t i = 0; i < n; ++i) buf[i] = bf16_to_f32(s[i]);
   return buf;
 }
-inline const float* as_f32(const Fp8* src, float* buf, int64_t n) {
-  const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
-  for (int64_t i = 0; i < n; ++i) buf[i] = fp8_to_f32(s[i]);
-  return buf;
-}
 template <typename T>
 inline const float* as_f32_n(const T* src, float* buf, int64_t n) { return as_f32(src, buf, n); }
 
@@ -110,13 +105,17 @@ inline __m256 load8(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-// fp8 e4m3 widened in registers, as fp8_to_f32 does one value.
+// fp8 e4m3 widened in registers. Through fp16 (F16C): the byte sign-extended and shifted left by 7 puts the sign
+// at bit 15, e4m3's exponent in fp16's low 4 exponent bits and its mantissa on top of fp16's, once bit 14 (a copy
+// of the sign) is cleared; that fp16 is the value times 2^-8, subnormals included, and the hardware widens it
+// exactly. (Placing the bits in fp32 instead fed subnormal fp32 numbers to a multiply: 1.3x slower decodes.)
+inline __m128i fp8_as_f16x8(__m128i bytes) {
+  const __m128i s = _mm_cvtepi8_epi16(bytes);
+  return _mm_and_si128(_mm_slli_epi16(s, 7), _mm_set1_epi16(static_cast<short>(0xBF80)));
+}
 inline __m256 load8(const Fp8* p) {
-  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7f)), 20);
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
-  const __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
-  return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
+  const __m128i h = fp8_as_f16x8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
 }
 // Eight values from offset c (a multiple of 8) of a row: rows of an int8 cache need the row to find their scale.
 template <typename T>

@@ -123,18 +123,17 @@ inline __m512 load16(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline __m512 load16(const Fp8* p) {  // as load8(const Fp8*) (common.h), 16 lanes
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
+// From offset c (a multiple of 16) of a row (after every one-pointer load16: the template finds them).
 template <typename T>
 inline __m512 load16(const T* row, int64_t c) { return load16(row + c); }
 inline __m512 load16(const Q8* row, int64_t c) {  // as load8(const Q8*, c) (common.h), 16 lanes
   const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
   return _mm512_mul_ps(_mm512_cvtepi32_ps(x), _mm512_set1_ps(q8_scale(row, c)));
-}
-inline __m512 load16(const Fp8* p) {  // as load8(const Fp8*) (common.h), 16 lanes
-  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)), 20);
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
-  const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
 }
 
 // v[i] = sum of the 16 lanes of a[i], for 16 vectors at once (a transposing tree of adds: 37 operations where
