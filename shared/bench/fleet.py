@@ -16,10 +16,14 @@ Scenarios, each a pair of arms compared with `bench serve --compare` (B/A ratios
            B = `kvrelay up` placed as it chooses, both in one dtype; concurrency 32 on 128 requests of 16-1,024
            input and 8-256 output tokens, run A B B A (--rounds 2) since a shared machine drifts: each round's
            pair is compared, and the mean ratio is printed last.
+  llamacpp A = llama.cpp's own `llama-server` (32 slots, continuous batching, no prompt cache reuse, as the peer
+           kit's llamacpp_serve.sh starts it) on the GGUF, B = `kvrelay up --quantization gguf` on the same file;
+           the vllm scenario's load and rounds. Concurrency 1: --serve-args "--concurrency 1 --num-requests 16".
 
     kvrelay bench fleet --scenario disagg
     kvrelay bench fleet --scenario routing --prefill-nodes 3 --serve-args "--num-requests 96 --tenants 12"
     kvrelay bench fleet --scenario vllm --dtype float32
+    kvrelay bench fleet --scenario llamacpp
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pathlib import Path
 import httpx
 
 from kvrelay.bench import parse_args, report, serve, vllm_baseline
+from kvrelay.bench.llamacpp_baseline import find_tool, gguf_file
 from kvrelay.common.process import ChildProcess, kvrelay_command, pid_alive, stop_all
 from kvrelay.common.prometheus import Metrics
 from kvrelay.common.system import free_port
@@ -51,6 +56,7 @@ class Kind(enum.Enum):
 
     KVRELAY = "kvrelay up"
     VLLM = "vllm serve"
+    LLAMACPP = "llama-server"
 
 
 class Server:
@@ -194,10 +200,12 @@ SERVE_DEFAULTS = {
     "vllm": "--dataset random --concurrency 32 --num-requests 128 --warmup 2 --min-input 16 --max-input 1024 "
             "--min-output 8 --max-output 256 --ignore-eos",
 }
+SERVE_DEFAULTS["llamacpp"] = SERVE_DEFAULTS["vllm"]
+LLAMACPP_SLOTS, LLAMACPP_CTX_PER_SLOT = 32, 2048  # the peer kit's llamacpp_serve.sh
 # KV cache per node: several nodes share the machine in the fleet scenarios; against vLLM, one engine each,
 # given as much as vLLM's CPU build gets.
-KV_CACHE_DEFAULTS = {"disagg": 512 * 2**20, "routing": 512 * 2**20, "vllm": 2 * 2**30}
-HELP = "kvrelay up + bench serve: colocated vs disaggregated, routing policies, vs `vllm serve`"
+KV_CACHE_DEFAULTS = {"disagg": 512 * 2**20, "routing": 512 * 2**20, "vllm": 2 * 2**30, "llamacpp": 2 * 2**30}
+HELP = "kvrelay up + bench serve: colocated vs disaggregated, routing policies, vs `vllm serve` or `llama-server`"
 
 
 @dataclass(frozen=True)
@@ -213,6 +221,8 @@ def scenario_arms(scenario: str, prefill_nodes: int = 3, decode_nodes: int = 1) 
     """(A, B): the baseline first, the configuration under test second."""
     if scenario == "vllm":
         return Arm("vllm-serve", kind=Kind.VLLM), Arm("kvrelay-up")
+    if scenario == "llamacpp":
+        return Arm("llama-server", kind=Kind.LLAMACPP), Arm("kvrelay-up-gguf", ("--quantization", "gguf"))
     if scenario == "disagg":
         return Arm("colocated", ("--colocated",)), Arm("disagg-1p1d", ("--prefill", "1", "--decode", "1"))
     nodes = ("--prefill", str(prefill_nodes), "--decode", str(decode_nodes))
@@ -248,6 +258,15 @@ def start_arm(arm: Arm, args: argparse.Namespace) -> tuple[Server, dict]:
         server = Server.start(f"fleet-{arm.label}", argv, f"http://127.0.0.1:{port}/v1", Server.answers_health,
                               log_dir=args.output_dir, timeout_s=args.ready_timeout, env=env)
         return server, {"vllm_serve_argv": argv[1:]}
+    if arm.kind is Kind.LLAMACPP:
+        port, threads = free_port(), str(os.cpu_count() or 1)
+        argv = [args.llama_server_path, "-m", args.gguf, "--alias", args.served_name, "--host", "127.0.0.1",
+                "--port", str(port), "--threads", threads, "--threads-batch", threads, "--parallel",
+                str(LLAMACPP_SLOTS), "--cont-batching", "--threads-http", str(LLAMACPP_SLOTS + 8), "--ctx-size",
+                str(LLAMACPP_SLOTS * LLAMACPP_CTX_PER_SLOT), "--cache-reuse", "0", "--no-webui"]
+        server = Server.start(f"fleet-{arm.label}", argv, f"http://127.0.0.1:{port}/v1", Server.answers_health,
+                              log_dir=args.output_dir, timeout_s=args.ready_timeout)
+        return server, {"llama_server_argv": argv}
     flags = ["--model", args.model, *arm.up_flags]
     if args.dtype != "auto":
         flags += ["--dtype", args.dtype]
@@ -279,7 +298,7 @@ def measure_arm(server: Server, arm: Arm, record: dict, args: argparse.Namespace
 
 
 def run_scenario(scenario: str, args: argparse.Namespace, serve_args: list[str]) -> dict:
-    rounds = args.rounds if scenario == "vllm" else 1
+    rounds = args.rounds if scenario in ("vllm", "llamacpp") else 1
     pairs = round_arms(*scenario_arms(scenario, args.prefill_nodes, args.decode_nodes), rounds)
     runs = {arm.label: run_arm(arm, args, serve_args) for arm in play_order(pairs)}
     summary = []
@@ -310,8 +329,25 @@ def run(args: argparse.Namespace) -> int:
         if scenario == "vllm":
             scenario_args.dtype = resolved_dtype(args.dtype)  # the same explicit dtype for both servers
             scenario_args.resolved_model = resolve_model(args.model)  # vLLM is given its HF folder
+        if scenario == "llamacpp":
+            scenario_args.gguf, scenario_args.served_name = llamacpp_inputs(scenario_args)
         print(json.dumps(run_scenario(scenario, scenario_args, serve_args), indent=1))
     return 0
+
+
+def llamacpp_inputs(args: argparse.Namespace) -> tuple[str, str]:
+    """(the GGUF, the name both servers serve it by), with llama-server found, or SystemExit saying what lacks."""
+    from kvrelay.model_files.resolve import resolve_model
+
+    try:
+        gguf = gguf_file(args.model)
+    except ValueError as e:
+        raise SystemExit(f"bench fleet --scenario llamacpp: {e}") from None
+    args.llama_server_path = find_tool("llama-server", args.llama_server)
+    if args.llama_server_path is None:
+        raise SystemExit("bench fleet --scenario llamacpp: no llama-server (give --llama-server, set "
+                         "$KVRELAY_LLAMACPP_BIN, or build the peer kit's: LLAMACPP=1 bash setup.sh)")
+    return gguf, resolve_model(args.model).model_id
 
 
 def resolved_dtype(dtype: str) -> str:
@@ -324,9 +360,10 @@ def resolved_dtype(dtype: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=["disagg", "routing", "vllm", "all"], default="all",
+    p.add_argument("--scenario", choices=["disagg", "routing", "vllm", "llamacpp", "all"], default="all",
                    help="disagg: colocated vs 1P+1D; routing: round_robin vs cache_aware over several prefill "
-                        "nodes; vllm: `vllm serve` vs `kvrelay up` (all: disagg and routing)")
+                        "nodes; vllm: `vllm serve` vs `kvrelay up`; llamacpp: `llama-server` vs `kvrelay up "
+                        "--quantization gguf` on the same GGUF (all: disagg and routing)")
     p.add_argument("--model", default="default", help="passed to `kvrelay up --model` (and its folder to vLLM)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="passed to `kvrelay up --dtype`; vllm scenario: both servers get it, `auto` resolved to "
@@ -339,8 +376,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         + "; kept small where several nodes share this machine's memory)")
     p.add_argument("--vllm-python", default=None,
                    help="vllm scenario: the vLLM venv's python (default: $KVRELAY_VLLM_PYTHON, then the peer kit's)")
+    p.add_argument("--llama-server", default=None,
+                   help="llamacpp scenario: llama.cpp's llama-server (default: $KVRELAY_LLAMACPP_BIN's, then the "
+                        "peer kit's)")
     p.add_argument("--rounds", type=int, default=2,
-                   help="vllm scenario: rounds of the pair, run A B, B A, ... (2: ABBA)")
+                   help="vllm and llamacpp scenarios: rounds of the pair, run A B, B A, ... (2: ABBA)")
     p.add_argument("--tokenizer", default=None,
                    help="measure dataset lengths in this tokenizer's tokens (default: the model's, when local)")
     p.add_argument("--serve-args", default=None,

@@ -31,6 +31,17 @@ def test_scenarios_compare_the_right_fleets():
     a, b = fleet.scenario_arms("vllm", 3)
     assert (a.label, a.kind, b.label, b.kind, b.up_flags) == (
         "vllm-serve", fleet.Kind.VLLM, "kvrelay-up", fleet.Kind.KVRELAY, ())
+    a, b = fleet.scenario_arms("llamacpp", 3)
+    assert (a.label, a.kind, b.label, b.kind, b.up_flags) == (
+        "llama-server", fleet.Kind.LLAMACPP, "kvrelay-up-gguf", fleet.Kind.KVRELAY, ("--quantization", "gguf"))
+
+
+def test_the_llamacpp_scenario_needs_a_gguf_before_anything_starts(tmp_path):
+    args = argparse.Namespace(model=str(tmp_path), llama_server=None)
+    with pytest.raises(SystemExit, match="llama.cpp runs GGUF files"):
+        fleet.llamacpp_inputs(args)
+    with pytest.raises(SystemExit, match="no llama-server"):
+        fleet.llamacpp_inputs(argparse.Namespace(model="default", llama_server="none"))
 
 
 def test_rounds_alternate_which_arm_runs_first():
@@ -129,6 +140,28 @@ def test_the_vllm_arm_serves_the_same_model_and_stops(default_model_dir, tmp_pat
     (pids,) = spawned
     assert len(pids) >= 2  # the API server and its engine core
     assert not [p for p in pids if alive(p)], "processes left behind"
+
+
+@pytest.mark.timeout(300)
+def test_the_llama_server_arm_serves_the_same_gguf_and_stops(default_model_dir, tmp_path, spawned):
+    from kvrelay.bench.llamacpp_baseline import find_tool
+
+    if find_tool("llama-server", None) is None:
+        pytest.skip("no llama-server here (the peer kit's LLAMACPP=1 build, or $KVRELAY_LLAMACPP_BIN)")
+    args = argparse.Namespace(output_dir=str(tmp_path), model="default", kv_cache_memory=2**30, ready_timeout=120.0,
+                              no_plot=True, dtype="auto", llama_server=None)
+    args.gguf, args.served_name = fleet.llamacpp_inputs(args)
+    serve_args = shlex.split(fleet.SERVE_DEFAULTS["llamacpp"]) + [
+        "--num-requests", "3", "--warmup", "0", "--concurrency", "2", "--min-input", "40", "--max-input", "60",
+        "--min-output", "4", "--max-output", "6", "--tokenizer", str(default_model_dir), "--no-progress"]
+    arm, _ = fleet.scenario_arms("llamacpp", 1)
+    path, _ = fleet.run_arm(arm, args, serve_args)
+    result = json.loads(path.read_text())
+    assert result["label"] == "llama-server" and result["completed"] == 3 and result["failed"] == 0
+    assert all(4 <= r["completion_tokens"] <= 6 for r in result["requests"])
+    argv = result["fleet"]["llama_server_argv"]
+    assert argv[argv.index("-m") + 1] == args.gguf and argv[argv.index("--parallel") + 1] == "32"
+    assert not [p for p in spawned[0] if alive(p)], "processes left behind"
 
 
 # -- the runner's processes -------------------------------------------------------------------------------
