@@ -121,20 +121,27 @@ def _vllm_python() -> str:
         pytest.skip("no vLLM venv here (the peer kit's, or $KVRELAY_VLLM_PYTHON)")
 
 
+def _small_baseline_run(scenario: str, args: argparse.Namespace, tokenizer_dir) -> dict:
+    """The scenario's baseline arm (its A) on three short requests: the serve result, checked complete."""
+    serve_args = shlex.split(fleet.SERVE_DEFAULTS[scenario]) + [
+        "--num-requests", "3", "--warmup", "0", "--concurrency", "2", "--min-input", "40", "--max-input", "60",
+        "--min-output", "4", "--max-output", "6", "--tokenizer", str(tokenizer_dir), "--no-progress"]
+    arm, _ = fleet.scenario_arms(scenario, 1)
+    path, _ = fleet.run_arm(arm, args, serve_args)
+    result = json.loads(path.read_text())
+    assert result["completed"] == 3 and result["failed"] == 0
+    assert all(4 <= r["completion_tokens"] <= 6 for r in result["requests"])
+    return result
+
+
 @pytest.mark.timeout(600)
 def test_the_vllm_arm_serves_the_same_model_and_stops(default_model_dir, tmp_path, spawned):
     _vllm_python()
     args = argparse.Namespace(output_dir=str(tmp_path), model="default", kv_cache_memory=2**30, ready_timeout=480.0,
                               no_plot=True, dtype="float32", vllm_python=None,
                               resolved_model=resolve_model("default"))
-    serve_args = shlex.split(fleet.SERVE_DEFAULTS["vllm"]) + [
-        "--num-requests", "3", "--warmup", "0", "--concurrency", "2", "--min-input", "40", "--max-input", "60",
-        "--min-output", "4", "--max-output", "6", "--tokenizer", str(default_model_dir), "--no-progress"]
-    arm, _ = fleet.scenario_arms("vllm", 1)
-    path, _ = fleet.run_arm(arm, args, serve_args)
-    result = json.loads(path.read_text())
-    assert result["label"] == "vllm-serve" and result["completed"] == 3 and result["failed"] == 0
-    assert all(4 <= r["completion_tokens"] <= 6 for r in result["requests"])
+    result = _small_baseline_run("vllm", args, default_model_dir)
+    assert result["label"] == "vllm-serve"
     argv = result["fleet"]["vllm_serve_argv"]
     assert argv[argv.index("--model") + 1] == str(default_model_dir) and "float32" in argv
     (pids,) = spawned
@@ -151,14 +158,8 @@ def test_the_llama_server_arm_serves_the_same_gguf_and_stops(default_model_dir, 
     args = argparse.Namespace(output_dir=str(tmp_path), model="default", kv_cache_memory=2**30, ready_timeout=120.0,
                               no_plot=True, dtype="auto", llama_server=None)
     args.gguf, args.served_name = fleet.llamacpp_inputs(args)
-    serve_args = shlex.split(fleet.SERVE_DEFAULTS["llamacpp"]) + [
-        "--num-requests", "3", "--warmup", "0", "--concurrency", "2", "--min-input", "40", "--max-input", "60",
-        "--min-output", "4", "--max-output", "6", "--tokenizer", str(default_model_dir), "--no-progress"]
-    arm, _ = fleet.scenario_arms("llamacpp", 1)
-    path, _ = fleet.run_arm(arm, args, serve_args)
-    result = json.loads(path.read_text())
-    assert result["label"] == "llama-server" and result["completed"] == 3 and result["failed"] == 0
-    assert all(4 <= r["completion_tokens"] <= 6 for r in result["requests"])
+    result = _small_baseline_run("llamacpp", args, default_model_dir)
+    assert result["label"] == "llama-server"
     argv = result["fleet"]["llama_server_argv"]
     assert argv[argv.index("-m") + 1] == args.gguf and argv[argv.index("--parallel") + 1] == "32"
     assert not [p for p in spawned[0] if alive(p)], "processes left behind"
