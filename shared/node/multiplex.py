@@ -59,8 +59,8 @@ class SequenceMux:
                     self._sending = False
                 if reader.done():
                     reader.result()  # the caller's stream failed: end the call with that error
-                    if not self._tasks:
-                        return
+                    if not self._tasks and not self._outbox:  # updates put while the last message went out
+                        return  # are sent first (the last sequence's final chunk and end, say)
         finally:
             tasks = [reader, *self._tasks.values()]
             for task in tasks:
