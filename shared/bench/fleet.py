@@ -330,24 +330,24 @@ def run(args: argparse.Namespace) -> int:
             scenario_args.dtype = resolved_dtype(args.dtype)  # the same explicit dtype for both servers
             scenario_args.resolved_model = resolve_model(args.model)  # vLLM is given its HF folder
         if scenario == "llamacpp":
-            scenario_args.gguf, scenario_args.served_name = llamacpp_inputs(scenario_args)
+            scenario_args.gguf, scenario_args.served_name, scenario_args.llama_server_path = llamacpp_inputs(args)
         print(json.dumps(run_scenario(scenario, scenario_args, serve_args), indent=1))
     return 0
 
 
-def llamacpp_inputs(args: argparse.Namespace) -> tuple[str, str]:
-    """(the GGUF, the name both servers serve it by), with llama-server found, or SystemExit saying what lacks."""
+def llamacpp_inputs(args: argparse.Namespace) -> tuple[str, str, str]:
+    """(the GGUF, the name both servers serve it by, llama-server), or SystemExit saying what is missing."""
     from kvrelay.model_files.resolve import resolve_model
 
     try:
         gguf = gguf_file(args.model)
     except ValueError as e:
         raise SystemExit(f"bench fleet --scenario llamacpp: {e}") from None
-    args.llama_server_path = find_tool("llama-server", args.llama_server)
-    if args.llama_server_path is None:
+    server = find_tool("llama-server", args.llama_server)
+    if server is None:
         raise SystemExit("bench fleet --scenario llamacpp: no llama-server (give --llama-server, set "
                          "$KVRELAY_LLAMACPP_BIN, or build the peer kit's: LLAMACPP=1 bash setup.sh)")
-    return gguf, resolve_model(args.model).model_id
+    return gguf, resolve_model(args.model).model_id, server
 
 
 def resolved_dtype(dtype: str) -> str:

@@ -26,7 +26,7 @@ from kvrelay.bench.client import Client
 from kvrelay.bench.fleet import Server
 from kvrelay.bench.report import emit, machine
 from kvrelay.bench.stats import percentiles
-from kvrelay.bench.workload import TextSource, send_poisson
+from kvrelay.bench.workload import TextSource, alone_then_loaded, p90_ratio, send_poisson
 
 HELP = "embeddings beside chat: chat TTFT alone and with embedding requests, in one run; nothing left held"
 
@@ -88,20 +88,15 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-pooling-") as tmp:
         flags = ["--model", args.model, *args.up_flags]
         with Server.up(flags, log_dir=tmp, timeout_s=args.ready_timeout, name="bench-pooling") as server:
-            texts, phases = _texts(args), []
-            for r in range(args.rounds):
-                for mixed in (False, True):
-                    result = asyncio.run(_phase(server.base_url, args, mixed, texts, args.seed + 10 * r))
-                    phases.append({"round": r + 1, "phase": "mixed" if mixed else "alone", **result})
-                    print(json.dumps(phases[-1]), flush=True)
+            texts = _texts(args)
+            phases = alone_then_loaded(args.rounds, "mixed", lambda mixed, r: asyncio.run(
+                _phase(server.base_url, args, mixed, texts, args.seed + 10 * r)))
             time.sleep(2.0)  # the last loads the nodes published
             usage = [s.value for s in server.metrics().select("vllm:kv_cache_usage_perc")]
-    alone = [p["chat_ttft_ms"]["p90"] for p in phases if p["phase"] == "alone"]
-    mixed = [p["chat_ttft_ms"]["p90"] for p in phases if p["phase"] == "mixed"]
     report = {
         "benchmark": "pooling", "machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "func"},
         "phases": phases,
-        "chat_ttft_p90_ratio_mixed_over_alone": round(sum(mixed) / sum(alone), 3) if alone and mixed else None,
+        "chat_ttft_p90_ratio_mixed_over_alone": p90_ratio(phases, "chat_ttft_ms", "mixed"),
         "all_succeeded": all(not p["chat_failed"] and not p.get("embed_failed") for p in phases),
         "kv_cache_usage_after": usage,
     }

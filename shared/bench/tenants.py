@@ -31,7 +31,7 @@ from kvrelay.bench.client import Client
 from kvrelay.bench.fleet import Server
 from kvrelay.bench.report import emit, machine
 from kvrelay.bench.stats import percentiles
-from kvrelay.bench.workload import TextSource, send_poisson
+from kvrelay.bench.workload import TextSource, alone_then_loaded, p90_ratio, send_poisson
 from kvrelay.common.system import usable_cores
 from kvrelay.gateway.ratelimit import burst
 
@@ -117,23 +117,19 @@ def run(args: argparse.Namespace) -> int:
             if args.reserved_cores:  # the fleet has placed itself: the clients join the gateway's cores
                 os.sched_setaffinity(0, usable_cores()[:args.reserved_cores])
             bodies = _bodies(args)
-            phases = []
-            for r in range(args.rounds):
-                for flood in (False, True):
-                    # A's bucket refills between floods: each one starts from a full burst.
-                    time.sleep(_refill_s(args.a_rpm) if flood and r else 0.0)
-                    result = asyncio.run(_phase(server.base_url, args, flood, bodies, args.seed + 10 * r))
-                    phases.append({"round": r + 1, "phase": "flood" if flood else "alone", **result})
-                    print(json.dumps(phases[-1]), flush=True)
-    alone = [p["b_ttft_ms"]["p90"] for p in phases if p["phase"] == "alone"]
-    flooded = [p["b_ttft_ms"]["p90"] for p in phases if p["phase"] == "flood"]
+
+            def measure(flood: bool, r: int) -> dict:
+                time.sleep(_refill_s(args.a_rpm) if flood and r else 0.0)  # each flood starts from A's full burst
+                return asyncio.run(_phase(server.base_url, args, flood, bodies, args.seed + 10 * r))
+
+            phases = alone_then_loaded(args.rounds, "flood", measure)
     floods = [p for p in phases if p["phase"] == "flood"]
     # What A may have had in one flood: a full bucket (its burst) plus the refill during the phase.
     allowance = burst(args.a_rpm, 10.0) + args.a_rpm * args.duration / 60.0  # (a concurrency cap may admit less)
     report = {
         "benchmark": "tenants", "machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "func"},
         "phases": phases,
-        "b_ttft_p90_ratio_flood_over_alone": round(sum(flooded) / sum(alone), 3) if alone and flooded else None,
+        "b_ttft_p90_ratio_flood_over_alone": p90_ratio(phases, "b_ttft_ms", "flood"),
         "a_admitted_over_allowance": [round(p["a_ok"] / allowance, 3) for p in floods],
         "a_429_headers_ok": all(p["a_429_headers_ok"] for p in floods),
     }

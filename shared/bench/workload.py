@@ -19,6 +19,7 @@ import hashlib
 import importlib
 import inspect
 import itertools
+import json
 import random
 import re
 import time
@@ -254,6 +255,24 @@ async def send_poisson(rate: float, duration: float, rng: random.Random, send: C
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
         tasks.append(asyncio.create_task(send()))
     return list(await asyncio.gather(*tasks))
+
+
+def alone_then_loaded(rounds: int, loaded: str, measure: Callable[[bool, int], dict]) -> list[dict]:
+    """`rounds` pairs of phases, the first of each alone and the second under load (its phase named `loaded`):
+    `measure(under_load, round)`'s result with its round and phase, each printed as a JSON line as it ends."""
+    phases = []
+    for r in range(rounds):
+        for under_load in (False, True):
+            phases.append({"round": r + 1, "phase": loaded if under_load else "alone", **measure(under_load, r)})
+            print(json.dumps(phases[-1]), flush=True)
+    return phases
+
+
+def p90_ratio(phases: list[dict], metric: str, loaded: str) -> float | None:
+    """The loaded phases' p90s of `metric` summed over the alone phases' (None without both)."""
+    alone = [p[metric]["p90"] for p in phases if p["phase"] == "alone"]
+    under = [p[metric]["p90"] for p in phases if p["phase"] == loaded]
+    return round(sum(under) / sum(alone), 3) if alone and under else None
 
 
 @dataclass

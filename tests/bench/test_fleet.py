@@ -157,7 +157,7 @@ def test_the_llama_server_arm_serves_the_same_gguf_and_stops(default_model_dir, 
         pytest.skip("no llama-server here (the peer kit's LLAMACPP=1 build, or $KVRELAY_LLAMACPP_BIN)")
     args = argparse.Namespace(output_dir=str(tmp_path), model="default", kv_cache_memory=2**30, ready_timeout=120.0,
                               no_plot=True, dtype="auto", llama_server=None)
-    args.gguf, args.served_name = fleet.llamacpp_inputs(args)
+    args.gguf, args.served_name, args.llama_server_path = fleet.llamacpp_inputs(args)
     result = _small_baseline_run("llamacpp", args, default_model_dir)
     assert result["label"] == "llama-server"
     argv = result["fleet"]["llama_server_argv"]

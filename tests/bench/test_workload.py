@@ -154,3 +154,18 @@ def test_send_poisson_sends_at_the_seeded_arrivals_and_returns_the_answers_in_or
     answers = asyncio.run(send_poisson(50.0, 0.4, random.Random(7), send))
     assert answers == list(range(1, len(gaps) + 1))  # every arrival before the end, none after, in order
     assert all(got >= want - 1e-3 for got, want in zip(sent, gaps, strict=True))  # never early
+
+
+def test_phases_alternate_alone_and_loaded_and_their_p90s_compare():
+    from kvrelay.bench.workload import alone_then_loaded, p90_ratio
+
+    calls = []
+
+    def measure(loaded: bool, r: int) -> dict:
+        calls.append((loaded, r))
+        return {"ttft": {"p90": (3.0 if loaded else 1.0) * (r + 1)}}
+
+    phases = alone_then_loaded(2, "flood", measure)
+    assert calls == [(False, 0), (True, 0), (False, 1), (True, 1)]
+    assert [(p["round"], p["phase"]) for p in phases] == [(1, "alone"), (1, "flood"), (2, "alone"), (2, "flood")]
+    assert p90_ratio(phases, "ttft", "flood") == 3.0 and p90_ratio(phases[:1], "ttft", "flood") is None
