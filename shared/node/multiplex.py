@@ -83,7 +83,15 @@ class SequenceMux:
             self._end(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running on this stream",
                       wire.NodeErrorKind.DUPLICATE)
             return
-        self._tasks[rid] = asyncio.create_task(self._sequence(request))
+        task = self._tasks[rid] = asyncio.create_task(self._sequence(request))
+        # A done callback, not a `finally` in the task: a task cancelled before its first step never runs its
+        # body (a cancel read in the same batch as its start), and would hold the stream open for ever.
+        task.add_done_callback(lambda done: self._over(rid, done))
+
+    def _over(self, rid: str, task: asyncio.Task) -> None:
+        if self._tasks.get(rid) is task:
+            del self._tasks[rid]
+        self._wake.set()
 
     async def _sequence(self, request: pb.GenerateRequest) -> None:
         rid = request.request_id
@@ -96,9 +104,6 @@ class SequenceMux:
             pass  # the caller cancelled it and expects nothing more
         except Exception as e:  # noqa: BLE001 - sent as the sequence's status, bugs logged by status_of
             self._end(rid, *self._status_of(e))
-        finally:
-            self._tasks.pop(rid, None)
-            self._wake.set()
 
     def _end(self, rid: str, code: grpc.StatusCode, message: str, kind: wire.NodeErrorKind) -> None:
         self._put(pb.SequenceUpdate(request_id=rid, end=True, error_code=code.value[0], error_message=message,

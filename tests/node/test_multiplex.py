@@ -1,5 +1,6 @@
 """SequenceMux (kvrelay.node.multiplex), the GenerateMany stream, on its own: what a sequence puts while the
-previous message is still going out is sent before the stream ends."""
+previous message is still going out is sent before the stream ends; a sequence cancelled before its task ran
+does not hold the stream open."""
 
 from __future__ import annotations
 
@@ -38,3 +39,20 @@ def test_the_last_sequence_s_final_chunk_put_during_a_send_is_sent():
     updates = asyncio.run(scenario())
     assert [t for u in updates for t in u.chunk.token_ids] == [1, 2]
     assert [u.end for u in updates] == [False, False, True] and updates[-1].error_code == 0
+
+
+def test_a_sequence_cancelled_before_it_ran_ends_the_stream_with_nothing_from_it():
+    async def scenario() -> list[pb.GenerateManyResponse]:
+        async def chunks(request: pb.GenerateRequest):
+            yield pb.TokenChunk(token_ids=[1], finish_reason="length")
+
+        async def requests():  # both read before the loop runs the sequence's task once (the caller's buffer)
+            yield pb.GenerateManyRequest(start=pb.GenerateRequest(request_id="a"))
+            yield pb.GenerateManyRequest(cancel="a")
+            yield pb.GenerateManyRequest(start=pb.GenerateRequest(request_id="b"))
+
+        return [message async for message in SequenceMux(chunks, _status_of).run(requests())]
+
+    messages = asyncio.run(asyncio.wait_for(scenario(), 5))
+    updates = [update for message in messages for update in message.updates]
+    assert [(u.request_id, u.end) for u in updates] == [("b", False), ("b", True)]
