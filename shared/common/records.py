@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import json
 from dataclasses import dataclass, field, fields
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 BlockHash = bytes  # 16 bytes of xxh3-128 (kvrelay.common.hashing)
 
@@ -162,9 +162,10 @@ class BlockEventKind(enum.Enum):
     EVICTED = "evicted"
 
 
-@dataclass(frozen=True)
-class BlockEvent:
-    """A change for the index, in the order it happened (a hash can be evicted and stored again)."""
+class BlockEvent(NamedTuple):
+    """A change for the index, in the order it happened (a hash can be evicted and stored again). A named
+    tuple: a node makes one per block it fills or evicts (hundreds per prompt), and a tuple costs a third of
+    a frozen dataclass."""
 
     kind: BlockEventKind
     block_hash: BlockHash

@@ -13,7 +13,7 @@ Every store and eviction is recorded as an event for the index publisher to drai
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvrelay.common.records import BlockEvent, BlockEventKind, BlockHash
 
@@ -42,9 +42,13 @@ class FreeBlockQueue:
         self._tail = KVBlock(-1)
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
-        self.num_free = 0
+        # Linked in one pass (a pool is tens of thousands of blocks; the fleet simulator builds one per node).
+        last, n = self._head, 0
         for block in blocks:
-            self.append(block)
+            last.next_free, block.prev_free = block, last
+            last, n = block, n + 1
+        last.next_free, self._tail.prev_free = self._tail, last
+        self.num_free = n
 
     def popleft(self) -> KVBlock:
         block = self._head.next_free
@@ -134,16 +138,21 @@ class BlockPool:
                 self._events.append(BlockEvent(BlockEventKind.EVICTED, block.block_hash))
         block.block_hash = None
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Give a full, computed (or about to be computed this step) block its hash."""
-        if not self.enable_caching or block.block_hash is not None:
+    def cache_blocks(self, blocks: Sequence[KVBlock], block_hashes: Sequence[BlockHash]) -> None:
+        """Give full, computed (or about to be computed this step) blocks their hashes, pairwise. A block that
+        has one keeps it; a hash another block holds already (the same prefix computed twice at once) stays
+        private to this block: one block per hash."""
+        if not self.enable_caching:
             return
-        block.block_hash = block_hash
-        if block_hash not in self.cached:
-            # A duplicate (same prefix computed twice at once) stays private: one block per hash.
-            self.cached[block_hash] = block
-            if self.record_events:
-                self._events.append(BlockEvent(BlockEventKind.STORED, block_hash))
+        cached, record = self.cached, self.record_events
+        for block, block_hash in zip(blocks, block_hashes):
+            if block.block_hash is not None:
+                continue
+            block.block_hash = block_hash
+            if block_hash not in cached:
+                cached[block_hash] = block
+                if record:
+                    self._events.append(BlockEvent(BlockEventKind.STORED, block_hash))
 
     def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
         """Drop one reference from each; blocks that reach 0 go to the free queue in the given order

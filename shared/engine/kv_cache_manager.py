@@ -111,7 +111,17 @@ class KVCacheManager:
         `num_lookahead_tokens` slots past them (a draft model's KV for its proposals), or None when the
         pool cannot supply them (nothing is changed then). `cache=False` leaves the new blocks unhashed:
         their KV arrives later (a transfer), and `cache_tokens` hashes them then."""
-        blocks = self.req_to_blocks.get(req.request_id, [])
+        rid = req.request_id
+        blocks = self.req_to_blocks.get(rid, [])
+        if num_new_tokens == 1 and not num_lookahead_tokens and not hit.blocks and blocks:
+            # Most calls (every decode row of every step): one token into the last block the request holds on
+            # its own. Nothing to take from the pool or copy; at most that block filled up and gets its hash.
+            pos = req.num_computed_tokens
+            last = len(blocks) - 1
+            if pos // self.block_size == last and blocks[last].ref_cnt == 1:
+                if cache and self.num_cached_blocks.get(rid, 0) * self.block_size <= pos + 1 - self.block_size:
+                    self._cache_full_blocks(req, pos + 1)
+                return []
         num_computed = req.num_computed_tokens + hit.num_tokens
         num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new = max(0, num_required - len(blocks) - len(hit.blocks))
@@ -187,8 +197,7 @@ class KVCacheManager:
             return
         self.update_block_hashes(req)
         blocks = self.req_to_blocks[req.request_id]
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], req.block_hashes[i])
+        self.pool.cache_blocks(blocks[start:num_full], req.block_hashes[start:num_full])
         self.num_cached_blocks[req.request_id] = num_full
 
     def cache_tokens(self, req: Request) -> None:

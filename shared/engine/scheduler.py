@@ -128,40 +128,46 @@ class Scheduler(RequestTable):
         """Chunks for `requests` (running) in order; those in `defer` are skipped and returned. Without
         `preempt`, a request whose blocks do not fit sits the step out."""
         deferred = []
+        # A decode row (one known token left) with no speculation and no pooling cap has a one-token chunk:
+        # taken without _plan_chunk, since every running request of every step comes through here.
+        plain = self.speculation is None and plan.pooling_budget is None
+        allocate, running = self.kv.allocate_slots, RequestStatus.RUNNING
         # A snapshot: preemption removes requests from self.running while we walk it.
         for req in list(requests):
             if plan.budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING or not self._lora_fits(req, plan):
-                continue
-            if req.request_id in defer:
-                deferred.append(req)
-                continue
-            chunk = self._plan_chunk(req, req.num_computed_tokens, plan.budget, plan)
-            if chunk is None:
-                continue
-            new_blocks = (self._allocate_or_preempt(req, chunk, plan) if preempt else
-                          self.kv.allocate_slots(req, chunk.num_tokens, num_lookahead_tokens=chunk.lookahead))
-            if new_blocks is None:
+            if req.status is not running or (req.lora_name and not self._lora_fits(req, plan)):
                 continue
             rid = req.request_id
+            if rid in defer:
+                deferred.append(req)
+                continue
+            if plain and len(req.all_token_ids) - req.num_computed_tokens == 1:
+                chunk = _ONE_TOKEN
+            elif (chunk := self._plan_chunk(req, req.num_computed_tokens, plan.budget, plan)) is None:
+                continue
+            new_blocks = allocate(req, chunk.num_tokens, num_lookahead_tokens=chunk.lookahead)
+            if new_blocks is None and (not preempt or (new_blocks := self._preempt_for(req, chunk, plan)) is None):
+                continue
             plan.add(rid, chunk, req.lora_name, _capped_pooling(plan, req))
             if rid in self._unseen or rid in self.kv.rewritten:
                 self._unseen.discard(rid)
                 self.kv.rewritten.discard(rid)
                 plan.new.append(self._new_request_data(req))
             else:
-                new_ids = tuple(b.block_id for b in new_blocks)
+                new_ids = tuple(b.block_id for b in new_blocks) if new_blocks else ()
                 plan.cached.append(CachedRequestData(rid, new_ids, req.num_computed_tokens))
         return deferred
 
-    def _allocate_or_preempt(self, req: Request, chunk: Chunk, plan: StepPlan) -> list | None:
-        while (new_blocks := self.kv.allocate_slots(req, chunk.num_tokens, num_lookahead_tokens=chunk.lookahead)
-               ) is None:
+    def _preempt_for(self, req: Request, chunk: Chunk, plan: StepPlan) -> list | None:
+        """Preempt until the chunk's blocks fit; None if the request itself was preempted."""
+        while True:
             self._preempt(self._pick_victim(), plan)
             if req.status != RequestStatus.RUNNING:  # it was the victim, or in the victim's beam group
                 return None
-        return new_blocks
+            if (new_blocks := self.kv.allocate_slots(req, chunk.num_tokens, num_lookahead_tokens=chunk.lookahead)
+                    ) is not None:
+                return new_blocks
 
     def _pick_victim(self) -> Request:
         if self.config.policy.value == "priority":
@@ -272,9 +278,21 @@ class Scheduler(RequestTable):
         request_of, sampled_of, logprobs_of = self.requests.get, result.sampled_token_ids.get, result.logprobs.get
         drafts_of, prompt_logprobs_of, drafted_of = (sched.scheduled_spec_tokens.get, result.prompt_logprobs.get,
                                                      result.spec_token_ids.get)
+        # A step with nothing but sampled tokens (no pooling, logprobs, drafts or beams) takes the short path.
+        plain = not (result.pooled or result.logprobs or result.prompt_logprobs or result.spec_token_ids
+                     or sched.scheduled_spec_tokens or self.speculation is not None or len(self.beam_groups))
+        max_model_len = self.max_model_len
         for rid in sched.num_scheduled_tokens:
             req = request_of(rid)
             if req is None or req.is_finished:
+                continue
+            if plain:
+                if tokens := sampled_of(rid):
+                    new = req.append_sampled(tokens, max_model_len)
+                    outputs.append(EngineCoreOutput.of(req, new))
+                    if req.is_finished:
+                        self.running.remove(req)
+                        self._free(req)
                 continue
             if result.pooled and (vector := result.pooled.get(rid)) is not None:  # its prompt is done: it ends
                 req.status = RequestStatus.FINISHED_STOPPED

@@ -21,11 +21,11 @@ class Chunk:
     drafts: tuple[int, ...] = ()
     lookahead: int = 0
     proposes: bool = False
+    # What the step computes for the request (and what its budget pays): set once, read for every row.
+    num_tokens: int = field(init=False, repr=False)
 
-    @property
-    def num_tokens(self) -> int:
-        """What the step computes for the request (and what its budget pays)."""
-        return self.num_new + len(self.drafts)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_tokens", self.num_new + len(self.drafts))
 
 
 @dataclass
@@ -44,12 +44,13 @@ class StepPlan:
     def add(self, req_id: str, chunk: Chunk, lora_name: str = "", pooling: bool = False) -> None:
         if lora_name:
             self.loras.add(lora_name)
+        n = chunk.num_tokens
         if pooling:
             self.pooled = True
             if self.pooling_budget is not None:
-                self.pooling_budget -= chunk.num_tokens
-        self.tokens[req_id] = chunk.num_tokens
-        self.budget -= chunk.num_tokens
+                self.pooling_budget -= n
+        self.tokens[req_id] = n
+        self.budget -= n
         if chunk.drafts:
             self.drafts[req_id] = chunk.drafts
         if chunk.proposes:

@@ -46,7 +46,8 @@ if last[1] then return {seq, last[1][1]} end
 return {seq, '0-0'}
 """
 _RECORD = 33  # '+' or '-', then 32 hex chars
-_PLUS = ord("+")
+_HASH = 16  # bytes of a block hash
+_PLUS, _MINUS = ord("+"), ord("-")
 
 
 @dataclass
@@ -72,25 +73,46 @@ class MirrorState:
         return bit
 
     def apply(self, node: str, records: bytes) -> int:
-        """Apply one node's records; returns how many changed the state."""
+        """Apply one node's records, as the events stream holds them; returns how many changed the state."""
+        # One hex decode for the whole batch (the signs are not hex digits): record i's hash is raw[16i:16i+16].
+        raw = binascii.unhexlify(records.translate(None, b"+-"))
+        signs = records[::_RECORD]
+        if len(records) % _RECORD or len(raw) != len(signs) * _HASH:
+            raise ValueError(f"index records from {node}: not a whole number of '+'/'-' and 32 hex digits")
+        hashes = [raw[off : off + _HASH] for off in range(0, len(raw), _HASH)]
+        return self.apply_changes(node, hashes, None if _MINUS not in signs else [s == _PLUS for s in signs])
+
+    def apply_changes(self, node: str, hashes: Sequence[bytes], stored: Sequence[bool] | None = None) -> int:
+        """Apply one node's changes: hashes[i] stored (stored[i], or every one when `stored` is None) or
+        evicted. Returns how many changed the state. (`apply` decodes the stream's records into this; the
+        fleet simulator hands a node's block events over directly.)"""
         bit = self.bit_of(node)
-        flag, holders, changed = 1 << bit, self.holders, 0
-        for off in range(0, len(records), _RECORD):
-            h = binascii.unhexlify(records[off + 1 : off + _RECORD])
-            held = holders.get(h, 0)
-            if records[off] == _PLUS:
+        flag, holders, changed, held_by = 1 << bit, self.holders, 0, self.counts[bit]
+        get = holders.get
+        if stored is None:  # a node's stores only: the common batch
+            for h in hashes:
+                held = get(h, 0)
                 if not held & flag:
                     holders[h] = held | flag
-                    self.counts[bit] += 1
                     changed += 1
-            elif held & flag:
-                if held == flag:
-                    del holders[h]
-                else:
-                    holders[h] = held & ~flag
-                self.counts[bit] -= 1
-                changed += 1
-        if not self.counts[bit]:  # holds nothing: its bit may go to another node
+            held_by += changed
+        else:
+            for h, store in zip(hashes, stored):
+                held = get(h, 0)
+                if store:
+                    if not held & flag:
+                        holders[h] = held | flag
+                        held_by += 1
+                        changed += 1
+                elif held & flag:
+                    if held == flag:
+                        del holders[h]
+                    else:
+                        holders[h] = held & ~flag
+                    held_by -= 1
+                    changed += 1
+        self.counts[bit] = held_by
+        if not held_by:  # holds nothing: its bit may go to another node
             del self.bits[node]
             self.names[bit] = None
         return changed

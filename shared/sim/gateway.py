@@ -1,8 +1,8 @@
 """Simulated gateways and the index they share, built from the production pieces.
 
-- `IndexStream`: the index's events stream. A node's block events become the stream's records (the encoding
-  Redis stores, `redis_index.event_records`), visible to the gateways `delay_s` later (the publisher's batching
-  and the mirror's read). An oracle mirror applies them at once: what was cached anywhere, for the
+- `IndexStream`: the index's events stream. A node's block events become the stream's records (what the
+  records Redis stores carry, without their hex text), visible to the gateways `delay_s` later (the
+  publisher's batching and the mirror's read). An oracle mirror applies them at once: what was cached anywhere, for the
   "would have hit" measure.
 - `SimGateway`: the gateway's `Router` with a policy from `gateway/policies.py`, a real `Discovery` fed from
   the registry (the in-memory backend, on the simulated clock: leases and loads as nodes heartbeat), and a
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from kvrelay.common.hashing import prompt_block_hashes
 from kvrelay.common.prometheus import Metrics
-from kvrelay.common.records import BlockEvent
+from kvrelay.common.records import BlockEvent, BlockEventKind
 from kvrelay.gateway.discovery import Discovery, DiscoveryConfig
 from kvrelay.gateway.errors import NoCapacity
 from kvrelay.gateway.metrics import GatewayMetrics
@@ -24,7 +24,8 @@ from kvrelay.gateway.node_client import NodeClients
 from kvrelay.gateway.policies import make_policy
 from kvrelay.gateway.router import RouteDecision, Router
 from kvrelay.index.mirror import MirrorState
-from kvrelay.index.redis_index import event_records
+
+STORED = BlockEventKind.STORED
 
 # The names the issue and `kvrelay sim` use, and the gateway's policy each one runs.
 SIM_POLICIES = {"precise": "cache_aware", "approximate": "approximate", "round_robin": "round_robin",
@@ -42,7 +43,8 @@ def gateway_policy(name: str) -> str:
 class IndexStream:
     def __init__(self, delay_s: float) -> None:
         self.delay_s = delay_s
-        self._entries: list[tuple[float, str, bytes]] = []  # (visible at, node, records)
+        # (visible at, node, hashes, stored flags or None when all are stores): a batch of the stream's records
+        self._entries: list[tuple[float, str, list[bytes], list[bool] | None]] = []
         self._offset = 0  # stream position of _entries[0]
         self.oracle = MirrorState()
         self.num_records = 0
@@ -52,9 +54,11 @@ class IndexStream:
         return self._offset + len(self._entries)
 
     def publish(self, now: float, node_id: str, events: Sequence[BlockEvent]) -> None:
-        records = event_records(events).encode()
-        self._entries.append((now + self.delay_s, node_id, records))
-        self.oracle.apply(node_id, records)
+        # What the publisher's records carry, without their hex text (MirrorState.apply decodes that into this).
+        hashes = [e.block_hash for e in events]
+        stored = None if all(e.kind is STORED for e in events) else [e.kind is STORED for e in events]
+        self._entries.append((now + self.delay_s, node_id, hashes, stored))
+        self.oracle.apply_changes(node_id, hashes, stored)
         self.num_records += len(events)
 
     def follow(self, state: MirrorState, cursor: int, now: float) -> int:
@@ -62,8 +66,8 @@ class IndexStream:
         entries, i = self._entries, cursor - self._offset
         n = len(entries)
         while i < n and entries[i][0] <= now:
-            _, node, records = entries[i]
-            state.apply(node, records)
+            _, node, hashes, stored = entries[i]
+            state.apply_changes(node, hashes, stored)
             i += 1
         return i + self._offset
 
@@ -77,9 +81,10 @@ class IndexStream:
     def forget_node(self, node_id: str, hashes: Sequence[bytes], now: float) -> None:
         """A node left: its entries are cleared (deregistration), as one entry of removals."""
         if hashes:
-            records = b"".join(b"-" + h.hex().encode() for h in hashes)
-            self._entries.append((now + self.delay_s, node_id, records))
-            self.oracle.apply(node_id, records)
+            gone = list(hashes)
+            evicted = [False] * len(gone)
+            self._entries.append((now + self.delay_s, node_id, gone, evicted))
+            self.oracle.apply_changes(node_id, gone, evicted)
 
 
 def snapshot(holdings: dict[str, Sequence[bytes]]) -> MirrorState:
@@ -87,7 +92,7 @@ def snapshot(holdings: dict[str, Sequence[bytes]]) -> MirrorState:
     state = MirrorState()
     for node_id, hashes in holdings.items():
         if hashes:
-            state.apply(node_id, b"".join(b"+" + h.hex().encode() for h in hashes))
+            state.apply_changes(node_id, hashes)
     return state
 
 

@@ -87,7 +87,7 @@ def test_free_blocks_tail_first_evicts_the_last_block_first():
     pool = BlockPool(5)
     table = pool.get_new_blocks(4)  # [0, 1, 2, 3]
     for i, blk in enumerate(table):
-        pool.cache_block(blk, h(i))
+        pool.cache_blocks([blk], [h(i)])
     pool.free_blocks(reversed(table))
     # The free queue: the untouched block, then the request's blocks from last to first.
     assert pool.free_queue.block_ids() == [4, 3, 2, 1, 0]
@@ -135,7 +135,7 @@ def test_touch_revives_a_free_cached_block_from_the_middle_in_o1(monkeypatch):
     pool = BlockPool(6)
     table = pool.get_new_blocks(6)
     for i, blk in enumerate(table):
-        pool.cache_block(blk, h(i))
+        pool.cache_blocks([blk], [h(i)])
     pool.free_blocks(reversed(table))
     assert pool.free_queue.block_ids() == [5, 4, 3, 2, 1, 0]
     target = pool.get_cached_block(h(2))
@@ -165,8 +165,8 @@ def test_touch_revives_a_free_cached_block_from_the_middle_in_o1(monkeypatch):
 def test_eviction_only_on_reuse(record):
     pool = BlockPool(3, record_events=record)
     a, b = pool.get_new_blocks(2)
-    pool.cache_block(a, h(10))
-    pool.cache_block(b, h(11))
+    pool.cache_blocks([a], [h(10)])
+    pool.cache_blocks([b], [h(11)])
     stored = [BlockEvent(BlockEventKind.STORED, h(10)), BlockEvent(BlockEventKind.STORED, h(11))]
     assert pool.drain_events() == (stored if record else [])
     pool.free_blocks([b, a])
@@ -185,7 +185,7 @@ def test_eviction_only_on_reuse(record):
     assert pool.drain_events() == ([BlockEvent(BlockEventKind.EVICTED, h(11))] if record else [])
     assert pool.drain_events() == []
     # Re-storing a hash after its eviction is recorded again, in order.
-    pool.cache_block(b, h(11))
+    pool.cache_blocks([b], [h(11)])
     assert pool.get_cached_block(h(11)) is b
     assert pool.drain_events() == ([BlockEvent(BlockEventKind.STORED, h(11))] if record else [])
     check_pool(pool)
@@ -194,8 +194,8 @@ def test_eviction_only_on_reuse(record):
 def test_duplicate_hash_keeps_one_block_in_the_map():
     pool = BlockPool(4, record_events=True)
     a, b, c = pool.get_new_blocks(3)
-    pool.cache_block(a, h(1))
-    pool.cache_block(b, h(1))  # the same prefix computed twice
+    pool.cache_blocks([a], [h(1)])
+    pool.cache_blocks([b], [h(1)])  # the same prefix computed twice
     assert pool.get_cached_block(h(1)) is a
     assert len(pool.cached) == 1
     assert pool.drain_events() == [BlockEvent(BlockEventKind.STORED, h(1))]
@@ -205,13 +205,13 @@ def test_duplicate_hash_keeps_one_block_in_the_map():
     assert pool.get_new_blocks(1) == [b]
     assert pool.get_cached_block(h(1)) is a and pool.drain_events() == []
     # A block keeps its first hash.
-    pool.cache_block(a, h(2))
+    pool.cache_blocks([a], [h(2)])
     assert a.block_hash == h(1) and pool.get_cached_block(h(2)) is None
     # Once the mapped block is evicted, another block may take the hash.
     pool.free_blocks([a])
     assert pool.get_new_blocks(1) == [a]
     assert pool.get_cached_block(h(1)) is None
-    pool.cache_block(c, h(1))
+    pool.cache_blocks([c], [h(1)])
     assert pool.get_cached_block(h(1)) is c
     assert pool.drain_events() == [BlockEvent(BlockEventKind.EVICTED, h(1)), BlockEvent(BlockEventKind.STORED, h(1))]
 
@@ -219,15 +219,15 @@ def test_duplicate_hash_keeps_one_block_in_the_map():
 def test_caching_disabled_stores_nothing():
     pool = BlockPool(2, enable_caching=False, record_events=True)
     (a,) = pool.get_new_blocks(1)
-    pool.cache_block(a, h(1))
+    pool.cache_blocks([a], [h(1)])
     assert a.block_hash is None and pool.cached == {} and pool.drain_events() == []
 
 
 def test_reset_prefix_cache_only_when_nothing_in_use():
     pool = BlockPool(3, record_events=True)
     a, b = pool.get_new_blocks(2)
-    pool.cache_block(a, h(1))
-    pool.cache_block(b, h(2))
+    pool.cache_blocks([a], [h(1)])
+    pool.cache_blocks([b], [h(2)])
     pool.drain_events()
     pool.free_blocks([b])
     assert pool.reset_prefix_cache() is False

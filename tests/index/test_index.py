@@ -250,12 +250,12 @@ def test_publisher_with_block_pool_events(redis_url):
         with engine.step():
             blocks = pool.get_new_blocks(3)
             for block, h in zip(blocks, H):
-                pool.cache_block(block, h)
+                pool.cache_blocks([block], [h])
             pool.free_blocks(reversed(blocks))
             pub.submit(pool.drain_events())
         with engine.step():
             for block in pool.get_new_blocks(4):  # reuses freed blocks: evicts their hashes
-                pool.cache_block(block, H[10 + block.block_id])
+                pool.cache_blocks([block], [H[10 + block.block_id]])
             pub.submit(pool.drain_events())
         assert pub.flush(5.0)
     assert ix.node_hashes("n1") == set(pool.cached)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvrelay.common.records import BlockEvent, BlockEventKind
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.block_pool import BlockPool
@@ -21,12 +23,24 @@ from kvrelay.index.redis_index import event_records
 def test_mirror_state_answers_like_the_index():
     rng = random.Random(1)
     hashes = [rng.randbytes(16) for _ in range(40)]
-    index, state = MemoryIndex(MemoryStore(), "m"), MirrorState()
+    index, state, direct = MemoryIndex(MemoryStore(), "m"), MirrorState(), MirrorState()
     for node in ("a", "b", "c"):
         for _ in range(3):
             events = [BlockEvent(rng.choice(list(BlockEventKind)), rng.choice(hashes)) for _ in range(30)]
             index.apply(node, events)
-            state.apply(node, event_records(events).encode())
+            changed = state.apply(node, event_records(events).encode())
+            # What the simulator hands over: the same changes without the records' hex text.
+            assert direct.apply_changes(node, [e.block_hash for e in events],
+                                        [e.kind is BlockEventKind.STORED for e in events]) == changed
+        stores = [rng.choice(hashes) for _ in range(5)]
+        index.apply(node, [BlockEvent(BlockEventKind.STORED, h) for h in stores])
+        assert direct.apply_changes(node, stores) == state.apply(node, b"".join(b"+" + h.hex().encode()
+                                                                                for h in stores))
+    assert (direct.holders, direct.counts, direct.bits) == (state.holders, state.counts, state.bits)
+    records = event_records(events).encode()
+    for bad in (records[:-1], records[:-2], records + b"+", records.replace(b"+", b"*")):
+        with pytest.raises(ValueError):
+            state.apply("a", bad)
     for _ in range(50):
         chain = rng.sample(hashes, rng.randint(1, 10))
         assert state.lookup(chain) == index.lookup(chain)
