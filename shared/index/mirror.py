@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import binascii
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -132,12 +133,16 @@ class MirrorState:
         if nodes is not None:
             active &= self.mask(nodes)
         out: dict[str, int] = {}
+        if not active:
+            return out
         matched = 1
-        while active and matched < len(block_hashes):
-            held = get(block_hashes[matched], 0)
+        # Hundreds of blocks per prompt: their holders fetched by map, not one subscript and call per turn.
+        for held in map(get, itertools.islice(block_hashes, 1, None), itertools.repeat(0)):
             if held & active != active:
                 _name_bits(out, active & ~held, names, matched)
                 active &= held
+                if not active:
+                    return out
             matched += 1
         _name_bits(out, active, names, matched)
         return out
