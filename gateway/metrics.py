@@ -98,6 +98,9 @@ class GatewayMetrics:
             self.index_errors.labels(source)
         # Labelled children resolved once: labels() takes a lock and builds a key on every call.
         self._outcomes = {o: self.requests.labels(o) for o in OUTCOMES}
+        self.idempotent_replays = Counter(
+            "kvrelay:idempotent_replays", "Requests answered by an earlier copy under the same key "
+            "(attached: it was running; stored: it had finished)", ["kind"], registry=r)
         self._modes = {mode: self.sequences.labels(mode) for mode in ("disaggregated", "local")}
         self._route = self.routing_seconds.labels(policy)
         self._prompt, self._hits = self.prompt_tokens.labels(model_name), self.prefix_hit_tokens.labels(model_name)
@@ -159,6 +162,9 @@ class GatewayMetrics:
 
     def observe_request(self, outcome: str) -> None:
         self._outcomes[outcome].inc()
+
+    def observe_replay(self, kind: str) -> None:
+        self.idempotent_replays.labels(kind).inc()
 
     def observe_latency(self, ttft: float | None, itls: list[float], e2e: float, prompt: int, generated: int) -> None:
         if ttft is not None:

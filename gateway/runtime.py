@@ -27,6 +27,7 @@ from kvrelay.gateway.core import GatewayCore
 from kvrelay.gateway.discovery import Discovery, DiscoveryConfig
 from kvrelay.gateway.dispatch import DispatchConfig, Dispatcher
 from kvrelay.gateway.fleet_metrics import FleetMetrics
+from kvrelay.gateway.idempotency import IdempotentRequests
 from kvrelay.gateway.input_limits import InputLimits
 from kvrelay.gateway.liveness import Liveness
 from kvrelay.gateway.metrics import GatewayMetrics
@@ -102,6 +103,7 @@ class Gateway:
         self.metrics.watch_admission(self.activity, config.max_concurrent_requests)
         self.fleet_metrics = (FleetMetrics(self.metrics.registry, self.discovery.nodes, config.node_metrics_timeout)
                               if config.fleet_metrics else None)
+        self.idempotency = IdempotentRequests(config.idempotency_ttl, on_replay=self.metrics.observe_replay)
         self.started_at = time.time()
 
     def _endpoint(self, resolved, names: tuple[str, ...], parser, tokenizer: Tokenizer | None) -> ModelEndpoint:

@@ -241,13 +241,16 @@ def resolve(gateway: Gateway, model: str | None):
 def _chat(gateway: Gateway, body: ChatCompletionRequest, request: Request) -> Awaitable:
     gateway.input_limits.check_chat(body)
     target = resolve(gateway, body.model)
-    return target.endpoint.chat.create(body, target, header_request_id(request))
+    # A non-streaming request sent again under the same key gets the first copy's answer (gateway.idempotency).
+    return gateway.idempotency.answer(request, body.stream,
+                                      lambda: target.endpoint.chat.create(body, target, header_request_id(request)))
 
 
 def _completions(gateway: Gateway, body: CompletionRequest, request: Request) -> Awaitable:
     gateway.input_limits.check_completion(body)
     target = resolve(gateway, body.model)
-    return target.endpoint.completions.create(body, target, header_request_id(request))
+    return gateway.idempotency.answer(
+        request, body.stream, lambda: target.endpoint.completions.create(body, target, header_request_id(request)))
 
 
 def _fast_routes(gateway: Gateway) -> list[Route]:

@@ -437,3 +437,52 @@ def test_lapsed_lease_is_not_routed(registry_fleet):
     for i in range(4):
         r = httpx.post(f.url + "/v1/completions", json={"prompt": f"lease test {i}", "max_tokens": 1})
         assert r.headers["x-kvrelay-decode-node"] == "decode0"
+
+
+def _generations(fleet) -> list[str]:
+    """The request id of each stream the decode nodes served (a generation each)."""
+    return [rid for _, method, rid in fleet.script.calls if method == "Generate"]
+
+
+def test_a_retry_after_a_timeout_gets_the_first_copy_s_answer(fleet):
+    """The openai SDK retries a non-streaming request that timed out, with the same headers: under an
+    Idempotency-Key the retry attaches to the copy still running, and one after it gets the stored answer."""
+    fleet.script.token_delay_s = 0.02
+    body = {"prompt": "tell me", "max_tokens": 40}
+    headers = {"Idempotency-Key": "retry-1"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(fleet.url + "/v1/completions", json=body, headers=headers, timeout=0.3)
+    attached = httpx.post(fleet.url + "/v1/completions", json=body, headers=headers, timeout=30)
+    assert attached.status_code == 200, attached.text
+    assert len(_generations(fleet)) == 1 and not fleet.script.aborted  # the hang-up did not abort it
+    stored = httpx.post(fleet.url + "/v1/completions", json=body, headers=headers, timeout=30)
+    assert stored.json() == attached.json() and stored.headers["idempotent-replayed"] == "true"
+    assert len(_generations(fleet)) == 1
+    m = Metrics.scrape(fleet.url + "/metrics")
+    assert m.value("kvrelay:idempotent_replays_total", kind="attached") >= 1
+    assert m.value("kvrelay:idempotent_replays_total", kind="stored") >= 1
+    refused = httpx.post(fleet.url + "/v1/completions", json={**body, "max_tokens": 3}, headers=headers)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "idempotency_key_reused"
+
+
+def test_the_sdk_s_requests_under_one_x_request_id_run_once(fleet):
+    fleet.script.token_delay_s = 0.01
+    client = fleet.client()
+
+    def ask():
+        return client.chat.completions.create(model=DEFAULT_MODEL_ID, messages=_chat(), max_tokens=20,
+                                              extra_headers={"X-Request-Id": "sdk-same-1"})
+
+    threads = [threading.Thread(target=lambda: answers.append(ask())) for _ in range(3)]
+    answers: list = []
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(answers) == 3 and len({a.model_dump_json() for a in answers}) == 1
+    assert len(_generations(fleet)) == 1
+    # A stream is never shared: each one runs.
+    for _ in range(2):
+        list(client.chat.completions.create(model=DEFAULT_MODEL_ID, messages=_chat(), max_tokens=3, stream=True,
+                                            extra_headers={"X-Request-Id": "sdk-stream-1"}))
+    assert len(_generations(fleet)) == 3

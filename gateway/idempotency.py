@@ -1,0 +1,171 @@
+"""Idempotent retries: a request sent again under the same key is answered once.
+
+The openai SDK retries a non-streaming request that failed on a connection error (`max_retries`, 2 by
+default), with the same headers. Without this, each retry computes the whole request again, while the first
+copy may still be generating. A key names a request:
+- `Idempotency-Key` (Stripe's and the IETF draft's header). The same key with a different body is refused
+  (400, code `idempotency_key_reused`).
+- `X-Request-Id`, which kvrelay already uses as the request's id. A different body under the same id runs as
+  a new request, because an id is not a promise about the body.
+
+Keys belong to the API key that sent them: one tenant never gets another's answer.
+
+What a repeat gets:
+- While the first copy runs, a repeat waits for it and gets the same answer.
+- The first copy keeps running when its client hangs up. The generation is what the retry wants.
+- For `ttl_s` after a success, a repeat gets the stored answer, with `Idempotent-Replayed: true`.
+- A failure is not stored: waiting repeats get the same error, and the next one runs again, since overload
+  429s and 503s are meant to be retried.
+
+Only non-streaming answers are kept; a stream is sent as it is made, and resuming one is another matter.
+The store is this gateway's, in memory, and bounded (`max_entries`; the oldest finished answers go first).
+A retry that reaches another gateway runs again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvrelay.gateway.auth import current_principal
+from kvrelay.gateway.errors import BadRequest
+
+IDEMPOTENCY_KEY = "idempotency-key"
+REQUEST_ID = "x-request-id"
+REPLAYED = "Idempotent-Replayed"
+# Headers that belong to the first caller's answer, not to a replay (its key's rate-limit state).
+_OWN_HEADERS = ("x-ratelimit-", "retry-after", "content-length")
+
+
+@dataclass(frozen=True)
+class RequestKey:
+    """Who sent it (the API key's id; None without keys), which header named it, and its value."""
+
+    principal: str | None
+    header: str
+    value: str
+
+
+@dataclass(frozen=True)
+class _Stored:
+    status: int
+    body: bytes
+    media_type: str | None
+    headers: tuple[tuple[str, str], ...]
+
+    def response(self) -> Response:
+        return Response(self.body, self.status, {**dict(self.headers), REPLAYED: "true"}, self.media_type)
+
+
+@dataclass
+class _Entry:
+    fingerprint: bytes
+    run: asyncio.Task | None  # the first copy, while it runs
+    stored: _Stored | None = None  # its answer, once it succeeded
+
+
+def request_key(headers: Headers, principal: str | None) -> RequestKey | None:
+    """The key a request names (`Idempotency-Key` first), or None."""
+    for header in (IDEMPOTENCY_KEY, REQUEST_ID):
+        value = headers.get(header)
+        if value:
+            return RequestKey(principal, header, value)
+    return None
+
+
+def fingerprint(path: str, body: bytes) -> bytes:
+    return hashlib.blake2b(path.encode() + b"\0" + body, digest_size=16).digest()
+
+
+class IdempotentRequests:
+    """`on_replay(kind)`: a request was answered by an earlier copy ("attached": it ran; "stored": it had
+    finished)."""
+
+    def __init__(self, ttl_s: float, max_entries: int = 4096, clock: Callable[[], float] = time.monotonic,
+                 on_replay: Callable[[str], None] | None = None) -> None:
+        if ttl_s < 0:
+            raise ValueError(f"idempotency_ttl: must be >= 0 seconds, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._clock = clock
+        self._entries: dict[RequestKey, _Entry] = {}
+        self._finished: OrderedDict[RequestKey, float] = OrderedDict()  # stored answers: when each expires
+        self._on_replay = on_replay or (lambda kind: None)
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl_s > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def answer(self, request: Request, stream: bool, make: Callable[[], Awaitable[Response]]) -> Response:
+        """A generation's answer: `make()`'s, or an earlier copy's when this one is non-streaming and keyed
+        (by the API key that sent it)."""
+        principal = current_principal.get()
+        key = request_key(request.headers, principal and principal.key_id) if self.enabled and not stream else None
+        if key is None:
+            return await make()
+        return await self.run(key, fingerprint(request.url.path, await request.body()), make)
+
+    async def run(self, key: RequestKey, print_: bytes, start: Callable[[], Awaitable[Response]]) -> Response:
+        """The answer to the request `key` names, with body fingerprint `print_`: `start()` makes it, unless a
+        copy runs or ran within ttl_s."""
+        self._expire()
+        entry = self._entries.get(key)
+        if entry is not None and entry.fingerprint != print_:
+            if key.header == IDEMPOTENCY_KEY:
+                raise BadRequest(f"Idempotency-Key: {key.value!r} was used for a different request in the last "
+                                 f"{self.ttl_s:g} s; use a new key for a new request", param="Idempotency-Key",
+                                 code="idempotency_key_reused")
+            return await start()  # an X-Request-Id reused for another request: nothing to share
+        if entry is None:
+            first = asyncio.create_task(self._first(key, start))
+            first.add_done_callback(_retrieve)  # its error is its callers'; when all hung up, nobody's
+            entry = self._entries[key] = _Entry(print_, first)
+        elif entry.stored is not None:
+            self._on_replay("stored")
+            return entry.stored.response()
+        else:
+            self._on_replay("attached")
+        assert entry.run is not None
+        # Shielded: a caller that hangs up leaves the generation running for the retry it will send.
+        return await asyncio.shield(entry.run)
+
+    async def _first(self, key: RequestKey, start: Callable[[], Awaitable[Response]]) -> Response:
+        entry = self._entries[key]
+        try:
+            response = await start()
+        except BaseException:
+            self._entries.pop(key, None)
+            raise
+        if 200 <= response.status_code < 300 and isinstance(response.body, bytes):
+            headers = tuple((k, v) for k, v in response.headers.items() if not k.lower().startswith(_OWN_HEADERS))
+            entry.stored, entry.run = _Stored(response.status_code, response.body, response.media_type, headers), None
+            self._finished[key] = self._clock() + self.ttl_s
+        else:
+            self._entries.pop(key, None)
+        return response
+
+    def _expire(self) -> None:
+        """Drop stored answers past their time, and the oldest ones until a new entry fits in max_entries
+        (running ones stay)."""
+        now, finished = self._clock(), self._finished
+        while finished:
+            key, expires = next(iter(finished.items()))
+            if expires > now and len(self._entries) < self.max_entries:
+                break
+            del finished[key], self._entries[key]
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()

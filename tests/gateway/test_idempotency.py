@@ -1,0 +1,142 @@
+"""IdempotentRequests (kvrelay.gateway.idempotency) on its own: one run per key, repeats attach or replay,
+failures are not kept, keys belong to their API key, and the store is bounded. Through a real gateway and the
+openai SDK: tests/gateway/test_fake_nodes.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from starlette.responses import Response
+
+from kvrelay.gateway.errors import BadRequest, Overloaded
+from kvrelay.gateway.idempotency import IDEMPOTENCY_KEY, REQUEST_ID, IdempotentRequests, RequestKey, fingerprint
+
+KEY = RequestKey(None, IDEMPOTENCY_KEY, "k1")
+BODY = fingerprint("/v1/completions", b'{"prompt": "hi"}')
+
+
+class Maker:
+    """A generation that takes `gate` to finish; counts its runs."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.runs = 0
+        self.gate = asyncio.Event()
+        self.fail = fail
+
+    async def __call__(self) -> Response:
+        self.runs += 1
+        await self.gate.wait()
+        if self.fail is not None:
+            raise self.fail
+        return Response(b'{"n": %d}' % self.runs, 200, {"x-ratelimit-remaining-requests": "9", "x-kvrelay-node": "d0"},
+                        "application/json")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _store(**kw):
+    replays: list[str] = []
+    clock = Clock()
+    return IdempotentRequests(60.0, clock=clock, on_replay=replays.append, **kw), replays, clock
+
+
+def test_a_repeat_while_it_runs_attaches_and_one_after_gets_the_stored_answer():
+    async def scenario():
+        store, replays, clock = _store()
+        make = Maker()
+        first = asyncio.create_task(store.run(KEY, BODY, make))
+        second = asyncio.create_task(store.run(KEY, BODY, make))
+        await asyncio.sleep(0)
+        make.gate.set()
+        a, b = await first, await second
+        assert make.runs == 1 and a.body == b.body == b'{"n": 1}' and replays == ["attached"]
+        clock.now = 59.0
+        stored = await store.run(KEY, BODY, make)
+        assert make.runs == 1 and stored.body == b'{"n": 1}' and replays == ["attached", "stored"]
+        assert stored.headers["idempotent-replayed"] == "true" and stored.headers["x-kvrelay-node"] == "d0"
+        assert "x-ratelimit-remaining-requests" not in stored.headers  # the first caller's key state
+        clock.now = 60.0  # past the ttl: a new run
+        assert (await store.run(KEY, BODY, make)).body == b'{"n": 2}' and make.runs == 2
+
+    asyncio.run(scenario())
+
+
+def test_the_first_caller_hanging_up_leaves_the_run_for_its_retry():
+    async def scenario():
+        store, replays, _ = _store()
+        make = Maker()
+        first = asyncio.create_task(store.run(KEY, BODY, make))
+        await asyncio.sleep(0)
+        first.cancel()  # the client went away (a timeout, a dropped connection)
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        retry = asyncio.create_task(store.run(KEY, BODY, make))
+        await asyncio.sleep(0)
+        make.gate.set()
+        assert (await retry).body == b'{"n": 1}' and make.runs == 1 and replays == ["attached"]
+
+    asyncio.run(scenario())
+
+
+def test_a_failure_reaches_every_caller_and_is_not_kept():
+    async def scenario():
+        store, _, _ = _store()
+        make = Maker(fail=Overloaded("busy", retry_after=1))
+        calls = [asyncio.create_task(store.run(KEY, BODY, make)) for _ in range(2)]
+        await asyncio.sleep(0)
+        make.gate.set()
+        for call in calls:
+            with pytest.raises(Overloaded):
+                await call
+        assert len(store) == 0
+        make.fail = None
+        assert (await store.run(KEY, BODY, make)).body == b'{"n": 2}' and make.runs == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_key_reused_for_another_body():
+    async def scenario():
+        store, _, _ = _store()
+        make = Maker()
+        make.gate.set()
+        await store.run(KEY, BODY, make)
+        other = fingerprint("/v1/completions", b'{"prompt": "bye"}')
+        with pytest.raises(BadRequest) as refused:
+            await store.run(KEY, other, make)
+        assert refused.value.code == "idempotency_key_reused" and refused.value.param == "Idempotency-Key"
+        # An X-Request-Id promises nothing about the body: another request under it simply runs.
+        rid = RequestKey(None, REQUEST_ID, "r1")
+        await store.run(rid, BODY, make)
+        assert (await store.run(rid, other, make)).body == b'{"n": 3}' and make.runs == 3
+
+    asyncio.run(scenario())
+
+
+def test_keys_belong_to_their_api_key_and_the_store_is_bounded():
+    async def scenario():
+        store, _, _ = _store(max_entries=2)
+        make = Maker()
+        make.gate.set()
+        for principal in ("tenant-a", "tenant-b"):
+            await store.run(RequestKey(principal, IDEMPOTENCY_KEY, "same"), BODY, make)
+        assert make.runs == 2  # the same key from another API key is another request
+        await store.run(RequestKey("tenant-a", IDEMPOTENCY_KEY, "third"), BODY, make)
+        await store.run(KEY, BODY, make)  # a fourth: the oldest stored answers go
+        assert len(store) == 2  # "third" and the fourth
+        await store.run(RequestKey("tenant-a", IDEMPOTENCY_KEY, "same"), BODY, make)
+        assert make.runs == 5  # it was dropped: it ran again
+
+    asyncio.run(scenario())
+
+
+def test_a_negative_ttl_is_refused():
+    with pytest.raises(ValueError, match="idempotency_ttl"):
+        IdempotentRequests(-1)
