@@ -74,7 +74,8 @@ class GatewayConfig:
     stall_timeout: float = 5.0  # a node whose calls are this quiet gets a health probe
     probe_timeout: float = 2.0  # ... which it must answer within this (every health probe: liveness, discovery)
     lookup_timeout: float = 0.5  # an index lookup slower than this routes without prefix information
-    idempotency_ttl: float = 600.0  # a non-streaming answer to a keyed request is replayed this long (0: off)
+    idempotency_ttl: float = 600.0  # a keyed request's answer (or stream) is replayed this long (0: off)
+    stream_resume_grace: float = 30.0  # a keyed stream whose clients all left runs on this long for a reconnect
     # Limits on input size and shape (gateway.input_limits); 0: no limit.
     max_body_bytes: int = 8 << 20
     max_messages: int = 2048

@@ -17,9 +17,9 @@ What a repeat gets:
 - A failure is not stored: waiting repeats get the same error, and the next one runs again, since overload
   429s and 503s are meant to be retried.
 
-Only non-streaming answers are kept; a stream is sent as it is made, and resuming one is another matter.
-The store is this gateway's, in memory, and bounded (`max_entries`; the oldest finished answers go first).
-A retry that reaches another gateway runs again.
+A keyed stream is recorded instead (gateway.resumable): a repeat follows it, and one with `Last-Event-ID`
+resumes it after that event. The store is this gateway's, in memory, and bounded (`max_entries`; the oldest
+finished answers go first). A retry that reaches another gateway runs again.
 """
 
 from __future__ import annotations
@@ -36,10 +36,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvrelay.gateway.auth import current_principal
-from kvrelay.gateway.errors import BadRequest
+from kvrelay.gateway.errors import BadRequest, NotFound
+from kvrelay.gateway.resumable import RecordedStream, last_event_id
+from kvrelay.gateway.serving_common import SSEResponse
 
 IDEMPOTENCY_KEY = "idempotency-key"
 REQUEST_ID = "x-request-id"
+LAST_EVENT_ID = "last-event-id"
 REPLAYED = "Idempotent-Replayed"
 # Headers that belong to the first caller's answer, not to a replay (its key's rate-limit state).
 _OWN_HEADERS = ("x-ratelimit-", "retry-after", "content-length")
@@ -68,8 +71,9 @@ class _Stored:
 @dataclass
 class _Entry:
     fingerprint: bytes
-    run: asyncio.Task | None  # the first copy, while it runs
+    run: asyncio.Task | None  # the first copy, while it runs (a stream's: until it has started)
     stored: _Stored | None = None  # its answer, once it succeeded
+    stream: RecordedStream | None = None  # a stream's recording, once it started
 
 
 def request_key(headers: Headers, principal: str | None) -> RequestKey | None:
@@ -89,11 +93,12 @@ class IdempotentRequests:
     """`on_replay(kind)`: a request was answered by an earlier copy ("attached": it ran; "stored": it had
     finished)."""
 
-    def __init__(self, ttl_s: float, max_entries: int = 4096, clock: Callable[[], float] = time.monotonic,
-                 on_replay: Callable[[str], None] | None = None) -> None:
+    def __init__(self, ttl_s: float, *, resume_grace_s: float, max_entries: int = 4096,
+                 clock: Callable[[], float] = time.monotonic, on_replay: Callable[[str], None] | None = None) -> None:
         if ttl_s < 0:
             raise ValueError(f"idempotency_ttl: must be >= 0 seconds, got {ttl_s}")
         self.ttl_s = ttl_s
+        self.resume_grace_s = resume_grace_s  # a stream nobody follows any more runs on this long for a reconnect
         self.max_entries = max_entries
         self._clock = clock
         self._entries: dict[RequestKey, _Entry] = {}
@@ -111,10 +116,57 @@ class IdempotentRequests:
         """A generation's answer: `make()`'s, or an earlier copy's when this one is non-streaming and keyed
         (by the API key that sent it)."""
         principal = current_principal.get()
-        key = request_key(request.headers, principal and principal.key_id) if self.enabled and not stream else None
+        key = request_key(request.headers, principal and principal.key_id) if self.enabled else None
         if key is None:
             return await make()
-        return await self.run(key, fingerprint(request.url.path, await request.body()), make)
+        print_ = fingerprint(request.url.path, await request.body())
+        if stream:
+            return await self.follow(key, print_, last_event_id(request.headers.get(LAST_EVENT_ID)), make)
+        return await self.run(key, print_, make)
+
+    async def follow(self, key: RequestKey, print_: bytes, after: int | None,
+                     start: Callable[[], Awaitable[Response]]) -> Response:
+        """A keyed stream: its recording from the event after `after` (None: from the start), the stream
+        started by `start()` unless it runs or ran within ttl_s."""
+        self._expire()
+        entry = self._entries.get(key)
+        if entry is not None and entry.fingerprint != print_:
+            self._refuse_reuse(key)
+            if after is None:
+                return await start()  # an X-Request-Id reused for another stream: it runs on its own
+            entry = None
+        if entry is None:
+            if after is not None:
+                raise NotFound(f"Last-Event-ID: no stream under {key.value!r} on this gateway to resume (it ended "
+                               f"more than {self.ttl_s:g} s ago, or it ran elsewhere); send the request anew",
+                               param="Last-Event-ID", code="stream_not_found")
+            first = asyncio.create_task(self._start_stream(key, start))
+            first.add_done_callback(_retrieve)
+            entry = self._entries[key] = _Entry(print_, first)
+        else:
+            self._on_replay("stored" if entry.stream is not None and entry.stream.task.done() else "attached")
+        assert entry.run is not None
+        recorded = await asyncio.shield(entry.run)
+        return recorded.response(after) if isinstance(recorded, RecordedStream) else recorded
+
+    async def _start_stream(self, key: RequestKey, start: Callable[[], Awaitable[Response]]):
+        try:
+            response = await start()  # routing and the first token: errors here are the callers' HTTP errors
+        except BaseException:
+            self._entries.pop(key, None)
+            raise
+        if not isinstance(response, SSEResponse):
+            self._entries.pop(key, None)
+            return response
+        recorded = self._entries[key].stream = RecordedStream(response, self.resume_grace_s)
+        recorded.task.add_done_callback(lambda _: self._finished.__setitem__(key, self._clock() + self.ttl_s))
+        return recorded
+
+    def _refuse_reuse(self, key: RequestKey) -> None:
+        if key.header == IDEMPOTENCY_KEY:
+            raise BadRequest(f"Idempotency-Key: {key.value!r} was used for a different request in the last "
+                             f"{self.ttl_s:g} s; use a new key for a new request", param="Idempotency-Key",
+                             code="idempotency_key_reused")
 
     async def run(self, key: RequestKey, print_: bytes, start: Callable[[], Awaitable[Response]]) -> Response:
         """The answer to the request `key` names, with body fingerprint `print_`: `start()` makes it, unless a
@@ -122,10 +174,7 @@ class IdempotentRequests:
         self._expire()
         entry = self._entries.get(key)
         if entry is not None and entry.fingerprint != print_:
-            if key.header == IDEMPOTENCY_KEY:
-                raise BadRequest(f"Idempotency-Key: {key.value!r} was used for a different request in the last "
-                                 f"{self.ttl_s:g} s; use a new key for a new request", param="Idempotency-Key",
-                                 code="idempotency_key_reused")
+            self._refuse_reuse(key)
             return await start()  # an X-Request-Id reused for another request: nothing to share
         if entry is None:
             first = asyncio.create_task(self._first(key, start))

@@ -103,7 +103,8 @@ class Gateway:
         self.metrics.watch_admission(self.activity, config.max_concurrent_requests)
         self.fleet_metrics = (FleetMetrics(self.metrics.registry, self.discovery.nodes, config.node_metrics_timeout)
                               if config.fleet_metrics else None)
-        self.idempotency = IdempotentRequests(config.idempotency_ttl, on_replay=self.metrics.observe_replay)
+        self.idempotency = IdempotentRequests(config.idempotency_ttl, on_replay=self.metrics.observe_replay,
+                                              resume_grace_s=config.stream_resume_grace)
         self.started_at = time.time()
 
     def _endpoint(self, resolved, names: tuple[str, ...], parser, tokenizer: Tokenizer | None) -> ModelEndpoint:

@@ -161,6 +161,11 @@ class SSEResponse(StreamingResponse):
         self._on_close = on_close
         self._cut_error = cut_error
 
+    def detach(self) -> tuple[AsyncIterator[str], Callable[[], Awaitable[None]], Callable[[], GatewayError | None]]:
+        """Its events, the close that aborts its generation, and its shutdown check, for a caller that serves
+        them some other way (gateway.resumable records them for reconnecting clients)."""
+        return self.body_iterator, self._on_close, self._cut_error
+
     async def __call__(self, scope, receive, send) -> None:
         task = asyncio.current_task()
         gone = asyncio.Event()

@@ -123,8 +123,11 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "probe_timeout": "seconds a node has to answer a health probe (every one: stalled calls, failed calls, "
                          "nodes out of rotation, nodes gone from the registry)",
         "lookup_timeout": "an index lookup slower than this routes without prefix information (Redis hung)",
-        "idempotency_ttl": "seconds a non-streaming answer stays stored for a request sent again with the same "
-                           "Idempotency-Key or X-Request-Id (a repeat while it runs waits for it; 0: off)",
+        "idempotency_ttl": "seconds an answer stays stored for a request sent again with the same "
+                           "Idempotency-Key or X-Request-Id (a repeat while it runs waits for it; a stream is "
+                           "recorded, and resumes after its Last-Event-ID; 0: off)",
+        "stream_resume_grace": "seconds a keyed stream whose clients all left keeps generating for one to "
+                               "reconnect with Last-Event-ID; then it is aborted",
         "shed_at": "share of --max-concurrent-requests past which admission is fair across tenants: keys of "
                    "priority < 0 are refused first, then tenants holding more than an equal share",
     })

@@ -481,8 +481,77 @@ def test_the_sdk_s_requests_under_one_x_request_id_run_once(fleet):
         t.join(30)
     assert len(answers) == 3 and len({a.model_dump_json() for a in answers}) == 1
     assert len(_generations(fleet)) == 1
-    # A stream is never shared: each one runs.
-    for _ in range(2):
-        list(client.chat.completions.create(model=DEFAULT_MODEL_ID, messages=_chat(), max_tokens=3, stream=True,
-                                            extra_headers={"X-Request-Id": "sdk-stream-1"}))
-    assert len(_generations(fleet)) == 3
+    # A keyed stream is recorded: the same one again replays it.
+    streams = [[c.model_dump_json() for c in client.chat.completions.create(
+        model=DEFAULT_MODEL_ID, messages=_chat(), max_tokens=3, stream=True,
+        extra_headers={"X-Request-Id": "sdk-stream-1"})] for _ in range(2)]
+    assert streams[0] == streams[1] and len(_generations(fleet)) == 2
+
+
+def _events_lines(response):
+    event_id = None
+    for line in response.iter_lines():
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("data: "):
+            yield event_id, line[6:]
+
+
+def _events(response) -> list[tuple[int | None, str]]:
+    """(id, data) of each SSE event of an httpx response."""
+    return list(_events_lines(response))
+
+
+def _text(events: list[tuple[int, str]]) -> str:
+    return "".join(json.loads(d)["choices"][0]["text"] for _, d in events if d != "[DONE]" and
+                   json.loads(d).get("choices"))
+
+
+def test_a_stream_resumes_after_its_last_event_id(fleet):
+    """A client that lost its connection reconnects with Last-Event-ID and the same key: it gets the rest of
+    the stream, nothing lost and nothing repeated, from the one generation."""
+    fleet.script.token_delay_s = 0.02
+    body = {"prompt": "tell me", "max_tokens": 30, "stream": True}
+    whole = _events(httpx.post(fleet.url + "/v1/completions", json=body, timeout=30))  # unkeyed: a reference
+    assert whole[-1][1] == "[DONE]" and whole[0][0] is None  # an unkeyed stream has no ids
+    fleet.script.calls.clear()
+    headers = {"Idempotency-Key": "resume-1"}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", fleet.url + "/v1/completions", json=body, headers=headers) as r:
+            head = []
+            for item in _events_lines(r):
+                head.append(item)
+                if len(head) == 5:
+                    break  # the connection drops
+        assert [i for i, _ in head] == [0, 1, 2, 3, 4]
+        rest = _events(http.post(fleet.url + "/v1/completions", json=body,
+                                 headers={**headers, "Last-Event-ID": "4"}))
+    assert [i for i, _ in rest] == list(range(5, 5 + len(rest))) and rest[-1][1] == "[DONE]"
+    assert _text(head + rest) == _text(whole)
+    assert len(_generations(fleet)) == 1 and not fleet.script.aborted
+    gone = httpx.post(fleet.url + "/v1/completions", json=body, headers={"Idempotency-Key": "never-sent",
+                                                                        "Last-Event-ID": "3"})
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "stream_not_found"
+
+
+def test_a_stream_nobody_comes_back_for_is_aborted_after_the_grace(fleet):
+    fleet.script.token_delay_s = 0.05
+    store = fleet.gateway.idempotency
+    grace, store.resume_grace_s = store.resume_grace_s, 0.3
+    try:
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", fleet.url + "/v1/completions", headers={"Idempotency-Key": "left-1"},
+                             json={"prompt": "tell me", "max_tokens": 500, "stream": True}) as r:
+                next(_events_lines(r))
+        time.sleep(0.15)
+        assert not fleet.script.aborted  # still within the grace: it waits for a reconnect
+        deadline = time.monotonic() + 5
+        while not fleet.script.aborted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fleet.script.aborted
+        late = _events(httpx.post(fleet.url + "/v1/completions", headers={"Idempotency-Key": "left-1",
+                                                                          "Last-Event-ID": "0"},
+                                  json={"prompt": "tell me", "max_tokens": 500, "stream": True}, timeout=30))
+        assert "abandoned" in late[-2][1] and late[-1][1] == "[DONE]"
+    finally:
+        store.resume_grace_s = grace

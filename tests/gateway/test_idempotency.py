@@ -1,6 +1,6 @@
-"""IdempotentRequests (kvrelay.gateway.idempotency) on its own: one run per key, repeats attach or replay,
-failures are not kept, keys belong to their API key, and the store is bounded. Through a real gateway and the
-openai SDK: tests/gateway/test_fake_nodes.py."""
+"""IdempotentRequests (kvrelay.gateway.idempotency) and Recording (gateway.resumable) on their own: one run
+per key, repeats attach or replay, failures are not kept, keys belong to their API key, the store is bounded,
+and a recording replays from any event. Through a real gateway and the openai SDK: tests/gateway/test_fake_nodes.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from kvrelay.gateway.errors import BadRequest, Overloaded
 from kvrelay.gateway.idempotency import IDEMPOTENCY_KEY, REQUEST_ID, IdempotentRequests, RequestKey, fingerprint
+from kvrelay.gateway.resumable import Recording, last_event_id
 
 KEY = RequestKey(None, IDEMPOTENCY_KEY, "k1")
 BODY = fingerprint("/v1/completions", b'{"prompt": "hi"}')
@@ -44,7 +45,7 @@ class Clock:
 def _store(**kw):
     replays: list[str] = []
     clock = Clock()
-    return IdempotentRequests(60.0, clock=clock, on_replay=replays.append, **kw), replays, clock
+    return IdempotentRequests(60.0, resume_grace_s=30.0, clock=clock, on_replay=replays.append, **kw), replays, clock
 
 
 def test_a_repeat_while_it_runs_attaches_and_one_after_gets_the_stored_answer():
@@ -139,4 +140,29 @@ def test_keys_belong_to_their_api_key_and_the_store_is_bounded():
 
 def test_a_negative_ttl_is_refused():
     with pytest.raises(ValueError, match="idempotency_ttl"):
-        IdempotentRequests(-1)
+        IdempotentRequests(-1, resume_grace_s=30.0)
+
+
+def test_a_recording_numbers_each_event_and_follows_from_any_point():
+    async def scenario():
+        rec = Recording()
+        await rec.append("data: a\n\ndata: b\n\n")  # one write, two events
+        late = asyncio.create_task(_read(rec.follow(0)))  # after event 0: b, then what comes
+        await asyncio.sleep(0)
+        await rec.append("data: c\n\n")
+        await rec.finish()
+        assert await late == "id: 1\ndata: b\n\nid: 2\ndata: c\n\n"
+        assert await _read(rec.follow(None)) == "id: 0\ndata: a\n\n" + await _read(rec.follow(0))
+        assert await _read(rec.follow(2)) == ""
+
+    asyncio.run(scenario())
+
+
+async def _read(events) -> str:
+    return "".join([e async for e in events])
+
+
+def test_last_event_id_is_a_number():
+    assert last_event_id(None) is None and last_event_id("17") == 17
+    with pytest.raises(BadRequest, match="Last-Event-ID"):
+        last_event_id("x-3")
