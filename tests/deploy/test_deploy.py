@@ -734,7 +734,7 @@ def test_k8s_manifests_match_kubernetes_schemas(which):
     kubernetes_validate = require("kubernetes_validate", "kubernetes-validate")
 
     resources = list(rendered(which))
-    assert {r["kind"] for r in resources} == {"Deployment", "Service", "HorizontalPodAutoscaler"}
+    assert {r["kind"] for r in resources} == {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget"}
     names = [(r["kind"], r["metadata"]["name"]) for r in resources]
     assert len(names) == len(set(names)), names
     for res in resources:
@@ -926,6 +926,25 @@ def test_k8s_workloads_are_consistent(which):
         if role_of(targets[0]) in NODE_ROLES:
             assert svc["spec"].get("clusterIP") == "None", f"{name} must be headless"
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("which", list(OVERLAYS))
+def test_k8s_pools_lose_one_pod_at_a_time(which):
+    """Each kvrelay pool has one PodDisruptionBudget (one pod at a time in a voluntary disruption) and rolls
+    out a new pod before taking an old one away; Redis, a single pod, has neither."""
+    resources = rendered(which)
+    deployments, budgets = by_kind(resources, "Deployment"), by_kind(resources, "PodDisruptionBudget")
+    for name, dep in deployments.items():
+        pods = dep["spec"]["template"]["metadata"]["labels"]
+        covering = [b for b in budgets.values() if b["spec"]["selector"]["matchLabels"].items() <= pods.items()]
+        if role_of(dep) == "redis":
+            assert not covering, name
+            continue
+        (budget,) = covering
+        assert budget["spec"] == {"maxUnavailable": 1, "selector": budget["spec"]["selector"]}, name
+        rolling = dep["spec"]["strategy"]
+        assert rolling["type"] == "RollingUpdate" and rolling["rollingUpdate"]["maxUnavailable"] == 0, name
+    assert len(budgets) == len(deployments) - 1
 
 
 @pytest.mark.parametrize("which", list(OVERLAYS))
