@@ -113,8 +113,8 @@ class IdempotentRequests:
         return len(self._entries)
 
     async def answer(self, request: Request, stream: bool, make: Callable[[], Awaitable[Response]]) -> Response:
-        """A generation's answer: `make()`'s, or an earlier copy's when this one is non-streaming and keyed
-        (by the API key that sent it)."""
+        """A generation's answer: `make()`'s, or, when it is keyed (by the API key that sent it), an earlier
+        copy's answer or the recording of its stream."""
         principal = current_principal.get()
         key = request_key(request.headers, principal and principal.key_id) if self.enabled else None
         if key is None:
@@ -134,6 +134,9 @@ class IdempotentRequests:
             self._refuse_reuse(key)
             if after is None:
                 return await start()  # an X-Request-Id reused for another stream: it runs on its own
+            entry = None
+        if entry is not None and after is None and entry.stream is not None and entry.stream.abandoned:
+            self._forget(key)  # aborted for want of a client: the request sent anew runs anew
             entry = None
         if entry is None:
             if after is not None:
@@ -212,7 +215,11 @@ class IdempotentRequests:
             key, expires = next(iter(finished.items()))
             if expires > now and len(self._entries) < self.max_entries:
                 break
-            del finished[key], self._entries[key]
+            self._forget(key)
+
+    def _forget(self, key: RequestKey) -> None:
+        self._finished.pop(key, None)
+        self._entries.pop(key, None)
 
 
 def _retrieve(task: asyncio.Task) -> None:

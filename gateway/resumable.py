@@ -71,6 +71,7 @@ class RecordedStream:
         self.headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
         self.recording = Recording()
         self.grace_s = grace_s
+        self.abandoned = False  # aborted when nobody came back within the grace
         self._abandon: asyncio.TimerHandle | None = None
         self.task = asyncio.create_task(self._record(body))
 
@@ -79,6 +80,7 @@ class RecordedStream:
             async for text in body:
                 await self.recording.append(text)
         except asyncio.CancelledError:  # abandoned: nobody came back within the grace
+            self.abandoned = True
             err = NodeFailure("the stream was abandoned: its client left and did not reconnect in time")
             await self.recording.append(f"data: {json.dumps(err.body())}\n\n" + SSE_DONE)
         finally:

@@ -554,6 +554,11 @@ def test_a_stream_nobody_comes_back_for_is_aborted_after_the_grace(fleet):
                                                                           "Last-Event-ID": "0"},
                                   json={"prompt": "tell me", "max_tokens": 500, "stream": True}, timeout=30))
         assert "abandoned" in late[-2][1] and late[-1][1] == "[DONE]"
+        fleet.script.calls.clear()  # the same request sent anew (no Last-Event-ID) runs anew
+        fleet.script.token_delay_s = 0
+        again = _events(httpx.post(fleet.url + "/v1/completions", headers={"Idempotency-Key": "left-1"},
+                                   json={"prompt": "tell me", "max_tokens": 500, "stream": True}, timeout=30))
+        assert again[-1][1] == "[DONE]" and "abandoned" not in again[-2][1] and len(_generations(fleet)) == 1
     finally:
         store.resume_grace_s = grace
 
