@@ -6,7 +6,8 @@ the HPAs own the replica counts):
 - each pool's HorizontalPodAutoscaler: minReplicas, maxReplicas, its Pods metrics and targets (served by the
   Prometheus adapter rules of deploy/k8s/base), and the behaviour the planner simulated;
 - each pool's engine budget (KVRELAY_MAX_NUM_BATCHED_TOKENS, KVRELAY_MAX_NUM_SEQS).
-A colocated plan deletes the prefill pool (`$patch: delete`): the decode pods prefill everything themselves.
+A colocated plan deletes the prefill pool (`$patch: delete`: its Deployment, Service, HPA and disruption
+budget): the decode pods prefill everything themselves.
 The files are YAML written as JSON (a subset of YAML), so that writing them needs no YAML library.
 """
 
@@ -74,7 +75,8 @@ def write_overlay(out: str | Path, choice, policy: HPAPolicy, profile: Profile, 
         patches["decode.yaml"] = [hpa("decode", decode, policy.sync_s),
                                   engine_env("decode", sched.max_num_batched_tokens, sched.max_num_seqs)]
         # One deletion per file: kustomize (v5.5) crashes on a file of several `$patch: delete` documents.
-        for kind, api in (("Deployment", "apps/v1"), ("Service", "v1"), ("HorizontalPodAutoscaler", "autoscaling/v2")):
+        for kind, api in (("Deployment", "apps/v1"), ("Service", "v1"), ("HorizontalPodAutoscaler", "autoscaling/v2"),
+                          ("PodDisruptionBudget", "policy/v1")):
             patches[f"no-prefill-{kind.lower()}.yaml"] = [_delete(kind, api)]
     else:
         for pool in ("prefill", "decode"):

@@ -121,7 +121,8 @@ def test_the_overlay_is_one_deploy_can_apply(tmp_path, colocated):
         deleted = [json.loads(p.read_text()) for p in sorted((tmp_path / "planned").glob("no-prefill-*.yaml"))]
         assert {(d["kind"], d["metadata"]["name"], d["$patch"]) for d in deleted} == {
             ("Deployment", "kvrelay-prefill", "delete"), ("Service", "kvrelay-prefill", "delete"),
-            ("HorizontalPodAutoscaler", "kvrelay-prefill", "delete")}
+            ("HorizontalPodAutoscaler", "kvrelay-prefill", "delete"),
+            ("PodDisruptionBudget", "kvrelay-prefill", "delete")}
         # The stand-in kustomize() has no `$patch: delete`: the real one, where this machine has it.
         kubectl = shutil.which("kubectl")
         if kubectl is None:
