@@ -459,9 +459,8 @@ def test_a_retry_after_a_timeout_gets_the_first_copy_s_answer(fleet):
     stored = httpx.post(fleet.url + "/v1/completions", json=body, headers=headers, timeout=30)
     assert stored.json() == attached.json() and stored.headers["idempotent-replayed"] == "true"
     assert len(_generations(fleet)) == 1
-    m = Metrics.scrape(fleet.url + "/metrics")
-    assert m.value("kvrelay:idempotent_replays_total", kind="attached") >= 1
-    assert m.value("kvrelay:idempotent_replays_total", kind="stored") >= 1
+    m = Metrics.scrape(fleet.url + "/metrics")  # the second attached, or (on a slow machine) found it stored
+    assert sum(m.value("kvrelay:idempotent_replays_total", kind=k) or 0 for k in ("attached", "stored")) >= 2
     refused = httpx.post(fleet.url + "/v1/completions", json={**body, "max_tokens": 3}, headers=headers)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "idempotency_key_reused"
 
@@ -538,13 +537,13 @@ def test_a_stream_resumes_after_its_last_event_id(fleet):
 def test_a_stream_nobody_comes_back_for_is_aborted_after_the_grace(fleet):
     fleet.script.token_delay_s = 0.05
     store = fleet.gateway.idempotency
-    grace, store.resume_grace_s = store.resume_grace_s, 0.3
+    grace, store.resume_grace_s = store.resume_grace_s, 2.0
     try:
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", fleet.url + "/v1/completions", headers={"Idempotency-Key": "left-1"},
                              json={"prompt": "tell me", "max_tokens": 500, "stream": True}) as r:
                 next(_events_lines(r))
-        time.sleep(0.15)
+        time.sleep(0.2)
         assert not fleet.script.aborted  # still within the grace: it waits for a reconnect
         deadline = time.monotonic() + 5
         while not fleet.script.aborted and time.monotonic() < deadline:
