@@ -19,7 +19,9 @@ What a repeat gets:
 
 A keyed stream is recorded instead (gateway.resumable): a repeat follows it, and one with `Last-Event-ID`
 resumes it after that event. The store is this gateway's, in memory, and bounded (`max_entries`; the oldest
-finished answers go first). A retry that reaches another gateway runs again.
+finished answers go first). With Redis, stored answers are also the fleet's (gateway.shared_answers): a retry
+that reaches another gateway after the first copy finished gets its answer there. A copy still running on
+another gateway, and a stream, are not shared: such a retry runs again.
 """
 
 from __future__ import annotations
@@ -39,40 +41,20 @@ from kvrelay.gateway.auth import current_principal
 from kvrelay.gateway.errors import BadRequest, NotFound
 from kvrelay.gateway.resumable import RecordedStream, last_event_id
 from kvrelay.gateway.serving_common import SSEResponse
+from kvrelay.gateway.shared_answers import RequestKey, SharedAnswers, StoredAnswer
 
 IDEMPOTENCY_KEY = "idempotency-key"
 REQUEST_ID = "x-request-id"
 LAST_EVENT_ID = "last-event-id"
-REPLAYED = "Idempotent-Replayed"
 # Headers that belong to the first caller's answer, not to a replay (its key's rate-limit state).
 _OWN_HEADERS = ("x-ratelimit-", "retry-after", "content-length")
-
-
-@dataclass(frozen=True)
-class RequestKey:
-    """Who sent it (the API key's id; None without keys), which header named it, and its value."""
-
-    principal: str | None
-    header: str
-    value: str
-
-
-@dataclass(frozen=True)
-class _Stored:
-    status: int
-    body: bytes
-    media_type: str | None
-    headers: tuple[tuple[str, str], ...]
-
-    def response(self) -> Response:
-        return Response(self.body, self.status, {**dict(self.headers), REPLAYED: "true"}, self.media_type)
 
 
 @dataclass
 class _Entry:
     fingerprint: bytes
     run: asyncio.Task | None  # the first copy, while it runs (a stream's: until it has started)
-    stored: _Stored | None = None  # its answer, once it succeeded
+    stored: StoredAnswer | None = None  # its answer, once it succeeded
     stream: RecordedStream | None = None  # a stream's recording, once it started
 
 
@@ -91,10 +73,11 @@ def fingerprint(path: str, body: bytes) -> bytes:
 
 class IdempotentRequests:
     """`on_replay(kind)`: a request was answered by an earlier copy ("attached": it ran; "stored": it had
-    finished)."""
+    finished). `shared`: the fleet's stored answers (in Redis), read when this gateway holds no copy."""
 
     def __init__(self, ttl_s: float, *, resume_grace_s: float, max_entries: int = 4096,
-                 clock: Callable[[], float] = time.monotonic, on_replay: Callable[[str], None] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, on_replay: Callable[[str], None] | None = None,
+                 shared: SharedAnswers | None = None) -> None:
         if ttl_s < 0:
             raise ValueError(f"idempotency_ttl: must be >= 0 seconds, got {ttl_s}")
         self.ttl_s = ttl_s
@@ -104,6 +87,7 @@ class IdempotentRequests:
         self._entries: dict[RequestKey, _Entry] = {}
         self._finished: OrderedDict[RequestKey, float] = OrderedDict()  # stored answers: when each expires
         self._on_replay = on_replay or (lambda kind: None)
+        self.shared = shared
 
     @property
     def enabled(self) -> bool:
@@ -176,6 +160,14 @@ class IdempotentRequests:
         copy runs or ran within ttl_s."""
         self._expire()
         entry = self._entries.get(key)
+        if entry is None and self.shared is not None:
+            found = await self.shared.get(key)  # another gateway's answer
+            entry = self._entries.get(key)  # or a copy that started here meanwhile
+            if entry is None and found is not None:
+                if found[0] == print_:
+                    self._on_replay("stored")
+                    return found[1].response()
+                self._refuse_reuse(key)
         if entry is not None and entry.fingerprint != print_:
             self._refuse_reuse(key)
             return await start()  # an X-Request-Id reused for another request: nothing to share
@@ -201,8 +193,11 @@ class IdempotentRequests:
             raise
         if 200 <= response.status_code < 300 and isinstance(response.body, bytes):
             headers = tuple((k, v) for k, v in response.headers.items() if not k.lower().startswith(_OWN_HEADERS))
-            entry.stored, entry.run = _Stored(response.status_code, response.body, response.media_type, headers), None
+            entry.stored = StoredAnswer(response.status_code, response.body, response.media_type, headers)
+            entry.run = None
             self._finished[key] = self._clock() + self.ttl_s
+            if self.shared is not None:
+                self.shared.put(key, entry.fingerprint, entry.stored, self.ttl_s)
         else:
             self._entries.pop(key, None)
         return response

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from kvrelay.gateway.auth import Principal
 from kvrelay.gateway.errors import RateLimited
+from kvrelay.index import REDIS_SCHEMES
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class RateLimiter:
     # ---------------------------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        if self.redis_url is None or not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        if self.redis_url is None or not self.redis_url.startswith(REDIS_SCHEMES):
             return  # no Redis (static nodes, or the tests' in-process index): this gateway alone
         import redis.asyncio as aredis
 

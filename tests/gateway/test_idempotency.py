@@ -10,8 +10,9 @@ import pytest
 from starlette.responses import Response
 
 from kvrelay.gateway.errors import BadRequest, Overloaded
-from kvrelay.gateway.idempotency import IDEMPOTENCY_KEY, REQUEST_ID, IdempotentRequests, RequestKey, fingerprint
+from kvrelay.gateway.idempotency import IDEMPOTENCY_KEY, REQUEST_ID, IdempotentRequests, fingerprint
 from kvrelay.gateway.resumable import Recording, last_event_id
+from kvrelay.gateway.shared_answers import RequestKey, SharedAnswers
 
 KEY = RequestKey(None, IDEMPOTENCY_KEY, "k1")
 BODY = fingerprint("/v1/completions", b'{"prompt": "hi"}')
@@ -166,3 +167,54 @@ def test_last_event_id_is_a_number():
     assert last_event_id(None) is None and last_event_id("17") == 17
     with pytest.raises(BadRequest, match="Last-Event-ID"):
         last_event_id("x-3")
+
+
+def test_a_retry_on_another_gateway_gets_the_answer_stored_in_redis(redis_url):
+    """Two gateways' stores sharing a real Redis: the answer one computed is the other's, for the same body and
+    API key; another body under the same Idempotency-Key is refused there too."""
+    import redis
+
+    async def scenario():
+        a_shared, b_shared = SharedAnswers(redis_url), SharedAnswers(redis_url)
+        await a_shared.start()
+        await b_shared.start()
+        try:
+            a = IdempotentRequests(60.0, resume_grace_s=30.0, shared=a_shared)
+            b_replays: list[str] = []
+            b = IdempotentRequests(60.0, resume_grace_s=30.0, shared=b_shared, on_replay=b_replays.append)
+            make = Maker()
+            make.gate.set()
+            await a.run(KEY, BODY, make)
+            while not redis.Redis.from_url(redis_url).keys("kvr:idem:*"):  # written in the background
+                await asyncio.sleep(0.01)
+            replay = await b.run(KEY, BODY, make)
+            assert make.runs == 1 and replay.body == b'{"n": 1}' and b_replays == ["stored"]
+            assert replay.headers["idempotent-replayed"] == "true"
+            with pytest.raises(BadRequest):
+                await b.run(KEY, fingerprint("/v1/completions", b"{}"), make)
+            other_tenant = RequestKey("tenant-b", IDEMPOTENCY_KEY, KEY.value)
+            assert (await b.run(other_tenant, BODY, make)).body == b'{"n": 2}'
+        finally:
+            await a_shared.stop()
+            await b_shared.stop()
+
+    asyncio.run(scenario())
+
+
+def test_without_redis_each_gateway_answers_alone(caplog):
+    async def scenario():
+        shared = SharedAnswers("redis://127.0.0.1:1/0")  # nothing listens there
+        await shared.start()
+        try:
+            store = IdempotentRequests(60.0, resume_grace_s=30.0, shared=shared)
+            make = Maker()
+            make.gate.set()
+            assert (await store.run(KEY, BODY, make)).body == b'{"n": 1}'
+            assert (await store.run(KEY, BODY, make)).body == b'{"n": 1}' and make.runs == 1  # its own copy
+            other = RequestKey(None, IDEMPOTENCY_KEY, "k2")
+            assert (await store.run(other, BODY, make)).body == b'{"n": 2}'
+        finally:
+            await shared.stop()
+
+    asyncio.run(scenario())
+    assert [r for r in caplog.records if "Redis unreachable" in r.getMessage()]

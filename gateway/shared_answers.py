@@ -1,0 +1,128 @@
+"""Stored answers of keyed requests in Redis, so that a retry that reaches another gateway gets them too.
+
+gateway.idempotency keeps each gateway's answers in its memory. Behind a load balancer, a client's retry often
+lands on another gateway: a response lost on the way back (a reset connection, a proxy's timeout) is sent
+again there. Each gateway therefore also writes a successful non-streaming answer to
+`kvr:idem:<hash of the API key id, header and key>`, a hash of its body fingerprint and the answer, expiring
+with the idempotency ttl. A gateway that does not hold a key itself reads it there before it computes.
+
+What this does not cover: a copy still running on another gateway (its answer is not there yet, so the retry
+computes again), and streams (their recordings stay in the gateway that runs them).
+
+Redis is never on the critical path: each call has a 0.25 s timeout, and after a failure Redis is left alone
+for a second. Meanwhile keyed requests behave as if each gateway were alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from starlette.responses import Response
+
+logger = logging.getLogger(__name__)
+
+REPLAYED = "Idempotent-Replayed"  # the header a replayed answer carries
+
+
+@dataclass(frozen=True)
+class RequestKey:
+    """Who sent it (the API key's id; None without keys), which header named it, and its value."""
+
+    principal: str | None
+    header: str
+    value: str
+
+
+@dataclass(frozen=True)
+class StoredAnswer:
+    """A successful non-streaming answer, as a replay sends it (the first caller's own headers left out)."""
+
+    status: int
+    body: bytes
+    media_type: str | None
+    headers: tuple[tuple[str, str], ...]
+
+    def response(self) -> Response:
+        return Response(self.body, self.status, {**dict(self.headers), REPLAYED: "true"}, self.media_type)
+
+
+_PREFIX = "kvr:idem:"
+_TIMEOUT_S = 0.25
+_RETRY_S = 1.0
+
+
+def redis_key(key: RequestKey) -> str:
+    raw = json.dumps([key.principal, key.header, key.value]).encode()
+    return _PREFIX + hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+class SharedAnswers:
+    def __init__(self, redis_url: str) -> None:
+        self.redis_url = redis_url
+        self._client = None
+        self._down_until = 0.0
+        self._pending: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        import redis.asyncio as aredis
+
+        self._client = aredis.Redis.from_url(self.redis_url, socket_timeout=_TIMEOUT_S,
+                                             socket_connect_timeout=_TIMEOUT_S)
+
+    async def stop(self) -> None:
+        for task in list(self._pending):
+            task.cancel()
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def get(self, key: RequestKey) -> tuple[bytes, StoredAnswer] | None:
+        """(body fingerprint, answer) stored under `key` by any gateway, or None (none, or Redis away)."""
+        if not self._usable():
+            return None
+        try:
+            fields = await asyncio.wait_for(self._client.hgetall(redis_key(key)), _TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - any failure: answer as a gateway alone would
+            self._failed(e)
+            return None
+        if not fields:
+            return None
+        try:
+            headers = tuple((k, v) for k, v in json.loads(fields[b"h"]))
+            answer = StoredAnswer(int(fields[b"s"]), fields[b"b"], fields[b"m"].decode() or None, headers)
+            return fields[b"f"], answer
+        except (KeyError, ValueError, TypeError) as e:
+            logger.warning("idempotency: an unreadable stored answer in Redis is ignored: %r", e)
+            return None
+
+    def put(self, key: RequestKey, fingerprint: bytes, answer: StoredAnswer, ttl_s: float) -> None:
+        """Store an answer for `ttl_s`, in the background (the caller does not wait for Redis)."""
+        if not self._usable():
+            return
+        task = asyncio.create_task(self._put(redis_key(key), fingerprint, answer, ttl_s))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _put(self, name: str, fingerprint: bytes, answer: StoredAnswer, ttl_s: float) -> None:
+        mapping = {"f": fingerprint, "s": str(answer.status), "b": answer.body, "m": answer.media_type or "",
+                   "h": json.dumps(list(answer.headers))}
+        try:
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.hset(name, mapping=mapping)
+                pipe.pexpire(name, max(1, int(ttl_s * 1000)))
+                await asyncio.wait_for(pipe.execute(), _TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the answer stays in this gateway's memory all the same
+            self._failed(e)
+
+    def _usable(self) -> bool:
+        return self._client is not None and time.monotonic() >= self._down_until
+
+    def _failed(self, error: Exception) -> None:
+        if time.monotonic() >= self._down_until:
+            logger.warning("idempotency: Redis unreachable (%r); answers stay per gateway for now", error)
+        self._down_until = time.monotonic() + _RETRY_S
