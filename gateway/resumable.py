@@ -18,11 +18,10 @@ in this gateway's memory: a client must reconnect to the same gateway.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
 from kvrelay.gateway.errors import BadRequest, NodeFailure
-from kvrelay.gateway.serving_common import SSE_DONE, SSEResponse
+from kvrelay.gateway.serving_common import SSE_DONE, SSEResponse, sse_error
 
 
 class Recording:
@@ -82,7 +81,7 @@ class RecordedStream:
         except asyncio.CancelledError:  # abandoned: nobody came back within the grace
             self.abandoned = True
             err = NodeFailure("the stream was abandoned: its client left and did not reconnect in time")
-            await self.recording.append(f"data: {json.dumps(err.body())}\n\n" + SSE_DONE)
+            await self.recording.append(sse_error(err) + SSE_DONE)
         finally:
             await self.recording.finish()
             await self._close()  # aborts what is still running on the nodes
