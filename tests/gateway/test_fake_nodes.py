@@ -565,8 +565,8 @@ def test_a_stream_nobody_comes_back_for_is_aborted_after_the_grace(fleet):
 def test_the_resuming_client_gets_the_whole_stream_over_a_connection_that_keeps_breaking(fleet):
     """kvrelay.common.resumable_client, whose reads time out long before each token comes: it reconnects with
     Last-Event-ID every time and still gets the reference stream, from one generation."""
-    fleet.script.token_delay_s = 0.03
-    body = {"prompt": "tell me", "max_tokens": 20}
+    fleet.script.token_delay_s = 0.12  # each gap between tokens is three read timeouts long
+    body = {"prompt": "tell me", "max_tokens": 12}
     whole = _events(httpx.post(fleet.url + "/v1/completions", json={**body, "stream": True}, timeout=30))
     fleet.script.calls.clear()
 
@@ -574,7 +574,7 @@ def test_the_resuming_client_gets_the_whole_stream_over_a_connection_that_keeps_
         return Metrics.scrape(fleet.url + "/metrics").value("kvrelay:idempotent_replays_total", kind="attached") or 0
 
     before = attached()
-    with httpx.Client(base_url=fleet.url, timeout=httpx.Timeout(30, read=0.01)) as http:
+    with httpx.Client(base_url=fleet.url, timeout=httpx.Timeout(30, read=0.04)) as http:
         events = list(resumable_stream(http, "/v1/completions", body, max_reconnects=500))
     assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == _text(whole)
     assert len(_generations(fleet)) == 1 and attached() - before >= 5  # it did break, and reconnect, often
