@@ -137,11 +137,7 @@ class IdempotentRequests:
         return recorded.response(after) if isinstance(recorded, RecordedStream) else recorded
 
     async def _start_stream(self, key: RequestKey, start: Callable[[], Awaitable[Response]]):
-        try:
-            response = await start()  # routing and the first token: errors here are the callers' HTTP errors
-        except BaseException:
-            self._entries.pop(key, None)
-            raise
+        response = await self._started(key, start)  # routing and the first token: errors are the callers' 4xx/5xx
         if not isinstance(response, SSEResponse):
             self._entries.pop(key, None)
             return response
@@ -184,13 +180,17 @@ class IdempotentRequests:
         # Shielded: a caller that hangs up leaves the generation running for the retry it will send.
         return await asyncio.shield(entry.run)
 
-    async def _first(self, key: RequestKey, start: Callable[[], Awaitable[Response]]) -> Response:
-        entry = self._entries[key]
+    async def _started(self, key: RequestKey, start: Callable[[], Awaitable[Response]]) -> Response:
+        """`start()`'s answer; if it fails, the key is forgotten (a failure is not kept) and the error raised."""
         try:
-            response = await start()
+            return await start()
         except BaseException:
             self._entries.pop(key, None)
             raise
+
+    async def _first(self, key: RequestKey, start: Callable[[], Awaitable[Response]]) -> Response:
+        entry = self._entries[key]
+        response = await self._started(key, start)
         if 200 <= response.status_code < 300 and isinstance(response.body, bytes):
             headers = tuple((k, v) for k, v in response.headers.items() if not k.lower().startswith(_OWN_HEADERS))
             entry.stored = StoredAnswer(response.status_code, response.body, response.media_type, headers)

@@ -42,7 +42,6 @@ from kvrelay.gateway.serving_embeddings import EmbeddingServing
 from kvrelay.gateway.serving_tokenize import TokenizeServing
 from kvrelay.gateway.shared_answers import SharedAnswers
 from kvrelay.gateway.tool_parsers import create_tool_parser
-from kvrelay.index import REDIS_SCHEMES
 from kvrelay.model_files.pooling import pooling_config
 from kvrelay.model_files.resolve import resolve_model
 
@@ -105,8 +104,8 @@ class Gateway:
         self.metrics.watch_admission(self.activity, config.max_concurrent_requests)
         self.fleet_metrics = (FleetMetrics(self.metrics.registry, self.discovery.nodes, config.node_metrics_timeout)
                               if config.fleet_metrics else None)
-        redis_url = config.redis_url if config.redis_url and config.redis_url.startswith(REDIS_SCHEMES) else None
-        self.shared_answers = SharedAnswers(redis_url) if redis_url and config.idempotency_ttl > 0 else None
+        self.shared_answers = (SharedAnswers(config.redis_url) if config.redis_url and config.idempotency_ttl > 0
+                               else None)
         self.idempotency = IdempotentRequests(config.idempotency_ttl, on_replay=self.metrics.observe_replay,
                                               resume_grace_s=config.stream_resume_grace, shared=self.shared_answers)
         self.started_at = time.time()

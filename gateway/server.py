@@ -241,7 +241,7 @@ def resolve(gateway: Gateway, model: str | None):
 def _chat(gateway: Gateway, body: ChatCompletionRequest, request: Request) -> Awaitable:
     gateway.input_limits.check_chat(body)
     target = resolve(gateway, body.model)
-    # A non-streaming request sent again under the same key gets the first copy's answer (gateway.idempotency).
+    # A request sent again under the same key gets the first copy's answer or stream (gateway.idempotency).
     return gateway.idempotency.answer(request, body.stream,
                                       lambda: target.endpoint.chat.create(body, target, header_request_id(request)))
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from starlette.responses import Response
 
+from kvrelay.index import REDIS_SCHEMES
+
 logger = logging.getLogger(__name__)
 
 REPLAYED = "Idempotent-Replayed"  # the header a replayed answer carries
@@ -69,6 +71,8 @@ class SharedAnswers:
         self._pending: set[asyncio.Task] = set()
 
     async def start(self) -> None:
+        if not self.redis_url.startswith(REDIS_SCHEMES):
+            return  # the tests' in-process index: answers stay per gateway
         import redis.asyncio as aredis
 
         self._client = aredis.Redis.from_url(self.redis_url, socket_timeout=_TIMEOUT_S,

@@ -99,7 +99,6 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-
 HELP = "native CPU decode kernel vs gather + SDPA, one layer"
 
 

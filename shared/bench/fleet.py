@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 
 from kvrelay.bench import parse_args, report, serve, vllm_baseline
-from kvrelay.bench.llamacpp_baseline import find_tool, gguf_file
+from kvrelay.bench.llamacpp_baseline import gguf_and_tool
 from kvrelay.common.process import ChildProcess, kvrelay_command, pid_alive, stop_all
 from kvrelay.common.prometheus import Metrics
 from kvrelay.common.system import free_port
@@ -339,14 +339,7 @@ def llamacpp_inputs(args: argparse.Namespace) -> tuple[str, str, str]:
     """(the GGUF, the name both servers serve it by, llama-server), or SystemExit saying what is missing."""
     from kvrelay.model_files.resolve import resolve_model
 
-    try:
-        gguf = gguf_file(args.model)
-    except ValueError as e:
-        raise SystemExit(f"bench fleet --scenario llamacpp: {e}") from None
-    server = find_tool("llama-server", args.llama_server)
-    if server is None:
-        raise SystemExit("bench fleet --scenario llamacpp: no llama-server (give --llama-server, set "
-                         "$KVRELAY_LLAMACPP_BIN, or build the peer kit's: LLAMACPP=1 bash setup.sh)")
+    gguf, server = gguf_and_tool(args.model, "llama-server", args.llama_server, "bench fleet --scenario llamacpp")
     return gguf, resolve_model(args.model).model_id, server
 
 

@@ -50,6 +50,20 @@ def gguf_file(model: str) -> str:
     return model
 
 
+def gguf_and_tool(model: str, name: str, explicit: str | None, asker: str) -> tuple[str, str]:
+    """The GGUF `--model` names and llama.cpp's program `name` (as find_tool finds it), checked before anything
+    loads: SystemExit saying what `asker` (the command line asking) is missing."""
+    try:
+        gguf = gguf_file(model)
+    except ValueError as e:
+        raise SystemExit(f"{asker}: {e}") from None
+    tool = find_tool(name, explicit)
+    if tool is None:
+        raise SystemExit(f"{asker}: no {name} (give --{name}, set $KVRELAY_LLAMACPP_BIN, or build the peer kit's: "
+                         "LLAMACPP=1 bash setup.sh)")
+    return gguf, tool
+
+
 def run_llama_bench(binary: str, gguf: str, threads: int, n_prompt: int = 512, n_gen: int = 128,
                     reps: int = 3, timeout_s: float = 1800.0) -> dict:
     """llama-bench's prefill and decode tokens per second on `gguf` (RuntimeError when it fails)."""

@@ -220,16 +220,9 @@ def kv_auto_baseline(args, requests, our_tokens, result: dict, progress: bool) -
 
 def llamacpp_inputs(args) -> tuple[str, str]:
     """llama-bench and the GGUF it runs, before anything loads (SystemExit saying what is missing)."""
-    from kvrelay.bench.llamacpp_baseline import find_tool, gguf_file
+    from kvrelay.bench.llamacpp_baseline import gguf_and_tool
 
-    try:
-        gguf = gguf_file(args.model)
-    except ValueError as e:
-        raise SystemExit(f"--baseline llamacpp: {e}") from None
-    binary = find_tool("llama-bench", args.llama_bench)
-    if binary is None:
-        raise SystemExit("--baseline llamacpp: no llama-bench found; build llama.cpp natively (see "
-                         "kvrelay.bench.llamacpp_baseline) and pass --llama-bench PATH")
+    gguf, binary = gguf_and_tool(args.model, "llama-bench", args.llama_bench, "--baseline llamacpp")
     return binary, gguf
 
 

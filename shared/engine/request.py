@@ -118,12 +118,6 @@ class Request:
         after a stop token in an accepted run of drafts are dropped)."""
         # Runs for every request of every step: the appends inline, and the stop check says whether it ended it.
         out, everything = self.output_token_ids, self.all_token_ids
-        if len(tokens) == 1:  # no speculation: one token a step
-            token = tokens[0]
-            out.append(token)
-            everything.append(token)
-            self._check_stop(token, max_model_len)
-            return tuple(tokens)
         for i, token in enumerate(tokens):
             out.append(token)
             everything.append(token)

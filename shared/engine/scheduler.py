@@ -289,9 +289,7 @@ class Scheduler(RequestTable):
             if plain:
                 if tokens := sampled_of(rid):
                     new = req.append_sampled(tokens, max_model_len)
-                    # EngineCoreOutput.of without logprobs, spelled out: this line runs for every row of a step.
-                    outputs.append(EngineCoreOutput(rid, new, (), req.finish_reason, req.stop_reason,
-                                                    len(req.prompt_token_ids), req.num_cached_tokens or 0))
+                    outputs.append(EngineCoreOutput.of(req, new))
                     if req.is_finished:
                         self.running.remove(req)
                         self._free(req)

@@ -2,8 +2,8 @@
 
 - `IndexStream`: the index's events stream. A node's block events become the stream's records (what the
   records Redis stores carry, without their hex text), visible to the gateways `delay_s` later (the
-  publisher's batching and the mirror's read). An oracle mirror applies them at once: what was cached anywhere, for the
-  "would have hit" measure.
+  publisher's batching and the mirror's read). An oracle mirror applies them at once: what was cached
+  anywhere, for the "would have hit" measure.
 - `SimGateway`: the gateway's `Router` with a policy from `gateway/policies.py`, a real `Discovery` fed from
   the registry (the in-memory backend, on the simulated clock: leases and loads as nodes heartbeat), and a
   `MirrorState` (the mirror's own map and lookup) that follows the stream. A decision is `Router.decide` on
@@ -56,7 +56,9 @@ class IndexStream:
     def publish(self, now: float, node_id: str, events: Sequence[BlockEvent]) -> None:
         # What the publisher's records carry, without their hex text (MirrorState.apply decodes that into this).
         hashes = [e.block_hash for e in events]
-        stored = None if all(e.kind is STORED for e in events) else [e.kind is STORED for e in events]
+        stored: list[bool] | None = [e.kind is STORED for e in events]
+        if all(stored):
+            stored = None
         self._entries.append((now + self.delay_s, node_id, hashes, stored))
         self.oracle.apply_changes(node_id, hashes, stored)
         self.num_records += len(events)
