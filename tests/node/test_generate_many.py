@@ -27,8 +27,9 @@ from tests.helpers.nodes import all_blocks_free, generate, start_nodes, stop_nod
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-# Runs far longer than the test needs to cancel it, however loaded the machine: ~900 engine steps.
-LONGEST = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+# Runs far longer than the test needs to cancel it, however loaded the machine: ~4000 engine steps (a node
+# with both cores busy was seen to read a cancel 63 steps after the start; a loaded CI machine once took 900).
+LONGEST = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
 _ids = itertools.count()
 
 
@@ -43,8 +44,8 @@ def _start(rid: str, prompt: list[int], params: SamplingParams) -> pb.GenerateMa
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    model = str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny"), max_position_embeddings=1024))
-    (node,) = start_nodes([("decode", tiny_args(model, "ucx", blocks=128))])
+    model = str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096))
+    (node,) = start_nodes([("decode", tiny_args(model, "ucx", blocks=400))])
     yield node
     assert stop_nodes([node]) == [0], node.log_tail()
 
@@ -106,7 +107,7 @@ def test_an_error_ends_only_its_sequence(node):
     caller.send(_start(bad, [1, 2, 10**9], GREEDY))
     caller.send(_start(good, _prompt(3), GREEDY))
     # Read after its start, however loaded the machine: the first `twice` is cancelled before it could run its
-    # ~900 steps (before its task ran at all, when the node reads both in one go).
+    # ~4000 steps (before its task ran at all, when the node reads both in one go).
     caller.send(pb.GenerateManyRequest(cancel=twice))
     caller.close()
     seen: dict[str, list[pb.SequenceUpdate]] = {good: [], bad: [], twice: []}
