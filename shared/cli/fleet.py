@@ -22,6 +22,7 @@ import httpx
 from kvrelay.cli.placement import MIN_CORES_PER_ENGINE, Placement, placement
 from kvrelay.common.process import ChildProcess, kill_all, kvrelay_command, stop_all
 from kvrelay.common.system import format_cores, free_port
+from kvrelay.engine.args import OFFLOAD_FIELDS
 
 if TYPE_CHECKING:
     from kvrelay.cli.up_config import FleetModel, UpConfig
@@ -86,7 +87,7 @@ def engine_flags(config: UpConfig, model: FleetModel | None = None) -> list[str]
              *_set_flags(config, ("device", "quantization", "max_model_len", "kv_cache_memory", "kv_cache_dtype",
                                   "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed",
                                   "max_waiting_requests", "scheduling_policy", "max_loras", "max_lora_rank",
-                                  "max_cpu_loras", "max_pooling_tokens_per_step"))]
+                                  "max_cpu_loras", "max_pooling_tokens_per_step", *OFFLOAD_FIELDS))]
     names = [n.partition("=")[0] for n in model.served_model_names]
     if names:
         flags += ["--served-model-name", names[0]]  # a node labels its metrics with one name

@@ -33,7 +33,14 @@ from kvrelay.cli.up_config import FleetModel, UpConfig
 from kvrelay.common.hashing import KV_CACHE_DTYPES
 from kvrelay.common.system import format_cores, usable_cores
 from kvrelay.common.units import byte_size
-from kvrelay.engine.args import QUANTIZATION_METHODS, SCHEDULING_POLICIES, lora_module, speculative_json
+from kvrelay.engine.args import (
+    OFFLOAD_FIELDS,
+    QUANTIZATION_METHODS,
+    SCHEDULING_POLICIES,
+    add_offload_args,
+    lora_module,
+    speculative_json,
+)
 from kvrelay.engine.config import EngineConfig
 from kvrelay.gateway.config import ROUTING_POLICIES, TOOL_CALL_PARSERS, GatewayConfig
 from kvrelay.kv_transfer import CONNECTORS
@@ -118,7 +125,7 @@ def node_engine(config: UpConfig, model: FleetModel | None = None) -> EngineConf
     on set over them)."""
     model = model or config.fleet_models()[0]
     names = ("device", "quantization", "max_model_len", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization",
-             "max_num_seqs",
+             "max_num_seqs", *OFFLOAD_FIELDS,
              "max_num_batched_tokens", "enable_prefix_caching", "max_waiting_requests", "seed", "max_loras",
              "max_pooling_tokens_per_step",
              "max_lora_rank", "max_cpu_loras")
@@ -281,6 +288,7 @@ def register(sub) -> None:
                    help="fp8 (= fp8_e4m3): every node keeps K/V as e4m3 bytes, twice a bf16 cache's tokens in the "
                         "same memory and half the bytes per KV transfer, at some accuracy (docs/quantization.md); "
                         f"the gateway hashes prompts for it ({nodes}: {engine.cache.kv_cache_dtype})")
+    add_offload_args(m, d)
     m.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="CUDA: fraction of device memory for weights plus KV cache when --kv-cache-memory is not "
                         f"given ({nodes}: {engine.cache.gpu_memory_utilization:g}); on CPU the KV cache is "

@@ -41,6 +41,10 @@ class UpConfig:
     max_model_len: int | None = None  # None: the model's
     kv_cache_memory: int | None = None  # None: the engine's
     kv_cache_dtype: str | None = None  # None: the engine's (auto); the gateway hashes blocks for it too
+    kv_offload_bytes: int | None = None  # the host's offload tier (every node shares it); None: the engine's (off)
+    kv_offload_path: str | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_disk_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None

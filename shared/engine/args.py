@@ -12,6 +12,7 @@ import argparse
 from kvrelay.common.hashing import KV_CACHE_DTYPES
 from kvrelay.common.units import byte_size
 from kvrelay.engine.config import (
+    CacheConfig,
     EngineConfig,
     LoRAConfig,
     SchedulingPolicy,
@@ -22,9 +23,10 @@ from kvrelay.engine.quant_config import METHODS as QUANTIZATION_METHODS
 
 SCHEDULING_POLICIES = [p.value for p in SchedulingPolicy]
 
+OFFLOAD_FIELDS = ("kv_offload_bytes", "kv_offload_path", "kv_offload_dir", "kv_offload_disk_bytes")
 # The engine flags' destinations; each sets the engine field (and LLM(...) keyword) of its name, but these.
 _ENGINE_FLAGS = ("device", "quantization", "max_model_len", "block_size", "kv_cache_memory", "kv_cache_dtype",
-                 "gpu_memory_utilization",
+                 "gpu_memory_utilization", *OFFLOAD_FIELDS,
                  "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests", "admission_headroom",
                  "max_pooling_tokens_per_step",
                  "enable_prefix_caching", "scheduling_policy", "attention_backend", "structured_outputs_backend",
@@ -59,6 +61,7 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig | None = 
                    help="auto: K/V in --dtype; fp8 (= fp8_e4m3): one byte a value, e4m3 with scale 1.0 as vLLM "
                         "uses without calibrated scales: twice the tokens of a bf16 cache in the same memory, "
                         "half the bytes per KV transfer (every node of a fleet and the gateway take the same)")
+    add_offload_args(g, c)
     g.add_argument("--gpu-memory-utilization", type=float, default=c.gpu_memory_utilization,
                    help="CUDA: fraction of device memory for weights plus KV cache")
     g.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens,
@@ -91,6 +94,23 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig | None = 
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "<folder>", '
                         '"num_speculative_tokens": 4}\' (default: off)')
+
+
+def add_offload_args(g, c: CacheConfig) -> None:
+    """The offload tier's flags (nodes, `kvrelay generate`, and `kvrelay up`, which hands them on), their defaults
+    from `c` (a CacheConfig, or kvrelay up's config, whose None passes nothing on)."""
+    g.add_argument("--kv-offload-bytes", type=byte_size, default=c.kv_offload_bytes, metavar="BYTES",
+                   help="keep KV blocks evicted from the cache in a shared-memory store of this size that every node "
+                        "of this host (this user's) shares, and load them back instead of recomputing a prompt's "
+                        "prefix, e.g. 8GiB (default 0: off)")
+    g.add_argument("--kv-offload-path", default=c.kv_offload_path, metavar="DIR",
+                   help="the shared-memory store's folder (default /dev/shm/kvrelay-kv-offload-<uid>); nodes that "
+                        "name the same folder share their blocks")
+    g.add_argument("--kv-offload-dir", default=c.kv_offload_dir, metavar="DIR",
+                   help="a disk tier under the shared-memory one: blocks it evicts go here (with "
+                        "--kv-offload-disk-bytes)")
+    g.add_argument("--kv-offload-disk-bytes", type=byte_size, default=c.kv_offload_disk_bytes, metavar="BYTES",
+                   help="the disk tier's size, e.g. 100GiB")
 
 
 def add_lora_args(g, lora: LoRAConfig) -> None:

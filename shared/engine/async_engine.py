@@ -441,6 +441,8 @@ class AsyncEngine:
             lora = self.core.lora
             if lora is not None:
                 self.metrics.observe_lora(*self.core.lora_requests(), lora.stats, lora.drain_load_seconds())
+            if self.core.offload is not None:
+                self.metrics.observe_offload(self.core.offload.report())
         sink = self._block_events
         if sink is None:
             return

@@ -13,7 +13,7 @@ Every store and eviction is recorded as an event for the index publisher to drai
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvrelay.common.records import BlockEvent, BlockEventKind, BlockHash
 
@@ -85,7 +85,8 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False,
+                 on_evict: Callable[[list[int], list[BlockHash]], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -96,6 +97,9 @@ class BlockPool:
         # Only a node that publishes to the index drains events; offline use must not accumulate them.
         self.record_events = record_events
         self._events: list[BlockEvent] = []
+        # Told of cached blocks whose slots are being reused, before anything writes into them (the offload tier
+        # copies them out): ids and hashes of blocks computed in full, never of blocks uncached as uncomputed.
+        self.on_evict = on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -118,11 +122,25 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
         out = []
+        if self.on_evict is None:
+            for _ in range(n):
+                block = self.free_queue.popleft()
+                self._evict(block)
+                block.ref_cnt = 1
+                out.append(block)
+            return out
+        ids: list[int] = []
+        hashes: list[BlockHash] = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+                ids.append(block.block_id)
+                hashes.append(block.block_hash)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        if ids:
+            self.on_evict(ids, hashes)
         return out
 
     def uncache_block(self, block: KVBlock) -> None:

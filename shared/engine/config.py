@@ -83,9 +83,23 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None  # tests: exact block count
     cache_salt: str = ""
     kv_cache_dtype: str = "auto"  # common.hashing.KV_CACHE_DTYPES
+    # The offload tier every node of the host shares (kvrelay.engine.offload): shared memory, then disk.
+    kv_offload_bytes: int = 0  # 0: no memory tier
+    kv_offload_path: str = ""  # "": /dev/shm/kvrelay-kv-offload-<uid> (one per user: every node of it shares it)
+    kv_offload_dir: str = ""  # "": no disk tier
+    kv_offload_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         kv_dtype_key(self.kv_cache_dtype)  # ValueError naming the choices
+        if self.kv_offload_bytes < 0 or self.kv_offload_disk_bytes < 0:
+            raise ValueError("kv_offload_bytes, kv_offload_disk_bytes: must be >= 0")
+        if bool(self.kv_offload_dir) != bool(self.kv_offload_disk_bytes):
+            raise ValueError("kv_offload_dir and kv_offload_disk_bytes: the disk tier needs both (a folder and "
+                             "its bound)")
+
+    @property
+    def offloads(self) -> bool:
+        return bool(self.kv_offload_bytes or self.kv_offload_disk_bytes) and self.enable_prefix_caching
 
 
 @dataclass(frozen=True)

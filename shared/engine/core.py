@@ -43,6 +43,8 @@ from kvrelay.engine.lora import LoRAAdapter, LoRAManager
 from kvrelay.engine.model_info import ModelInfo, load_model_info
 from kvrelay.engine.model_runner import KVAllocator, KVSender, ModelRunner
 from kvrelay.engine.models import MODEL_REGISTRY
+from kvrelay.engine.offload import create_offload
+from kvrelay.engine.offload import namespace as offload_namespace
 from kvrelay.engine.request import KVSendSpec, Request, RequestStatus
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.scheduler_output import EngineCoreOutput, EngineCounters, Reservation
@@ -92,9 +94,12 @@ class EngineCore:
         block_size = config.cache.block_size
         capacity = self.num_blocks * block_size
         self.max_model_len = self._max_model_len(capacity)
-        pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, record_events=record_block_events)
+        weights = [self.info.path, *([self.info.gguf_path] if self.info.gguf_path else [])]
+        self.offload = create_offload(config.cache, offload_namespace(self.kv_layout(), weights), self.runner)
+        pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, record_events=record_block_events,
+                         on_evict=self.offload.offload if self.offload is not None else None)
         self.kv = KVCacheManager(pool, block_size, self.info.model_id, config.cache.enable_prefix_caching,
-                                 kv_dtype_key(config.cache.kv_cache_dtype))
+                                 kv_dtype_key(config.cache.kv_cache_dtype), tier=self.offload)
         self.handoff = KVHandoff(self.kv)
         speculation = Speculation.create(config.speculative, config.scheduler, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, speculation, self.handoff,
@@ -464,3 +469,6 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.grammars.shutdown()
+        if self.offload is not None:
+            self.offload.flush()
+            self.offload.close()

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from kvrelay.common.records import BlockEvent, BlockHash, NodeLoad
 from kvrelay.engine.lora import LoRAStats
+from kvrelay.engine.offload.tier import OffloadReport
 from kvrelay.engine.scheduler_output import EngineCoreOutput, EngineCounters
 
 
@@ -29,6 +30,9 @@ class EngineObserver(Protocol):
     def observe_lora(self, running: set[str], waiting: set[str], stats: LoRAStats, load_seconds: list[float]) -> None:
         """With LoRA on: the adapters of running and waiting requests, the cumulative counts, and the seconds of
         the adapter reads since the last call."""
+
+    def observe_offload(self, report: OffloadReport) -> None:
+        """With an offload tier: this engine's cumulative counts through it, and each tier's."""
 
     def observe_output(self, out: EngineCoreOutput, since_arrival: float, last_token_at: float | None,
                        now: float, computes_prompt: bool) -> None: ...

@@ -1,9 +1,11 @@
 """Per-request block tables on top of the block pool, with prefix-cache lookups.
 
 Lifecycle of a request's blocks:
-1. Admission: `get_computed_blocks` finds the longest cached prefix (whole blocks, hash-chained).
+1. Admission: `get_computed_blocks` finds the longest cached prefix (whole blocks, hash-chained), and past it
+   the blocks the offload tier holds (`PrefixTier`, kvrelay.engine.offload), when there is one.
 2. `allocate_slots` takes references on the hit blocks and allocates new ones for the tokens scheduled
-   this step; blocks that become full get their hash (so later requests hit them).
+   this step (the tier's blocks are loaded into the first of them); blocks that become full get their hash
+   (so later requests hit them).
 3. Each later step `allocate_slots` grows the table as tokens are added. A block another request also
    references (a beam's fork) is copied before this request writes into it (copy-on-write): the copy
    is queued for the runner (`drain_block_copies`) and the table changes in place (`rewritten`).
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvrelay.common.hashing import hash_blocks, lora_extra_keys, root_hash
+from kvrelay.common.records import BlockHash
 from kvrelay.engine.block_pool import BlockPool, KVBlock
 from kvrelay.engine.request import Request
 
@@ -27,8 +31,20 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class PrefixHit:
+    """Resident blocks, then `loaded`: hashes of the blocks past them the tier holds; `num_tokens` covers both."""
+
     blocks: tuple[KVBlock, ...]
     num_tokens: int
+    loaded: tuple[BlockHash, ...] = ()
+
+
+class PrefixTier(Protocol):
+    """A tier below the KV cache (kvrelay.engine.offload.tier.KVOffload): how many of these blocks it has (ready to
+    load, so the count cannot fail later), and their loading into the blocks allocated for them."""
+
+    def fetch(self, hashes: Sequence[BlockHash]) -> int: ...
+
+    def load(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None: ...
 
 
 NO_HIT = PrefixHit((), 0)
@@ -42,8 +58,10 @@ class KVCacheManager:
         model_id: str,
         enable_caching: bool = True,
         kv_dtype: str = "",
+        tier: PrefixTier | None = None,
     ) -> None:
         self.pool = pool
+        self.tier = tier
         self.block_size = block_size
         self.model_id = model_id
         self.kv_dtype = kv_dtype  # a quantized KV cache's dtype ("": the model's), part of every block hash
@@ -90,7 +108,11 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        return PrefixHit(tuple(hit), len(hit) * self.block_size)
+        loaded: tuple[BlockHash, ...] = ()
+        if self.tier is not None and len(hit) < max_blocks:
+            rest = req.block_hashes[len(hit):max_blocks]
+            loaded = tuple(rest[: self.tier.fetch(rest)])
+        return PrefixHit(tuple(hit), (len(hit) + len(loaded)) * self.block_size, loaded)
 
     def blocks_to_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT,
                            num_lookahead_tokens: int = 0) -> int:
@@ -113,7 +135,7 @@ class KVCacheManager:
         their KV arrives later (a transfer), and `cache_tokens` hashes them then."""
         rid = req.request_id
         blocks = self.req_to_blocks.get(rid, [])
-        if num_new_tokens == 1 and not num_lookahead_tokens and not hit.blocks and blocks:
+        if num_new_tokens == 1 and not num_lookahead_tokens and not hit.num_tokens and blocks:
             # Most calls (every decode row of every step): one token into the last block the request holds on
             # its own. Nothing to take from the pool or copy; at most that block filled up and gets its hash.
             pos = req.num_computed_tokens
@@ -136,6 +158,8 @@ class KVCacheManager:
             self.pool.touch(hit.blocks)
         # Most calls are a decode's next token, inside a block it already has: nothing to take from the pool.
         new_blocks = self.pool.get_new_blocks(num_new) if num_new else []
+        if hit.loaded:
+            self.tier.load([b.block_id for b in new_blocks[: len(hit.loaded)]], hit.loaded)
         blocks = self.req_to_blocks.setdefault(req.request_id, [])
         if hit.blocks:
             blocks.extend(hit.blocks)

@@ -45,7 +45,7 @@ class KVHandoff:
         req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
         deadline = self.clock() + lease_s
         self.reserved[req.request_id] = deadline
-        dst = self.kv.block_ids(req.request_id)[len(hit.blocks) :]
+        dst = self.kv.block_ids(req.request_id)[hit.num_tokens // self.kv.block_size :]  # past resident and loaded
         return Reservation(req.request_id, hit.num_tokens, tuple(dst), deadline)
 
     def end_reservation(self, request_id: str) -> bool:

@@ -180,6 +180,22 @@ class ModelRunner:
                 cache = cache.view(torch.uint8)
             cache.index_copy_(1, dst, cache.index_select(1, src))
 
+    def read_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
+        """Each block's KV, every layer's keys then values, as bytes (the offload tier's payload)."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        stacked = torch.stack([c.view(torch.uint8).index_select(1, ids) for c in self.kv_caches])
+        # [layers, 2, n, ...] -> [n, layers, 2, ...]: one contiguous run of bytes per block
+        per_block = stacked.permute(2, 0, 1, 3, 4, 5).contiguous().cpu().numpy()
+        return [memoryview(b.reshape(-1)) for b in per_block]
+
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence) -> None:
+        """The inverse of read_blocks: payloads of that form into `block_ids`."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        shape = (len(self.kv_caches), *self.kv_caches[0].view(torch.uint8)[:, 0].shape)
+        data = torch.stack([torch.frombuffer(p, dtype=torch.uint8).view(shape) for p in payloads]).to(self.device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.view(torch.uint8).index_copy_(1, ids, data[:, layer].transpose(0, 1))
+
     # -- step ----------------------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -95,6 +95,20 @@ class NodeMetrics:
         self.pooled_tokens = Counter("kvrelay:pooled_tokens", "Prompt tokens of pooling requests", m, registry=reg)
         self.pooling_seconds = Histogram("kvrelay:pooling_request_seconds", "Arrival to vector, per pooling request",
                                          m, registry=reg)
+        # The host's KV offload tier (kvrelay.engine.offload): this node's blocks through it, and each tier's files.
+        self.offload_blocks = Counter("kvrelay:kv_offload_blocks", "KV blocks through the offload tier: offloaded "
+                                      "(evicted, queued for the store), dropped (the writer was behind), loaded "
+                                      "(instead of computed)", ["event"], registry=reg)
+        self.offload_load_seconds = Counter("kvrelay:kv_offload_load_seconds", "Time copying loaded blocks into "
+                                            "the KV cache", registry=reg)
+        self.offload_tier_blocks = Counter("kvrelay:kv_offload_tier_blocks", "Per tier, by this node: blocks "
+                                           "written, hits, misses, evictions, checksum_failures, write_failures",
+                                           ["tier", "event"], registry=reg)
+        self.offload_tier_written = Counter("kvrelay:kv_offload_written_bytes", "Bytes this node wrote to a tier",
+                                            ["tier"], registry=reg)
+        self.offload_tier_bytes = Gauge("kvrelay:kv_offload_tier_bytes", "Bytes a tier holds (every node's "
+                                        "blocks) as of this node's last write", ["tier"], registry=reg)
+        self._last_offload: dict[tuple[str, ...], float] = {}
         self.max_loras = 0
         self._lora_labels: tuple[str, str, str] | None = None
         self._last_lora: tuple[int, int, int] = (0, 0, 0)
@@ -165,6 +179,32 @@ class NodeMetrics:
         self._last_lora = now
         for seconds in load_seconds:
             self.lora_load_seconds.observe(seconds)
+
+    def observe_offload(self, report) -> None:
+        """After each engine iteration with an offload tier (kvrelay.engine.offload.tier.OffloadReport)."""
+        st = report.stats
+        now: dict[tuple[str, ...], float] = {
+            ("offloaded",): st.offloaded_blocks, ("dropped",): st.dropped_blocks, ("loaded",): st.loaded_blocks,
+            ("load_seconds",): st.load_seconds}
+        for tier in report.tiers:
+            t = tier.stats
+            for event in ("writes", "hits", "misses", "evictions", "checksum_failures", "write_failures"):
+                now[(tier.name, event)] = getattr(t, event)
+            now[(tier.name, "write_bytes")] = t.write_bytes
+            self.offload_tier_bytes.labels(tier.name).set(tier.used_bytes)
+        for key, value in now.items():
+            delta = value - self._last_offload.get(key, 0)
+            if delta <= 0 and key in self._last_offload:
+                continue
+            if key == ("load_seconds",):
+                self.offload_load_seconds.inc(delta)
+            elif len(key) == 1:
+                self.offload_blocks.labels(key[0]).inc(delta)
+            elif key[1] == "write_bytes":
+                self.offload_tier_written.labels(key[0]).inc(delta)
+            else:
+                self.offload_tier_blocks.labels(*key).inc(delta)
+        self._last_offload = now
 
     def observe_output(self, out, since_arrival: float, last_token_at: float | None, now: float,
                        computes_prompt: bool) -> None:

@@ -1,0 +1,114 @@
+"""The KV offload tier, engine side: blocks evicted from a small KV cache come back from the host's store
+instead of being recomputed, with the tokens a cache that never evicted gives; what fails verification is a miss.
+
+Engines here are tiny random Llama checkpoints in this process (float32, 16 blocks of 4 tokens), each with a
+store under tmp_path, so two engines of one test share it as two nodes of a host do.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.common.hashing import hash_blocks, root_hash
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.engine.core import EngineCore
+from tests.helpers.models import make_tiny_checkpoint
+from tests.helpers.nodes import run_colocated
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny")))
+
+
+def _engine(model: str, store, blocks: int = 16, disk=None, **cache) -> EngineCore:
+    extra = {"kv_offload_dir": str(disk), "kv_offload_disk_bytes": 1 << 24} if disk is not None else {}
+    return EngineCore(EngineConfig(
+        model=ModelConfig(model=model, dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=blocks, kv_offload_bytes=1 << 24,
+                          kv_offload_path=str(store), **extra, **cache),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64),
+    ))
+
+
+def _prompt(seed: int, n: int = 40) -> list[int]:
+    return [(13 * i + 7 * seed + 3) % 250 + 1 for i in range(n)]
+
+
+def _reference(model: str, prompts: list[list[int]]) -> list[list[int]]:
+    engine = EngineCore(EngineConfig(model=ModelConfig(model=model, dtype="float32", device="cpu"),
+                                     cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=256)))
+    return [run_colocated(engine, f"ref-{i}", p, GREEDY) for i, p in enumerate(prompts)]
+
+
+def test_evicted_blocks_come_back_from_the_store_with_the_same_tokens(model, tmp_path):
+    prompts = [_prompt(s) for s in range(3)]
+    want = _reference(model, prompts)
+    engine = _engine(model, tmp_path / "shm")
+    # Each 48-token sequence takes 12 of the 16 blocks: every prompt evicts the one before.
+    assert [run_colocated(engine, f"a-{i}", p, GREEDY) for i, p in enumerate(prompts)] == want
+    engine.offload.flush()
+    assert engine.offload.stats.offloaded_blocks >= 9
+    again = run_colocated(engine, "again", prompts[0], GREEDY)
+    assert again == want[0]
+    # 40 prompt tokens: 9 whole blocks before the last token, all from the store
+    assert engine.offload.stats.loaded_blocks == 9
+    assert engine.token_counts("again") is None
+    engine.shutdown()
+
+
+def test_another_engine_on_the_host_loads_what_one_offloaded(model, tmp_path):
+    prompts = [_prompt(s) for s in range(10, 13)]
+    want = _reference(model, prompts)
+    writer = _engine(model, tmp_path / "shm")
+    for i, p in enumerate(prompts):
+        run_colocated(writer, f"w-{i}", p, GREEDY)
+    writer.shutdown()  # written, then gone: the store outlives it
+    reader = _engine(model, tmp_path / "shm")
+    assert run_colocated(reader, "r-0", prompts[0], GREEDY) == want[0]
+    assert reader.offload.stats.loaded_blocks == 9
+    reader.shutdown()
+
+
+def test_a_corrupted_block_is_a_counted_miss_and_the_tokens_are_still_right(model, tmp_path):
+    prompts = [_prompt(s) for s in range(20, 23)]
+    want = _reference(model, prompts)
+    engine = _engine(model, tmp_path / "shm")
+    for i, p in enumerate(prompts):
+        run_colocated(engine, f"c-{i}", p, GREEDY)
+    engine.offload.flush()
+    store = engine.offload.store.tiers[0]
+    # The third block of prompt 0: the first two load, the rest is computed.
+    hashes = hash_blocks(prompts[0], BLOCK, root_hash(engine.info.model_id, BLOCK))
+    path = store.file(engine.offload.key(hashes[2]))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert run_colocated(engine, "c-again", prompts[0], GREEDY) == want[0]
+    assert store.stats.checksum_failures == 1 and not path.exists()
+    assert engine.offload.stats.loaded_blocks == 2
+    engine.shutdown()
+
+
+def test_disk_tier_takes_what_memory_evicts_and_serves_it(model, tmp_path):
+    prompts = [_prompt(s) for s in range(30, 34)]
+    want = _reference(model, prompts)
+    engine = EngineCore(EngineConfig(
+        model=ModelConfig(model=model, dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=16, kv_offload_bytes=40_000,
+                          kv_offload_path=str(tmp_path / "shm"), kv_offload_dir=str(tmp_path / "disk"),
+                          kv_offload_disk_bytes=1 << 24),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+    for i, p in enumerate(prompts):
+        run_colocated(engine, f"d-{i}", p, GREEDY)
+    engine.offload.flush()
+    memory, disk = engine.offload.store.tiers
+    assert memory.used_bytes() <= 40_000 and memory.stats.evictions > 0 and disk.stats.writes > 0
+    assert run_colocated(engine, "d-again", prompts[0], GREEDY) == want[0]
+    assert disk.stats.hits > 0 and engine.offload.stats.loaded_blocks == 9
+    engine.shutdown()
+

@@ -1,0 +1,104 @@
+"""The offload store's files: bounded LRU tiers, atomic writes, checksums, writers killed mid-write, a tier whose
+folder is gone, and files of another user's mode."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+from kvrelay.engine.offload.store import DirTier, TieredStore
+
+BLOCK = bytes(range(256)) * 40  # 10,240 bytes
+
+
+def _payload(i: int) -> bytes:
+    return bytes([i % 256]) + BLOCK[1:]
+
+
+def test_a_block_reads_back_verified_and_only_its_owner_reads_the_folder(tmp_path):
+    tier = DirTier("memory", tmp_path / "t", 1 << 20)
+    tier.write([("k1", _payload(1))])
+    assert bytes(tier.read("k1")) == _payload(1)
+    assert tier.read("nope") is None
+    assert stat.S_IMODE(os.stat(tmp_path / "t").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(tier.file("k1")).st_mode) == 0o600
+    assert (tier.stats.hits, tier.stats.misses, tier.stats.writes) == (1, 1, 1)
+
+
+def test_the_least_recently_used_go_first_and_the_bound_holds(tmp_path):
+    tier = DirTier("memory", tmp_path / "t", 3 * (len(BLOCK) + 24))  # three blocks and their headers
+    for i in range(3):
+        tier.write([(f"k{i}", _payload(i))])
+        time.sleep(0.01)  # distinct modification times
+    assert tier.read("k0") is not None  # k0 is now the most recent: k1 goes first
+    tier.write([("k3", _payload(3))])
+    assert [tier.has(f"k{i}") for i in range(4)] == [True, False, True, True]
+    assert tier.used_bytes() <= tier.capacity and tier.stats.evictions == 1
+
+
+def test_memory_evictions_move_to_disk_and_are_found_there(tmp_path):
+    memory = DirTier("memory", tmp_path / "m", 2 * (len(BLOCK) + 24))
+    disk = DirTier("disk", tmp_path / "d", 1 << 20)
+    store = TieredStore([memory, disk])
+    for i in range(4):
+        store.write([(f"k{i}", _payload(i))])
+        time.sleep(0.01)
+    assert not memory.has("k0") and disk.has("k0") and memory.has("k3")
+    payload, tier = store.read("k0")
+    assert bytes(payload) == _payload(0) and tier is disk
+
+
+def test_a_flipped_byte_or_a_truncated_file_is_a_counted_miss(tmp_path):
+    tier = DirTier("memory", tmp_path / "t", 1 << 20)
+    tier.write([("a", _payload(1)), ("b", _payload(2))])
+    data = bytearray(tier.file("a").read_bytes())
+    data[100] ^= 1
+    tier.file("a").write_bytes(bytes(data))
+    tier.file("b").write_bytes(tier.file("b").read_bytes()[:-10])
+    assert tier.read("a") is None and tier.read("b") is None
+    assert tier.stats.checksum_failures == 2 and not tier.file("a").exists()
+
+
+_WRITER = """
+import sys, time
+from kvrelay.engine.offload import store
+tier = store.DirTier("memory", sys.argv[1], 1 << 30)
+real = store.os.write
+def slow(fd, data):  # the payload trickles out: the test kills the writer with its block half-written
+    n = real(fd, bytes(data[:4096]))
+    print("writing", flush=True)
+    time.sleep(0.5)
+    return n
+store.os.write = slow
+tier.write([("big", bytes(1 << 20))])
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_no_block_and_its_leftover_is_swept(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path / "t")], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    tier = DirTier("memory", tmp_path / "t", 1 << 20)
+    assert not tier.has("big") and tier.read("big") is None
+    assert any(n.startswith(".tmp.") for n in os.listdir(tmp_path / "t"))  # the dead writer's leftover
+    tier.write([("k", _payload(0))])  # a scan sweeps it
+    assert not any(n.startswith(".tmp.") for n in os.listdir(tmp_path / "t"))
+
+
+def test_a_removed_folder_stops_writes_with_a_warning_and_reads_miss(tmp_path, caplog):
+    tier = DirTier("disk", tmp_path / "t", 1 << 20)
+    tier.write([("k", _payload(0))])
+    for name in os.listdir(tmp_path / "t"):
+        os.remove(tmp_path / "t" / name)
+    os.rmdir(tmp_path / "t")
+    tier.write([("k2", _payload(1))])
+    assert not tier.enabled and tier.stats.write_failures == 1
+    assert "offloading to it stops" in caplog.text
+    assert tier.read("k") is None
+    tier.write([("k3", _payload(2))])  # disabled: no second warning, no error
+    assert tier.stats.write_failures == 1

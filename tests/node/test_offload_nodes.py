@@ -1,0 +1,95 @@
+"""The offload tier across real node processes of one host: blocks one node evicted are loaded by another,
+after the writer was killed with SIGKILL, colocated and disaggregated, and the tokens (greedy and seeded) are
+the ones an engine without a tier gives. The nodes share a store folder under the test's tmp path."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from kvrelay.common.sampling_params import SamplingParams
+from tests.helpers.models import make_tiny_checkpoint
+from tests.helpers.nodes import (
+    colocated_engine,
+    disaggregated,
+    generate,
+    run_colocated,
+    start_nodes,
+    stop_nodes,
+    tiny_args,
+    wait_for,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, seed=5, max_tokens=4, ignore_eos=True)
+BLOCKS = 24  # 150-token prompts take 10 blocks each: the fourth has evicted the whole of the first
+LOADED = 'kvrelay:kv_offload_blocks_total'
+
+
+def _prompt(seed: int) -> list[int]:
+    return [(7 * i + 31 * seed + 5) % 500 for i in range(150)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def nodes(model, tmp_path_factory):
+    store = str(tmp_path_factory.mktemp("offload"))
+    args = tiny_args(model, "ucx", "--kv-offload-bytes", "64MiB", "--kv-offload-path", store, blocks=BLOCKS)
+    writer, prefill, decode = start_nodes([("decode", args), ("prefill", args), ("decode", args)])
+    yield writer, prefill, decode, store
+    writer.stop(2.0)
+    assert stop_nodes([prefill, decode]) == [0, 0], decode.log_tail()
+
+
+def _loaded(node) -> float:
+    return node.metrics().value(LOADED, event="loaded") or 0.0
+
+
+def _offloaded(node) -> float:
+    return node.metrics().value(LOADED, event="offloaded") or 0.0
+
+
+def _stored(store: str) -> int:
+    return sum(1 for n in os.listdir(store) if n.endswith(".kvb"))
+
+
+@pytest.mark.timeout(240)
+def test_a_node_loads_what_a_killed_node_offloaded_with_the_same_tokens(model, nodes):
+    writer, _, reader, store = nodes
+    prompts = [_prompt(s) for s in range(4)]
+    ref = colocated_engine(model, blocks=256)
+    want = [run_colocated(ref, f"ref-{s}", prompts[0], p) for s, p in enumerate((GREEDY, SEEDED))]
+    for i, p in enumerate(prompts):
+        generate(writer, f"w-{i}", p, GREEDY)
+    # The first prompt's 9 whole blocks (its 10th is partial) and the second's tail were evicted: all written down.
+    offloaded = _offloaded(writer)
+    assert offloaded >= 9
+    wait_for(lambda: _stored(store) >= offloaded, 20, "the evicted blocks in the store")
+    writer.proc.send_signal(signal.SIGKILL)
+    writer.proc.wait(10)
+    assert generate(reader, "r-greedy", prompts[0], GREEDY)[0] == want[0]
+    assert _loaded(reader) == 9
+    for i in (1, 2, 3):  # the reader's own cache fills: prompt 0's blocks leave it too
+        generate(reader, f"r-{i}", prompts[i], GREEDY)
+    assert generate(reader, "r-seeded", prompts[0], SEEDED)[0] == want[1]
+    assert _loaded(reader) >= 18
+
+
+@pytest.mark.timeout(240)
+def test_disaggregated_output_is_colocated_output_with_the_tier(model, nodes):
+    _, prefill, decode, store = nodes
+    prompts = [_prompt(s) for s in range(10, 14)]
+    ref = colocated_engine(model, blocks=256)
+    want = run_colocated(ref, "ref", prompts[0], GREEDY)
+    for i, p in enumerate(prompts):
+        assert disaggregated(prefill, decode, f"d-{i}", p, GREEDY).tokens == run_colocated(ref, f"ref-{i}", p, GREEDY)
+    before = _loaded(prefill) + _loaded(decode)
+    again = disaggregated(prefill, decode, "d-again", prompts[0], GREEDY)
+    assert again.tokens == want
+    assert _loaded(prefill) + _loaded(decode) >= before + 9  # the prompt came back from the tier, not recomputed
