@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "tenants": "kvrelay.bench.tenants",
     "accuracy": "kvrelay.bench.accuracy",
     "pooling": "kvrelay.bench.pooling",
+    "multiturn": "kvrelay.bench.multiturn",
 }
 
 

@@ -99,8 +99,9 @@ class NodeMetrics:
         self.offload_blocks = Counter("kvrelay:kv_offload_blocks", "KV blocks through the offload tier: offloaded "
                                       "(evicted, queued for the store), dropped (the writer was behind), loaded "
                                       "(instead of computed)", ["event"], registry=reg)
-        self.offload_load_seconds = Counter("kvrelay:kv_offload_load_seconds", "Time copying loaded blocks into "
-                                            "the KV cache", registry=reg)
+        self.offload_seconds = Counter("kvrelay:kv_offload_engine_seconds", "Engine-thread time on the offload "
+                                       "tier: copying evicted blocks out (offload), reading and verifying found ones "
+                                       "(fetch), copying them into the KV cache (load)", ["stage"], registry=reg)
         self.offload_tier_blocks = Counter("kvrelay:kv_offload_tier_blocks", "Per tier, by this node: blocks "
                                            "written, hits, misses, evictions, checksum_failures, write_failures",
                                            ["tier", "event"], registry=reg)
@@ -185,7 +186,8 @@ class NodeMetrics:
         st = report.stats
         now: dict[tuple[str, ...], float] = {
             ("offloaded",): st.offloaded_blocks, ("dropped",): st.dropped_blocks, ("loaded",): st.loaded_blocks,
-            ("load_seconds",): st.load_seconds}
+            ("seconds", "offload"): st.offload_seconds, ("seconds", "fetch"): st.fetch_seconds,
+            ("seconds", "load"): st.load_seconds}
         for tier in report.tiers:
             t = tier.stats
             for event in ("writes", "hits", "misses", "evictions", "checksum_failures", "write_failures"):
@@ -196,8 +198,8 @@ class NodeMetrics:
             delta = value - self._last_offload.get(key, 0)
             if delta <= 0 and key in self._last_offload:
                 continue
-            if key == ("load_seconds",):
-                self.offload_load_seconds.inc(delta)
+            if key[0] == "seconds":
+                self.offload_seconds.labels(key[1]).inc(delta)
             elif len(key) == 1:
                 self.offload_blocks.labels(key[0]).inc(delta)
             elif key[1] == "write_bytes":

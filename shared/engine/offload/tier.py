@@ -52,9 +52,12 @@ class OffloadStats:
     offloaded_blocks: int = 0
     dropped_blocks: int = 0  # evicted while the writer was too far behind: not kept
     loaded_blocks: int = 0
-    load_seconds: float = 0.0
     lookups: int = 0  # blocks looked for past a resident hit
     hits: int = 0
+    # Engine-thread time: copying evicted blocks out, reading and verifying found ones, copying them in.
+    offload_seconds: float = 0.0
+    fetch_seconds: float = 0.0
+    load_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,9 @@ class KVOffload:
     # -- out: eviction -------------------------------------------------------------------------------
     def offload(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
         """Copy evicted blocks out (engine thread, before their slots are written) and queue them for the store."""
+        t0 = time.perf_counter()
         payloads = self.io.read_blocks(block_ids)
+        self.stats.offload_seconds += time.perf_counter() - t0
         size = sum(p.nbytes for p in payloads)
         with self._lock:
             if self._pending_bytes + size > self._max_pending:
@@ -151,6 +156,7 @@ class KVOffload:
     def fetch(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of `hashes` the store has, read and verified (kept staged for `load`)."""
         n = 0
+        t0 = time.perf_counter()
         for block_hash in hashes[: self._max_staged]:
             self.stats.lookups += 1
             if block_hash in self._staged:
@@ -164,6 +170,7 @@ class KVOffload:
                     self._staged.popitem(last=False)
             self.stats.hits += 1
             n += 1
+        self.stats.fetch_seconds += time.perf_counter() - t0
         return n
 
     def load(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
