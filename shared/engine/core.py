@@ -95,7 +95,10 @@ class EngineCore:
         capacity = self.num_blocks * block_size
         self.max_model_len = self._max_model_len(capacity)
         weights = [self.info.path, *([self.info.gguf_path] if self.info.gguf_path else [])]
-        self.offload = create_offload(config.cache, offload_namespace(self.kv_layout(), weights), self.runner)
+        if config.speculative is not None and config.speculative.model:  # its KV travels with the target's
+            weights.append(config.speculative.model)
+        self.offload = create_offload(config.cache, offload_namespace(self.kv_layout(), weights,
+                                                                      self.runner.bytes_per_block), self.runner)
         pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, record_events=record_block_events,
                          on_evict=self.offload.offload if self.offload is not None else None)
         self.kv = KVCacheManager(pool, block_size, self.info.model_id, config.cache.enable_prefix_caching,

@@ -180,21 +180,36 @@ class ModelRunner:
                 cache = cache.view(torch.uint8)
             cache.index_copy_(1, dst, cache.index_select(1, src))
 
+    def _block_views(self) -> list[torch.Tensor]:
+        """Every cache (a draft model's after the target's) as [2, blocks, words]: a block's keys, or values, as
+        one run of 8-byte words (of bytes where a block's size is not a multiple of 8): whole-word copies, and fp8,
+        which has no index ops, moves as well."""
+        draft = self.proposer.kv_caches if self.proposer is not None else []
+        flats = [c.view(torch.uint8).reshape(2, c.shape[1], -1) for c in [*self.kv_caches, *draft]]
+        if all(f.shape[-1] % 8 == 0 for f in flats):  # all or none: a payload's words must stay aligned
+            return [f.view(torch.int64) for f in flats]
+        return flats
+
     def read_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
-        """Each block's KV, every layer's keys then values, as bytes (the offload tier's payload)."""
+        """Each block's KV as one run of bytes: every layer's keys then values (a draft model's after the
+        target's), the offload tier's payload."""
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        stacked = torch.stack([c.view(torch.uint8).index_select(1, ids) for c in self.kv_caches])
-        # [layers, 2, n, ...] -> [n, layers, 2, ...]: one contiguous run of bytes per block
-        per_block = stacked.permute(2, 0, 1, 3, 4, 5).contiguous().cpu().numpy()
-        return [memoryview(b.reshape(-1)) for b in per_block]
+        parts = [v.index_select(1, ids).transpose(0, 1).reshape(len(block_ids), -1).view(torch.uint8)
+                 for v in self._block_views()]
+        rows = torch.cat(parts, dim=1).cpu().numpy()
+        return [memoryview(row) for row in rows]
 
     def write_blocks(self, block_ids: Sequence[int], payloads: Sequence) -> None:
         """The inverse of read_blocks: payloads of that form into `block_ids`."""
+        n = len(block_ids)
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        shape = (len(self.kv_caches), *self.kv_caches[0].view(torch.uint8)[:, 0].shape)
-        data = torch.stack([torch.frombuffer(p, dtype=torch.uint8).view(shape) for p in payloads]).to(self.device)
-        for layer, cache in enumerate(self.kv_caches):
-            cache.view(torch.uint8).index_copy_(1, ids, data[:, layer].transpose(0, 1))
+        data = torch.stack([torch.frombuffer(p, dtype=torch.uint8) for p in payloads]).to(self.device)
+        offset = 0
+        for view in self._block_views():
+            size = 2 * view.shape[-1] * view.element_size()
+            part = data[:, offset:offset + size].view(view.dtype).reshape(n, 2, -1).transpose(0, 1)
+            view.index_copy_(1, ids, part)
+            offset += size
 
     # -- step ----------------------------------------------------------------------------------------
 

@@ -7,11 +7,13 @@ store under tmp_path, so two engines of one test share it as two nodes of a host
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvrelay.common.hashing import hash_blocks, root_hash
 from kvrelay.common.sampling_params import SamplingParams
-from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvrelay.engine.core import EngineCore
 from tests.helpers.models import make_tiny_checkpoint
 from tests.helpers.nodes import run_colocated
@@ -112,3 +114,25 @@ def test_disk_tier_takes_what_memory_evicts_and_serves_it(model, tmp_path):
     assert disk.stats.hits > 0 and engine.offload.stats.loaded_blocks == 9
     engine.shutdown()
 
+
+
+def test_a_draft_models_kv_comes_back_with_the_targets(model, tmp_path):
+    """The target drafting for itself accepts its greedy drafts only if the draft's KV of the loaded prefix is
+    right: it travels in the same payload."""
+    prompts = [_prompt(s) for s in range(40, 43)]
+    want = _reference(model, prompts)
+    engine = EngineCore(EngineConfig(
+        model=ModelConfig(model=model, dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=16, kv_offload_bytes=1 << 24,
+                          kv_offload_path=str(tmp_path / "shm")),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64),
+        speculative=SpeculativeConfig(method="draft_model", model=model, num_speculative_tokens=3)))
+    for i, p in enumerate(prompts):
+        run_colocated(engine, f"s-{i}", p, GREEDY)
+    before = replace(engine.counters())
+    assert run_colocated(engine, "s-again", prompts[0], GREEDY) == want[0]
+    after = engine.counters()
+    assert engine.offload.stats.loaded_blocks == 9
+    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    assert drafted > 0 and after.spec_num_accepted_tokens - before.spec_num_accepted_tokens == drafted
+    engine.shutdown()

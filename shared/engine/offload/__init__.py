@@ -22,19 +22,25 @@ def default_offload_path() -> str:
 _WEIGHT_FILES = (".safetensors", ".bin", ".gguf", ".json")
 
 
-def namespace(layout: KVLayout, weights: list[str]) -> str:
-    """What a block's key starts with: the KV layout but its block count, and the weights' files as they are now
-    (path, size, modification time), so weights changed under the same model name never meet old blocks."""
+def namespace(layout: KVLayout, weights: list[str], block_bytes: int) -> str:
+    """What a block's key starts with: the KV layout but its block count, the bytes of a block's payload (a draft
+    model's KV included), and the weights' files as they are now (path, size, modification time), so weights
+    changed under the same model name never meet old blocks."""
     h = xxhash.xxh3_64()
     files: list[Path] = []
     for name in weights:
         path = Path(name)
-        files += sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_FILES) if path.is_dir() else [path]
+        if path.is_dir():
+            files += sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_FILES)
+        elif path.is_file():
+            files.append(path)
+        else:  # a name the engine resolves itself ("default")
+            h.update(f"{name}\0".encode())
     for p in files:
         st = p.stat()
         h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}\0".encode())
     return (f"{layout.model_id}|{layout.dtype}|{layout.block_size}|{layout.num_layers}|{layout.num_kv_heads}|"
-            f"{layout.head_size}|{h.hexdigest()}")
+            f"{layout.head_size}|{block_bytes}|{h.hexdigest()}")
 
 
 def create_offload(cache: CacheConfig, namespace: str, io: BlockIO) -> KVOffload | None:
