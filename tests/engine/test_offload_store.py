@@ -3,6 +3,7 @@ folder is gone, and files of another user's mode."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import stat
@@ -102,3 +103,43 @@ def test_a_removed_folder_stops_writes_with_a_warning_and_reads_miss(tmp_path, c
     assert tier.read("k") is None
     tier.write([("k3", _payload(2))])  # disabled: no second warning, no error
     assert tier.stats.write_failures == 1
+
+
+_LOADER = """
+import random, sys
+from kvrelay.engine.offload.store import DirTier
+tier = DirTier("memory", sys.argv[1], int(sys.argv[2]))
+rng = random.Random(int(sys.argv[3]))
+for i in range(150):
+    batch = range(rng.randrange(1, 4))
+    tier.write([(f"{sys.argv[3]}-{i}-{j}", rng.randbytes(rng.randrange(1000, 20000))) for j in batch])
+    if i % 7 == 0:
+        tier.read(f"{sys.argv[3]}-{i - 3}-0")
+"""
+
+
+def test_writers_of_several_processes_keep_the_tier_within_its_bound(tmp_path):
+    bound = 200_000
+    folder = tmp_path / "t"
+    procs = [subprocess.Popen([sys.executable, "-c", _LOADER, str(folder), str(bound), str(seed)])
+             for seed in range(3)]
+    peak = 0
+    while any(p.poll() is None for p in procs):
+        peak = max(peak, _held(folder))
+        time.sleep(0.002)
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    tier = DirTier("memory", folder, bound)
+    assert 0 < tier.used_bytes() <= bound and 0 < peak <= bound
+
+
+def _held(folder) -> int:
+    """Bytes of blocks and temporary files in the folder, between two writers (under the tier's lock)."""
+    if not (folder / ".lock").exists():
+        return 0
+    fd = os.open(folder / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return sum(e.stat().st_size for e in os.scandir(folder)
+                   if e.name.endswith(".kvb") or e.name.startswith(".tmp."))
+    finally:
+        os.close(fd)
