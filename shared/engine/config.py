@@ -94,8 +94,8 @@ class CacheConfig:
         if self.kv_offload_bytes < 0 or self.kv_offload_disk_bytes < 0:
             raise ValueError("kv_offload_bytes, kv_offload_disk_bytes: must be >= 0")
         if bool(self.kv_offload_dir) != bool(self.kv_offload_disk_bytes):
-            raise ValueError("kv_offload_dir and kv_offload_disk_bytes: the disk tier needs both (a folder and "
-                             "its bound)")
+            raise ValueError(f"kv_offload_dir: a disk tier needs its folder and its size (kv_offload_disk_bytes); "
+                             f"got {self.kv_offload_dir!r} and {self.kv_offload_disk_bytes}")
 
     @property
     def offloads(self) -> bool:

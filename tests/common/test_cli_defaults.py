@@ -12,6 +12,7 @@ import os
 import pytest
 
 from kvrelay.cli import gateway, generate, node, up
+from kvrelay.cli.args import UsageError
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.args import engine_config
 from kvrelay.engine.config import EngineConfig, SchedulingPolicy
@@ -116,6 +117,24 @@ def test_up_hands_the_kv_cache_dtype_to_every_node_and_the_gateway(parser):
     assert "--kv-cache-dtype" not in engine_flags(up.UpConfig()) + gateway_flags(up.UpConfig())
     gateway = parser.parse_args(["gateway", "--kv-cache-dtype", "fp8"])
     assert gateway.kv_cache_dtype == "fp8"
+
+
+def test_up_hands_the_offload_tier_to_every_node(parser, tmp_path):
+    from kvrelay.cli.fleet import engine_flags
+
+    config = up.config_from_args(parser.parse_args(
+        ["up", "--kv-offload-bytes", "1GiB", "--kv-offload-dir", str(tmp_path), "--kv-offload-disk-bytes", "2GiB"]))
+    cache = up.node_engine(config).cache
+    assert (cache.kv_offload_bytes, cache.kv_offload_dir, cache.kv_offload_disk_bytes) == (2**30, str(tmp_path),
+                                                                                           2 * 2**30)
+    flags = engine_flags(config)
+    assert flags[flags.index("--kv-offload-bytes") + 1] == str(2**30) and "--kv-offload-path" not in flags
+    assert "--kv-offload-bytes" not in engine_flags(up.UpConfig())
+    assert node.node_config(parser.parse_args(["decode", *flags[flags.index("--kv-offload-bytes"):]])).engine.cache \
+        .kv_offload_disk_bytes == 2 * 2**30
+    with pytest.raises(UsageError, match="a disk tier needs its folder and its size") as e:
+        up.node_engine(up.config_from_args(parser.parse_args(["up", "--kv-offload-dir", str(tmp_path)])))
+    assert e.value.flag == "--kv-offload-dir"
 
 
 def test_a_bad_environment_variable_is_reported_when_the_node_starts(parser, monkeypatch):
