@@ -7,6 +7,7 @@ store under tmp_path, so two engines of one test share it as two nodes of a host
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -135,4 +136,18 @@ def test_a_draft_models_kv_comes_back_with_the_targets(model, tmp_path):
     assert engine.offload.stats.loaded_blocks == 9
     drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
     assert drafted > 0 and after.spec_num_accepted_tokens - before.spec_num_accepted_tokens == drafted
+    engine.shutdown()
+
+
+def test_serving_goes_on_when_the_stores_folder_is_removed(model, tmp_path, caplog):
+    prompts = [_prompt(s) for s in range(50, 54)]
+    want = _reference(model, prompts)
+    engine = _engine(model, tmp_path / "shm")
+    assert run_colocated(engine, "f-0", prompts[0], GREEDY) == want[0]
+    shutil.rmtree(tmp_path / "shm")
+    got = [run_colocated(engine, f"f-{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    engine.offload.flush()
+    assert got == want  # prompt 0 again too: computed, nothing of it found
+    tier = engine.offload.store.tiers[0]
+    assert not tier.enabled and tier.stats.write_failures == 1 and "offloading to it stops" in caplog.text
     engine.shutdown()
