@@ -39,14 +39,10 @@ class PrefixHit:
 
 
 class PrefixTier(Protocol):
-    """A tier below the KV cache (kvrelay.engine.offload.tier.KVOffload): how many of these blocks it has (`fetch`:
-    read and ready to load, so the count cannot fail later), and their loading into the blocks allocated for
-    them."""
+    """A tier below the KV cache (kvrelay.engine.offload.tier.KVOffload): how many of these blocks it has (ready to
+    load, so the count cannot fail later), and their loading into the blocks allocated for them."""
 
     def fetch(self, hashes: Sequence[BlockHash]) -> int: ...
-
-    def count(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of `hashes` it has, reading none."""
 
     def load(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None: ...
 
@@ -100,10 +96,11 @@ class KVCacheManager:
             root = self._roots[salt] = root_hash(self.model_id, self.block_size, salt, self.kv_dtype)
         return root
 
-    def _resident(self, req: Request) -> tuple[list[KVBlock], int]:
-        """The cached blocks the prompt starts with, and how many blocks a hit may cover at most: at least one
-        token must be computed to produce logits, so a full hit gives back its last block."""
+    def get_computed_blocks(self, req: Request) -> PrefixHit:
+        if not self.enable_caching:
+            return NO_HIT
         self.update_block_hashes(req)
+        # At least one token must be computed to produce logits, so a full hit gives back its last block.
         max_blocks = (req.num_tokens - 1) // self.block_size
         hit: list[KVBlock] = []
         for block_hash in req.block_hashes[:max_blocks]:
@@ -111,23 +108,6 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        return hit, max_blocks
-
-    def cached_prefix_tokens(self, req: Request) -> int:
-        """Tokens of the prompt the cache and the tier hold now, taking and reading nothing (an estimate: blocks
-        may come and go before the request is admitted)."""
-        if not self.enable_caching:
-            return 0
-        hit, max_blocks = self._resident(req)
-        n = len(hit)
-        if self.tier is not None and n < max_blocks:
-            n += self.tier.count(req.block_hashes[n:max_blocks])
-        return n * self.block_size
-
-    def get_computed_blocks(self, req: Request) -> PrefixHit:
-        if not self.enable_caching:
-            return NO_HIT
-        hit, max_blocks = self._resident(req)
         loaded: tuple[BlockHash, ...] = ()
         if self.tier is not None and len(hit) < max_blocks:
             rest = req.block_hashes[len(hit):max_blocks]

@@ -62,7 +62,6 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
-    num_cached_when_queued: int = 0  # prefix-cache (and offload tier) tokens found when queued: sjf's estimate
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_reason: int | None = None  # the stop token id that ended it, if any

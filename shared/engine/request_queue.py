@@ -102,10 +102,8 @@ def by_priority(req: Request) -> tuple:
 
 
 def shortest_first(tokens_per_s: float) -> Callable[[Request], tuple]:
-    """Lower priority value first; among equals, fewest prompt tokens to compute first (the prompt less what the
-    prefix cache and the offload tier held when it was queued: a conversation's next turn is short work however
-    long its context, as SGLang's longest-prefix-match order has it), each second of waiting worth `tokens_per_s`
-    tokens.
+    """Lower priority value first; among equals, fewest prompt tokens first, each second of waiting worth
+    `tokens_per_s` tokens.
 
     A burst is prefilled shortest first: most of it gets its first token while the long prompts are still
     computing, instead of every request waiting for the ones that happened to arrive before it (its effect on
@@ -118,7 +116,7 @@ def shortest_first(tokens_per_s: float) -> Callable[[Request], tuple]:
     other tenants' new requests instead of ahead of them.
     """
     def key(req: Request) -> tuple:
-        return (req.priority, req.num_prompt_tokens - req.num_cached_when_queued + tokens_per_s * req.arrival_time)
+        return (req.priority, req.num_prompt_tokens + tokens_per_s * req.arrival_time)
     return key
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 
 from kvrelay.common.records import NodeLoad
 from kvrelay.engine.beam_search import BeamGroup, BeamGroups
-from kvrelay.engine.config import SchedulerConfig, SchedulingPolicy
+from kvrelay.engine.config import SchedulerConfig
 from kvrelay.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
 from kvrelay.engine.kv_handoff import KVHandoff
 from kvrelay.engine.request import Request, RequestStatus
@@ -67,8 +67,6 @@ class RequestTable:
         self._check_new_id(req.request_id)
         self.requests[req.request_id] = req
         self.num_pooling += req.sampling_params.pooling is not None
-        if self.config.policy == SchedulingPolicy.SJF and not self._recomputes_prompt(req):
-            req.num_cached_when_queued = self.kv.cached_prefix_tokens(req)
         self.waiting.add(req)
 
     def add_beam_group(self, group: BeamGroup, root: Request) -> None:
@@ -152,17 +150,13 @@ class RequestTable:
     # -- admission and preemption --------------------------------------------------------------------
 
     def _lookup(self, req: Request) -> PrefixHit:
-        if req.num_computed_tokens or self._recomputes_prompt(req):
-            return NO_HIT
-        return self.kv.get_computed_blocks(req)
-
-    @staticmethod
-    def _recomputes_prompt(req: Request) -> bool:
         # Prompt logprobs, and a mean or first-token pooling, need every prompt position computed: such a prompt
         # never starts from the cache.
         params = req.sampling_params
-        return params.prompt_logprobs is not None or (params.pooling is not None and
-                                                      params.pooling.needs_every_position)
+        if req.num_computed_tokens or params.prompt_logprobs is not None or (
+                params.pooling is not None and params.pooling.needs_every_position):
+            return NO_HIT
+        return self.kv.get_computed_blocks(req)
 
     def _admit(self, req: Request, hit: PrefixHit) -> None:
         if req.num_cached_tokens is None:

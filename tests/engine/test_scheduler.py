@@ -291,21 +291,6 @@ def test_sjf_admits_a_burst_shortest_prompt_first_and_equal_lengths_by_arrival()
     assert order == ["b", "d", "c", "a"]
 
 
-def test_sjf_orders_by_what_is_left_to_compute_so_a_conversations_next_turn_goes_first():
-    # "turn2" is "turn1"'s 64 tokens (cached once turn1 ran) and 8 more: 8 to compute (64 + 8 - 64), against "new"'s
-    # 20; arriving together, turn2 goes first though its prompt is longer. Without the cache it would not.
-    for caching, want in ((True, ["turn2", "new"]), (False, ["new", "turn2"])):
-        d = Driver(policy=SJF, max_num_seqs=1, caching=caching)
-        first = prompt(64, 100)
-        d.add("turn1", first, max_tokens=1, arrival=0.0)
-        d.run()
-        d.add("new", prompt(20, 900), max_tokens=1, arrival=1.0)
-        d.add("turn2", first + prompt(8, 500), max_tokens=1, arrival=1.0)
-        assert d.reqs["turn2"].num_cached_when_queued == (64 if caching else 0)
-        order = [o.new_reqs[0].req_id for o in d.run() if o.new_reqs]
-        assert order == want
-
-
 def test_sjf_orders_by_priority_first_so_a_tenants_backlog_waits_behind_others_new_requests():
     # The gateway gives each request its tenant's count of requests in flight: tenant A's burst is 0, 1, 2, 3;
     # tenant B's later arrival (0 in flight) goes right after A's first, whatever the lengths.

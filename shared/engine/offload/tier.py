@@ -173,15 +173,6 @@ class KVOffload:
         self.stats.fetch_seconds += time.perf_counter() - t0
         return n
 
-    def count(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of `hashes` the store has now (staged or on file), reading none."""
-        n = 0
-        for block_hash in hashes:
-            if block_hash not in self._staged and self.store.where(self.key(block_hash)) is None:
-                break
-            n += 1
-        return n
-
     def load(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
         """Copy staged blocks (from the `fetch` that counted them) into the KV cache's `block_ids`."""
         t0 = time.perf_counter()
