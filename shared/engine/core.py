@@ -97,8 +97,9 @@ class EngineCore:
         weights = [self.info.path, *([self.info.gguf_path] if self.info.gguf_path else [])]
         if config.speculative is not None and config.speculative.model:  # its KV travels with the target's
             weights.append(config.speculative.model)
-        self.offload = create_offload(config.cache, offload_namespace(self.kv_layout(), weights,
-                                                                      self.runner.bytes_per_block), self.runner)
+        block_bytes = self.runner.bytes_per_block
+        self.offload = create_offload(config.cache, offload_namespace(self.kv_layout(), weights, block_bytes),
+                                      self.runner, block_bytes)
         pool = BlockPool(self.num_blocks, config.cache.enable_prefix_caching, record_events=record_block_events,
                          on_evict=self.offload.offload if self.offload is not None else None)
         self.kv = KVCacheManager(pool, block_size, self.info.model_id, config.cache.enable_prefix_caching,

@@ -43,8 +43,8 @@ def namespace(layout: KVLayout, weights: list[str], block_bytes: int) -> str:
             f"{layout.head_size}|{block_bytes}|{h.hexdigest()}")
 
 
-def create_offload(cache: CacheConfig, namespace: str, io: BlockIO) -> KVOffload | None:
-    """The tier `cache` asks for (None: none), for blocks whose keys start with `namespace`."""
+def create_offload(cache: CacheConfig, namespace: str, io: BlockIO, block_bytes: int) -> KVOffload | None:
+    """The tier `cache` asks for (None: none), for blocks of `block_bytes` whose keys start with `namespace`."""
     if not cache.offloads:
         return None
     tiers = []
@@ -52,4 +52,4 @@ def create_offload(cache: CacheConfig, namespace: str, io: BlockIO) -> KVOffload
         tiers.append(DirTier("memory", cache.kv_offload_path or default_offload_path(), cache.kv_offload_bytes))
     if cache.kv_offload_disk_bytes:
         tiers.append(DirTier("disk", cache.kv_offload_dir, cache.kv_offload_disk_bytes))
-    return KVOffload(TieredStore(tiers), namespace, io)
+    return KVOffload(TieredStore(tiers), namespace, io, block_bytes)

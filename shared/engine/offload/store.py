@@ -226,6 +226,11 @@ class TieredStore:
         if not self.tiers:
             raise ValueError("an offload store needs at least one tier")
 
+    @property
+    def writable(self) -> bool:
+        """Whether any tier still takes writes."""
+        return any(t.enabled for t in self.tiers)
+
     def where(self, key: str) -> DirTier | None:
         return next((t for t in self.tiers if t.has(key)), None)
 

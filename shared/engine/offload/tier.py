@@ -78,17 +78,19 @@ class OffloadReport:
 
 
 class KVOffload:
-    """`namespace`: the KV layout's text (EngineCore.kv_layout); `max_staged`: blocks read ahead of their load at
-    most; `max_pending_bytes`: evicted bytes waiting for the writer at most (more are dropped, counted)."""
+    """`namespace`: what every key starts with (offload.namespace); `block_bytes`: a block's payload;
+    `max_staged_bytes`: read ahead of their load at most (a prompt loads at most that much of its prefix);
+    `max_pending_bytes`: evicted bytes waiting for the writer at most (more are dropped, counted)."""
 
-    def __init__(self, store: TieredStore, namespace: str, io: BlockIO, max_staged: int = 256,
-                 max_pending_bytes: int = 256 << 20) -> None:
+    def __init__(self, store: TieredStore, namespace: str, io: BlockIO, block_bytes: int,
+                 max_staged_bytes: int = 256 << 20, max_pending_bytes: int = 256 << 20) -> None:
         self.store = store
         self.io = io
         self.stats = OffloadStats()
         self._prefix = _FORMAT + namespace.encode()
         self._staged: OrderedDict[BlockHash, Buffer] = OrderedDict()
-        self._max_staged = max_staged
+        self._block_bytes = block_bytes
+        self._max_staged = max(1, max_staged_bytes // block_bytes)
         self._max_pending = max_pending_bytes
         self._pending_bytes = 0
         self._lock = threading.Lock()
@@ -107,25 +109,27 @@ class KVOffload:
 
     # -- out: eviction -------------------------------------------------------------------------------
     def offload(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
-        """Copy evicted blocks out (engine thread, before their slots are written) and queue them for the store."""
-        t0 = time.perf_counter()
-        payloads = self.io.read_blocks(block_ids)
-        self.stats.offload_seconds += time.perf_counter() - t0
-        size = sum(p.nbytes for p in payloads)
+        """Copy evicted blocks out (engine thread, before their slots are written) and queue them for the store;
+        nothing is copied when the writer is too far behind or no tier takes writes any more."""
+        size = len(block_ids) * self._block_bytes
         with self._lock:
-            if self._pending_bytes + size > self._max_pending:
+            if self._pending_bytes + size > self._max_pending or not self.store.writable:
                 self.stats.dropped_blocks += len(block_ids)
                 return
             self._pending_bytes += size
             self._idle.clear()
+        t0 = time.perf_counter()
+        payloads = self.io.read_blocks(block_ids)
+        self.stats.offload_seconds += time.perf_counter() - t0
         self.stats.offloaded_blocks += len(block_ids)
-        self._queue.put([(self.key(h), p) for h, p in zip(hashes, payloads)])
+        self._queue.put((size, [(self.key(h), p) for h, p in zip(hashes, payloads)]))
 
     def _write_loop(self) -> None:
         while True:
-            batch = self._queue.get()
-            if batch is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            size, batch = item
             while True:  # everything queued so far goes in one locked pass over the directory
                 try:
                     more = self._queue.get_nowait()
@@ -134,13 +138,14 @@ class KVOffload:
                 if more is None:
                     self._queue.put(None)
                     break
-                batch.extend(more)
+                size += more[0]
+                batch.extend(more[1])
             try:
                 self.store.write(batch)
             except Exception:  # noqa: BLE001 - the tier is an optimisation: serving goes on without it
                 logger.exception("offload: writing %d blocks failed", len(batch))
             with self._lock:
-                self._pending_bytes -= sum(p.nbytes for _, p in batch)
+                self._pending_bytes -= size
                 if self._pending_bytes == 0 and self._queue.empty():
                     self._idle.set()
 
