@@ -104,9 +104,10 @@ def run_arm(args: argparse.Namespace, tier: bool) -> dict:
         load = stub.GetLoad(pb.LoadRequest(), timeout=10)
         capacity = load.total_kv_blocks * info.block_size
         longest = args.turns * (args.user_tokens + args.output_tokens)
-        if longest > capacity:
-            raise SystemExit(f"a conversation's last turn needs {longest} tokens of KV and the node holds {capacity}: "
-                             "give --kv-cache-memory more, or fewer --turns or --user-tokens")
+        if longest > info.max_model_len:
+            raise SystemExit(f"a conversation's last turn needs {longest} tokens and the node takes "
+                             f"{info.max_model_len} (the model's context, or what its KV cache holds): give "
+                             "--kv-cache-memory more, or fewer --turns or --user-tokens")
         turns: list[dict] = []
         errors: list[BaseException] = []
         start = time.perf_counter()
