@@ -77,6 +77,11 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per node (default: the profile's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.scheduler.max_num_batched_tokens)
     p.add_argument("--max-num-seqs", type=int, default=d.scheduler.max_num_seqs)
+    p.add_argument("--kv-offload-blocks", type=int, default=d.offload_blocks,
+                   help="per node: an offload tier of this many KV blocks in host memory, loaded back instead of "
+                        "recomputed (the real one: --kv-offload-bytes); 0: none")
+    p.add_argument("--offload-gbps", type=float, default=d.offload_bytes_per_s / 1e9,
+                   help="loading from the tier, GB/s (host to device)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -87,7 +92,8 @@ def spec_from_args(args: argparse.Namespace, **overrides):
     sched = dataclasses.replace(d.scheduler, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_num_seqs=args.max_num_seqs)
     values = dict(prefill=args.prefill, decode=args.decode, colocated=args.colocated, gateways=args.gateways,
-                  threads=args.threads, kv_blocks=args.kv_blocks, scheduler=sched)
+                  threads=args.threads, kv_blocks=args.kv_blocks, scheduler=sched,
+                  offload_blocks=args.kv_offload_blocks, offload_bytes_per_s=args.offload_gbps * 1e9)
     values.update(overrides)
     try:
         return FleetSpec(**values)

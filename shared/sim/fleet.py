@@ -24,6 +24,7 @@ from kvrelay.sim.dispatch import Dispatcher, SimRequest
 from kvrelay.sim.events import EventLoop
 from kvrelay.sim.gateway import IndexStream, SimGateway
 from kvrelay.sim.node import SimNode
+from kvrelay.sim.tier import SimTier
 from kvrelay.sim.timemodel import Profile
 from kvrelay.sim.trace import PromptSource, TraceRequest
 
@@ -53,6 +54,8 @@ class FleetSpec:
     restarts: tuple[tuple[float, int], ...] = ()  # (time, gateway number): restart that gateway then
     restart_s: float = 5.0  # a restarted gateway serves again this long after it stopped taking requests
     odd_block_size_nodes: int = 0  # nodes started with another block size (the gateways must refuse them)
+    offload_blocks: int = 0  # per node: an offload tier in its host's memory (kvrelay.sim.tier); 0: none
+    offload_bytes_per_s: float = 25e9  # loading from it: a GPU's host-to-device link (PCIe 5 x16, in practice)
 
     def __post_init__(self) -> None:
         if self.colocated and (self.prefill or self.decode):
@@ -108,8 +111,10 @@ class Fleet:
     def add_node(self, role: str, startup_s: float | None = None, block_size: int | None = None) -> SimNode:
         """A node that starts now and serves (registers) `startup_s` later (None: the profile's start-up)."""
         node_id = f"{role}-{next(self._ids[role]):03d}"
+        tier = (SimTier(self.spec.offload_blocks, self.profile.kv_bytes_per_block, self.spec.offload_bytes_per_s)
+                if self.spec.offload_blocks else None)
         node = SimNode(node_id, role, self.loop, self.dispatcher, self.step_model, self.spec.scheduler,
-                       self.num_blocks, block_size or self.block_size, MODEL_ID, self.max_model_len)
+                       self.num_blocks, block_size or self.block_size, MODEL_ID, self.max_model_len, tier)
         self.nodes[node_id] = node
         delay = self.profile.startup_s if startup_s is None else startup_s
         if delay <= 0:

@@ -21,6 +21,7 @@ from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.scheduler_output import EngineCoreOutput, KVSend, ModelRunnerOutput, SchedulerOutput
 from kvrelay.index.base import NodeRegistration
 from kvrelay.sim.events import EventLoop
+from kvrelay.sim.tier import SimTier
 from kvrelay.sim.timemodel import LinearStep, RooflineStep, StepShape
 
 
@@ -47,12 +48,14 @@ class SimNode:
 
     def __init__(self, node_id: str, role: str, loop: EventLoop, listener: NodeListener,
                  step_model: LinearStep | RooflineStep, scheduler_config: SchedulerConfig, num_blocks: int,
-                 block_size: int, model_id: str, max_model_len: int) -> None:
+                 block_size: int, model_id: str, max_model_len: int, tier: SimTier | None = None) -> None:
         self.node_id, self.role = node_id, role
         self.loop, self.listener, self.step_model = loop, listener, step_model
         self.block_size, self.model_id = block_size, model_id
-        self.pool = BlockPool(num_blocks, enable_caching=True, record_events=True)
-        self.kv = KVCacheManager(self.pool, block_size, model_id, enable_caching=True)
+        self.tier = tier
+        self.pool = BlockPool(num_blocks, enable_caching=True, record_events=True,
+                              on_evict=tier.offload if tier is not None else None)
+        self.kv = KVCacheManager(self.pool, block_size, model_id, enable_caching=True, tier=tier)
         self.handoff = KVHandoff(self.kv, clock=loop.clock)
         self.scheduler = Scheduler(scheduler_config, self.kv, max_model_len, None, self.handoff)
         # What the simulated model answers, by request id: token i of a request's output is answers[rid][i]
@@ -106,7 +109,10 @@ class SimNode:
             if done >= len(req.all_token_ids):
                 sampled[rid] = (answers[rid][len(req.output_token_ids)],)
         shape = StepShape.of(chunks)
-        dt = self.last_step_s = self.step_model.time(shape)
+        dt = self.step_model.time(shape)
+        if self.tier is not None:  # the blocks its admissions loaded, before the forward
+            dt += self.tier.take_load_s()
+        self.last_step_s = dt
         stats = self.stats
         stats.steps += 1
         stats.busy_s += dt

@@ -157,3 +157,23 @@ def test_shipped_profiles_load():
 def test_random_policy_is_seeded():
     assert [make_policy("random", seed=1)._rng.random() for _ in range(2)] == \
         [make_policy("random", seed=1)._rng.random() for _ in range(2)]
+
+
+def test_an_offload_tier_gives_back_evicted_prefixes_at_the_links_cost():
+    # 20 blocks of 16 tokens: b's prompt (272 tokens) evicts a's blocks; a's group again at 2 s finds its 256
+    # prefix tokens (16 blocks) resident or in the tier, computes its 16 suffix tokens, and pays the load:
+    # 10 ms + 16 ms + the loaded blocks' 4,096 bytes each at 1 GB/s.
+    trace = [TraceRequest(0.0, 2, prefix_group="a", prefix_len=256, suffix_len=16),
+             TraceRequest(1.0, 2, prefix_group="b", prefix_len=256, suffix_len=16),
+             TraceRequest(2.0, 2, prefix_group="a", prefix_len=256, suffix_len=16)]
+    fleets: list[Fleet] = []
+    spec = FleetSpec(colocated=1, hop_s=0.0, offload_blocks=64, offload_bytes_per_s=1e9)
+    c = Collector()
+    simulate(trace, spec, tiny_profile(blocks=20), setup=fleets.append, collector=c)
+    (node,) = fleets[0].nodes.values()
+    loaded = node.tier.stats.loaded_blocks
+    assert loaded >= 14 and node.tier.stats.offloaded_blocks >= loaded
+    assert c.ttft[2] == pytest.approx(0.010 + 0.016 + loaded * 4096 / 1e9)
+    without = Collector()
+    simulate(trace, FleetSpec(colocated=1, hop_s=0.0), tiny_profile(blocks=20), collector=without)
+    assert without.ttft[2] == pytest.approx(0.010 + 0.001 * (272 - 16 * (16 - loaded)))
