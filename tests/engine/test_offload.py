@@ -28,14 +28,18 @@ def model(tmp_path_factory):
     return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny")))
 
 
-def _engine(model: str, store, blocks: int = 16, disk=None, **cache) -> EngineCore:
-    extra = {"kv_offload_dir": str(disk), "kv_offload_disk_bytes": 1 << 24} if disk is not None else {}
+def _engine(model: str, store, speculative: SpeculativeConfig | None = None, **cache) -> EngineCore:
+    """16 blocks of 4 tokens over a store in `store` (16 MiB of memory unless `cache` says otherwise)."""
     return EngineCore(EngineConfig(
         model=ModelConfig(model=model, dtype="float32", device="cpu"),
-        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=blocks, kv_offload_bytes=1 << 24,
-                          kv_offload_path=str(store), **extra, **cache),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=16, kv_offload_path=str(store),
+                          **{"kv_offload_bytes": 1 << 24, **cache}),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64), speculative=speculative,
     ))
+
+
+def _serve(engine: EngineCore, prompts: list[list[int]], tag: str) -> list[list[int]]:
+    return [run_colocated(engine, f"{tag}-{i}", p, GREEDY) for i, p in enumerate(prompts)]
 
 
 def _prompt(seed: int, n: int = 40) -> list[int]:
@@ -45,7 +49,7 @@ def _prompt(seed: int, n: int = 40) -> list[int]:
 def _reference(model: str, prompts: list[list[int]]) -> list[list[int]]:
     engine = EngineCore(EngineConfig(model=ModelConfig(model=model, dtype="float32", device="cpu"),
                                      cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=256)))
-    return [run_colocated(engine, f"ref-{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    return _serve(engine, prompts, "ref")
 
 
 def test_evicted_blocks_come_back_from_the_store_with_the_same_tokens(model, tmp_path):
@@ -53,7 +57,7 @@ def test_evicted_blocks_come_back_from_the_store_with_the_same_tokens(model, tmp
     want = _reference(model, prompts)
     engine = _engine(model, tmp_path / "shm")
     # Each 48-token sequence takes 12 of the 16 blocks: every prompt evicts the one before.
-    assert [run_colocated(engine, f"a-{i}", p, GREEDY) for i, p in enumerate(prompts)] == want
+    assert _serve(engine, prompts, "a") == want
     engine.offload.flush()
     assert engine.offload.stats.offloaded_blocks >= 9
     again = run_colocated(engine, "again", prompts[0], GREEDY)
@@ -68,8 +72,7 @@ def test_another_engine_on_the_host_loads_what_one_offloaded(model, tmp_path):
     prompts = [_prompt(s) for s in range(10, 13)]
     want = _reference(model, prompts)
     writer = _engine(model, tmp_path / "shm")
-    for i, p in enumerate(prompts):
-        run_colocated(writer, f"w-{i}", p, GREEDY)
+    _serve(writer, prompts, "w")
     writer.shutdown()  # written, then gone: the store outlives it
     reader = _engine(model, tmp_path / "shm")
     assert run_colocated(reader, "r-0", prompts[0], GREEDY) == want[0]
@@ -81,8 +84,7 @@ def test_a_corrupted_block_is_a_counted_miss_and_the_tokens_are_still_right(mode
     prompts = [_prompt(s) for s in range(20, 23)]
     want = _reference(model, prompts)
     engine = _engine(model, tmp_path / "shm")
-    for i, p in enumerate(prompts):
-        run_colocated(engine, f"c-{i}", p, GREEDY)
+    _serve(engine, prompts, "c")
     engine.offload.flush()
     store = engine.offload.store.tiers[0]
     # The third block of prompt 0: the first two load, the rest is computed.
@@ -100,14 +102,9 @@ def test_a_corrupted_block_is_a_counted_miss_and_the_tokens_are_still_right(mode
 def test_disk_tier_takes_what_memory_evicts_and_serves_it(model, tmp_path):
     prompts = [_prompt(s) for s in range(30, 34)]
     want = _reference(model, prompts)
-    engine = EngineCore(EngineConfig(
-        model=ModelConfig(model=model, dtype="float32", device="cpu"),
-        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=16, kv_offload_bytes=40_000,
-                          kv_offload_path=str(tmp_path / "shm"), kv_offload_dir=str(tmp_path / "disk"),
-                          kv_offload_disk_bytes=1 << 24),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64)))
-    for i, p in enumerate(prompts):
-        run_colocated(engine, f"d-{i}", p, GREEDY)
+    engine = _engine(model, tmp_path / "shm", kv_offload_bytes=40_000, kv_offload_dir=str(tmp_path / "disk"),
+                     kv_offload_disk_bytes=1 << 24)
+    _serve(engine, prompts, "d")
     engine.offload.flush()
     memory, disk = engine.offload.store.tiers
     assert memory.used_bytes() <= 40_000 and memory.stats.evictions > 0 and disk.stats.writes > 0
@@ -122,14 +119,9 @@ def test_a_draft_models_kv_comes_back_with_the_targets(model, tmp_path):
     right: it travels in the same payload."""
     prompts = [_prompt(s) for s in range(40, 43)]
     want = _reference(model, prompts)
-    engine = EngineCore(EngineConfig(
-        model=ModelConfig(model=model, dtype="float32", device="cpu"),
-        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=16, kv_offload_bytes=1 << 24,
-                          kv_offload_path=str(tmp_path / "shm")),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64),
-        speculative=SpeculativeConfig(method="draft_model", model=model, num_speculative_tokens=3)))
-    for i, p in enumerate(prompts):
-        run_colocated(engine, f"s-{i}", p, GREEDY)
+    engine = _engine(model, tmp_path / "shm",
+                     SpeculativeConfig(method="draft_model", model=model, num_speculative_tokens=3))
+    _serve(engine, prompts, "s")
     before = replace(engine.counters())
     assert run_colocated(engine, "s-again", prompts[0], GREEDY) == want[0]
     after = engine.counters()
@@ -145,7 +137,7 @@ def test_serving_goes_on_when_the_stores_folder_is_removed(model, tmp_path, capl
     engine = _engine(model, tmp_path / "shm")
     assert run_colocated(engine, "f-0", prompts[0], GREEDY) == want[0]
     shutil.rmtree(tmp_path / "shm")
-    got = [run_colocated(engine, f"f-{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    got = _serve(engine, prompts, "f")
     engine.offload.flush()
     assert got == want  # prompt 0 again too: computed, nothing of it found
     tier = engine.offload.store.tiers[0]

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import xxhash
 
+from kvrelay.common.process import pid_alive
+
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"KVB1"
@@ -58,16 +60,6 @@ class TierStats:
 class _Scan:
     total: int = 0
     files: list[tuple[float, int, str]] = field(default_factory=list)  # (mtime, size, name), oldest first
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class DirTier:
@@ -194,7 +186,7 @@ class DirTier:
                     scan.total += st.st_size
                 elif name.startswith(_TMP):
                     pid = int(name.split(".")[2]) if name.split(".")[2].isdigit() else 0
-                    if pid and not _pid_alive(pid):  # a writer killed mid-write
+                    if pid and not pid_alive(pid):  # a writer killed mid-write
                         _unlink(Path(entry.path))
                     else:
                         scan.total += st.st_size
