@@ -4,6 +4,7 @@ side; `create_offload` builds both from the cache config."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from kvrelay.common.records import KVLayout
 from kvrelay.engine.config import CacheConfig
 from kvrelay.engine.offload.store import DirTier, TieredStore
 from kvrelay.engine.offload.tier import BlockIO, KVOffload
+
+logger = logging.getLogger(__name__)
 
 
 def default_offload_path() -> str:
@@ -52,4 +55,8 @@ def create_offload(cache: CacheConfig, namespace: str, io: BlockIO, block_bytes:
         tiers.append(DirTier("memory", cache.kv_offload_path or default_offload_path(), cache.kv_offload_bytes))
     if cache.kv_offload_disk_bytes:
         tiers.append(DirTier("disk", cache.kv_offload_dir, cache.kv_offload_disk_bytes))
+    for tier in tiers:
+        held = tier.used_bytes()
+        logger.info("KV offload tier %s at %s: %.0f MiB, %.0f MiB held already (shared by every node of this host "
+                    "that names the folder)", tier.name, tier.path, tier.capacity / 2**20, held / 2**20)
     return KVOffload(TieredStore(tiers), namespace, io, block_bytes)
