@@ -119,7 +119,16 @@ class KVOffload:
             self._pending_bytes += size
             self._idle.clear()
         t0 = time.perf_counter()
-        payloads = self.io.read_blocks(block_ids)
+        try:
+            payloads = self.io.read_blocks(block_ids)
+        except Exception:  # noqa: BLE001 - an optimisation never fails the allocation that evicted them
+            logger.exception("offload: copying %d evicted blocks out failed; they are not kept", len(block_ids))
+            with self._lock:
+                self._pending_bytes -= size
+                if self._pending_bytes == 0:
+                    self._idle.set()
+            self.stats.dropped_blocks += len(block_ids)
+            return
         self.stats.offload_seconds += time.perf_counter() - t0
         self.stats.offloaded_blocks += len(block_ids)
         self._queue.put((size, [(self.key(h), p) for h, p in zip(hashes, payloads)]))
