@@ -15,18 +15,18 @@ from tests.helpers.models import make_tiny_checkpoint
 def test_both_arms_run_the_same_turns_and_only_the_tier_loads(tmp_path):
     model = str(make_tiny_checkpoint("llama", tmp_path / "tiny", max_position_embeddings=1024))
     out = tmp_path / "multiturn.json"
-    # 3 conversations x 4 turns of 64 + 8 tokens (864 in all) on 320 tokens of KV (12,288 bytes a block of 16).
+    # 2 conversations x 4 turns of 64 + 8 tokens (576 in all) on 320 tokens of KV (12,288 bytes a block of 16).
     args = parse_args("kvrelay.bench.multiturn", [
-        "--model", model, "--dtype", "float32", "--sessions", "3", "--turns", "4", "--user-tokens", "64",
-        "--output-tokens", "8", "--think-time", "0.3", "--kv-cache-memory", str(20 * 12288), "--num-threads", "1",
+        "--model", model, "--dtype", "float32", "--sessions", "2", "--turns", "4", "--user-tokens", "64",
+        "--output-tokens", "8", "--think-time", "0.1", "--kv-cache-memory", str(20 * 12288), "--num-threads", "1",
         "--kv-offload-bytes", "16MiB", "--output", str(out)])
     assert multiturn.run(args) == 0
     (round_,) = json.loads(out.read_text())["rounds"]
     base, tier = round_["no_tier"], round_["tier"]
     for arm in (base, tier):
         assert sorted((t["session"], t["turn"], t["prompt_tokens"]) for t in arm["turns"]) == [
-            (s, k, 72 * k + 64) for s in range(3) for k in range(4)]
+            (s, k, 72 * k + 64) for s in range(2) for k in range(4)]
         assert all(t["output_tokens"] == 8 and t["ttft_s"] > 0 for t in arm["turns"])
-        assert arm["kv_capacity_tokens"] == 320 and arm["context_over_capacity"] == pytest.approx(864 / 320)
+        assert arm["kv_capacity_tokens"] == 320 and arm["context_over_capacity"] == pytest.approx(576 / 320)
     assert base["blocks_loaded"] == 0 and tier["blocks_loaded"] > 0 and tier["checksum_failures"] == 0
     assert tier["prefix_cache_hit_tokens"] > base["prefix_cache_hit_tokens"]
