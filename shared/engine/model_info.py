@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -196,8 +197,8 @@ def min_kv_cache_tokens(config: EngineConfig, shape: ModelShape) -> int:
 def check_engine_config(config: EngineConfig, shape: ModelShape | None = None) -> ModelShape:
     """Raise ConfigError for a setting no engine could run with, from the config and the model's shape alone
     (read here unless given); returns the shape. What it checks: positive counts and sizes, the device, the
-    quantization method against the model, a max_model_len within the model's context, and a KV cache that holds
-    one sequence."""
+    quantization method against the model, a max_model_len within the model's context, a KV cache that holds
+    one sequence, and offload tiers that fit where they are put."""
     m, c, s = config.model, config.cache, config.scheduler
     for field, value, least in (("block_size", c.block_size, 1), ("max_num_seqs", s.max_num_seqs, 1),
                                 ("max_num_batched_tokens", s.max_num_batched_tokens, 1),
@@ -228,7 +229,28 @@ def check_engine_config(config: EngineConfig, shape: ModelShape | None = None) -
                                                  f"{tokens} tokens ({why}) of {shape.model_id} take "
                                                  f"{format_bytes(need)} ({shape.kv_bytes_per_token(element)} bytes "
                                                  f"per token); give at least {-(-need // 2**20)}MiB")
+    _check_offload(c)
     return shape
+
+
+def _check_offload(c) -> None:
+    """Each offload tier's folder must be one this user can make, on a filesystem with room for its bound (what
+    the store holds already counts as room: it is the store's)."""
+    from kvrelay.engine.offload import default_offload_path, held_bytes
+
+    for field, folder, bound in (("kv_offload_bytes", c.kv_offload_path or default_offload_path(), c.kv_offload_bytes),
+                                 ("kv_offload_disk_bytes", c.kv_offload_dir, c.kv_offload_disk_bytes)):
+        if not bound:
+            continue
+        existing = Path(folder)
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(field, f"its folder {folder} cannot be made or written by this user")
+        room = shutil.disk_usage(existing).free + held_bytes(folder)
+        if room < bound:
+            raise ConfigError(field, f"{format_bytes(bound)}, but the filesystem of {folder} has "
+                                     f"{format_bytes(room)} for it; give less, or another folder")
 
 
 def _method(flag: str | None, hf: dict) -> str | None:

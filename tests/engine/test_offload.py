@@ -16,6 +16,7 @@ from kvrelay.common.hashing import hash_blocks, root_hash
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvrelay.engine.core import EngineCore
+from kvrelay.engine.model_info import ConfigError, check_engine_config
 from tests.helpers.models import make_tiny_checkpoint
 from tests.helpers.nodes import run_colocated
 
@@ -143,3 +144,20 @@ def test_serving_goes_on_when_the_stores_folder_is_removed(model, tmp_path, capl
     tier = engine.offload.store.tiers[0]
     assert not tier.enabled and tier.stats.write_failures == 1 and "offloading to it stops" in caplog.text
     engine.shutdown()
+
+
+def test_a_tier_larger_than_its_filesystem_has_room_for_is_refused_at_start(model, tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+
+    def config(**cache) -> EngineConfig:
+        return EngineConfig(model=ModelConfig(model=model, dtype="float32", device="cpu"),
+                            cache=CacheConfig(kv_offload_path=str(tmp_path / "shm"), **cache))
+
+    check_engine_config(config(kv_offload_bytes=1 << 20))
+    with pytest.raises(ConfigError, match=r"the filesystem of .*shm has .* for it; give less") as e:
+        check_engine_config(config(kv_offload_bytes=free + (1 << 40)))
+    assert e.value.field == "kv_offload_bytes"  # the node and kvrelay up name the flag: --kv-offload-bytes
+    with pytest.raises(ConfigError) as e:
+        check_engine_config(config(kv_offload_dir=str(tmp_path / "disk" / "deeper"),
+                                   kv_offload_disk_bytes=free + (1 << 40)))
+    assert e.value.field == "kv_offload_disk_bytes"

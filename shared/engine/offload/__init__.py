@@ -22,6 +22,11 @@ def default_offload_path() -> str:
     return f"/dev/shm/kvrelay-kv-offload-{os.getuid()}"
 
 
+def held_bytes(folder: str) -> int:
+    """What a tier's folder holds now (0 when there is none yet)."""
+    return DirTier.used_in(Path(folder))
+
+
 _WEIGHT_FILES = (".safetensors", ".bin", ".gguf", ".json")
 
 

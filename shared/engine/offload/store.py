@@ -194,10 +194,23 @@ class DirTier:
         return scan
 
     def used_bytes(self) -> int:
+        return self.used_in(self.path)
+
+    @staticmethod
+    def used_in(path: Path) -> int:
+        """Bytes of blocks (and writes in progress) in a tier's folder; 0 when it cannot be read."""
+        total = 0
         try:
-            return self._scan().total
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    if entry.name.endswith(_SUFFIX) or entry.name.startswith(_TMP):
+                        try:
+                            total += entry.stat().st_size
+                        except FileNotFoundError:
+                            pass
         except OSError:
             return 0
+        return total
 
     @contextmanager
     def _locked(self):
