@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvrelay.common.units import format_bytes
 from kvrelay.engine.config import EngineConfig, ModelConfig, parse_dtype
+from kvrelay.engine.offload import default_offload_path, held_bytes
 from kvrelay.engine.quant_config import METHODS, QuantConfigError, effective_method
 from kvrelay.model_files.resolve import resolve_model
 
@@ -236,8 +237,6 @@ def check_engine_config(config: EngineConfig, shape: ModelShape | None = None) -
 def _check_offload(c) -> None:
     """Each offload tier's folder must be one this user can make, on a filesystem with room for its bound (what
     the store holds already counts as room: it is the store's)."""
-    from kvrelay.engine.offload import default_offload_path, held_bytes
-
     for field, folder, bound in (("kv_offload_bytes", c.kv_offload_path or default_offload_path(), c.kv_offload_bytes),
                                  ("kv_offload_disk_bytes", c.kv_offload_dir, c.kv_offload_disk_bytes)):
         if not bound:

@@ -12,7 +12,7 @@ import xxhash
 
 from kvrelay.common.records import KVLayout
 from kvrelay.engine.config import CacheConfig
-from kvrelay.engine.offload.store import DirTier, TieredStore
+from kvrelay.engine.offload.store import DirTier, TieredStore, used_in
 from kvrelay.engine.offload.tier import BlockIO, KVOffload
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ def default_offload_path() -> str:
 
 def held_bytes(folder: str) -> int:
     """What a tier's folder holds now (0 when there is none yet)."""
-    return DirTier.used_in(Path(folder))
+    return used_in(Path(folder))
 
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".gguf", ".json")

@@ -119,7 +119,7 @@ class DirTier:
         demoted: list[tuple[str, Buffer]] = []
         try:
             with self._locked():
-                scan = self._scan()
+                scan = _scan(self.path)
                 demoted, freed = self._evict(scan, size - (self.capacity - scan.total), demote is not None)
                 self.used = scan.total - freed
                 for key, header, payload in files:
@@ -172,45 +172,8 @@ class DirTier:
             excess -= size
         return kept, freed
 
-    def _scan(self) -> _Scan:
-        scan = _Scan()
-        with os.scandir(self.path) as entries:
-            for entry in entries:
-                name = entry.name
-                try:
-                    st = entry.stat()
-                except FileNotFoundError:
-                    continue
-                if name.endswith(_SUFFIX):
-                    scan.files.append((st.st_mtime, st.st_size, name))
-                    scan.total += st.st_size
-                elif name.startswith(_TMP):
-                    pid = int(name.split(".")[2]) if name.split(".")[2].isdigit() else 0
-                    if pid and not pid_alive(pid):  # a writer killed mid-write
-                        _unlink(Path(entry.path))
-                    else:
-                        scan.total += st.st_size
-        scan.files.sort()
-        return scan
-
     def used_bytes(self) -> int:
-        return self.used_in(self.path)
-
-    @staticmethod
-    def used_in(path: Path) -> int:
-        """Bytes of blocks (and writes in progress) in a tier's folder; 0 when it cannot be read."""
-        total = 0
-        try:
-            with os.scandir(path) as entries:
-                for entry in entries:
-                    if entry.name.endswith(_SUFFIX) or entry.name.startswith(_TMP):
-                        try:
-                            total += entry.stat().st_size
-                        except FileNotFoundError:
-                            pass
-        except OSError:
-            return 0
-        return total
+        return used_in(self.path)
 
     @contextmanager
     def _locked(self):
@@ -236,15 +199,12 @@ class TieredStore:
         """Whether any tier still takes writes."""
         return any(t.enabled for t in self.tiers)
 
-    def where(self, key: str) -> DirTier | None:
-        return next((t for t in self.tiers if t.has(key)), None)
-
     def read(self, key: str) -> tuple[Buffer, DirTier] | None:
+        """The verified payload of `key` and the first tier that has it (each tier before counts a miss)."""
         for tier in self.tiers:
-            if tier.has(key):
-                payload = tier.read(key)
-                if payload is not None:
-                    return payload, tier
+            payload = tier.read(key)
+            if payload is not None:
+                return payload, tier
         return None
 
     def write(self, blocks: list[tuple[str, Buffer]]) -> None:
@@ -253,6 +213,37 @@ class TieredStore:
             top.write(blocks, demote=below)
         elif below is not None:
             below.write(blocks)
+
+
+def used_in(path: Path) -> int:
+    """Bytes of blocks (and writes in progress) in a tier's folder; 0 when it cannot be read."""
+    try:
+        return _scan(path).total
+    except OSError:
+        return 0
+
+
+def _scan(path: Path) -> _Scan:
+    """The folder's blocks, oldest first, and its bytes; a temporary file of a writer that died is removed."""
+    scan = _Scan()
+    with os.scandir(path) as entries:
+        for entry in entries:
+            name = entry.name
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue
+            if name.endswith(_SUFFIX):
+                scan.files.append((st.st_mtime, st.st_size, name))
+                scan.total += st.st_size
+            elif name.startswith(_TMP):
+                pid = name.split(".")[2]  # .tmp.<pid>.<thread>.<n>
+                if pid.isdigit() and not pid_alive(int(pid)):  # a writer killed mid-write
+                    _unlink(Path(entry.path))
+                else:
+                    scan.total += st.st_size
+    scan.files.sort()
+    return scan
 
 
 def _verified(data: bytes | bytearray) -> Buffer | None:

@@ -123,10 +123,7 @@ class KVOffload:
             payloads = self.io.read_blocks(block_ids)
         except Exception:  # noqa: BLE001 - an optimisation never fails the allocation that evicted them
             logger.exception("offload: copying %d evicted blocks out failed; they are not kept", len(block_ids))
-            with self._lock:
-                self._pending_bytes -= size
-                if self._pending_bytes == 0:
-                    self._idle.set()
+            self._written(size)
             self.stats.dropped_blocks += len(block_ids)
             return
         self.stats.offload_seconds += time.perf_counter() - t0
@@ -153,10 +150,14 @@ class KVOffload:
                 self.store.write(batch)
             except Exception:  # noqa: BLE001 - the tier is an optimisation: serving goes on without it
                 logger.exception("offload: writing %d blocks failed", len(batch))
-            with self._lock:
-                self._pending_bytes -= size
-                if self._pending_bytes == 0 and self._queue.empty():
-                    self._idle.set()
+            self._written(size)
+
+    def _written(self, size: int) -> None:
+        """`size` bytes queued for the writer are off its hands (written, or given up)."""
+        with self._lock:
+            self._pending_bytes -= size
+            if self._pending_bytes == 0 and self._queue.empty():
+                self._idle.set()
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every queued block is written (tests; shutdown)."""
