@@ -14,8 +14,14 @@ Every store and eviction is recorded as an event for the index publisher to drai
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 
 from kvrelay.common.records import BlockEvent, BlockEventKind, BlockHash
+
+# A BlockEvent from its two fields as one tuple, without the named tuple's Python-level __new__: a node makes one
+# per block it fills or evicts.
+_event = partial(tuple.__new__, BlockEvent)
+_STORED = BlockEventKind.STORED
 
 
 class KVBlock:
@@ -153,7 +159,7 @@ class BlockPool:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
             if self.record_events:
-                self._events.append(BlockEvent(BlockEventKind.EVICTED, block.block_hash))
+                self._events.append(_event((BlockEventKind.EVICTED, block.block_hash)))
         block.block_hash = None
 
     def cache_blocks(self, blocks: Sequence[KVBlock], block_hashes: Sequence[BlockHash]) -> None:
@@ -162,15 +168,15 @@ class BlockPool:
         private to this block: one block per hash."""
         if not self.enable_caching:
             return
-        cached, record = self.cached, self.record_events
+        cached, events = self.cached, self._events if self.record_events else None
         for block, block_hash in zip(blocks, block_hashes):
             if block.block_hash is not None:
                 continue
             block.block_hash = block_hash
             if block_hash not in cached:
                 cached[block_hash] = block
-                if record:
-                    self._events.append(BlockEvent(BlockEventKind.STORED, block_hash))
+                if events is not None:
+                    events.append(_event((_STORED, block_hash)))
 
     def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
         """Drop one reference from each; blocks that reach 0 go to the free queue in the given order

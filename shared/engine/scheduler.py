@@ -23,6 +23,7 @@ another adapter sits the step out, and a waiting one keeps its place in the queu
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
+from functools import partial
 from typing import TYPE_CHECKING
 
 from kvrelay.engine.beam_search import BeamGroup, BeamStep
@@ -45,6 +46,11 @@ if TYPE_CHECKING:
 
 
 _ONE_TOKEN = Chunk(1)
+
+
+# A CachedRequestData from its three fields as one tuple: the named tuple's own __new__ is a Python-level call,
+# and one is made per running request per step.
+_cached_row = partial(tuple.__new__, CachedRequestData)
 
 
 class Scheduler(RequestTable):
@@ -132,6 +138,7 @@ class Scheduler(RequestTable):
         # taken without _plan_chunk, since every running request of every step comes through here.
         plain = self.speculation is None and plan.pooling_budget is None
         allocate, running = self.kv.allocate_slots, RequestStatus.RUNNING
+        unseen, rewritten, tokens, cached = self._unseen, self.kv.rewritten, plan.tokens, plan.cached
         # A snapshot: preemption removes requests from self.running while we walk it.
         for req in list(requests):
             if plan.budget <= 0:
@@ -143,20 +150,30 @@ class Scheduler(RequestTable):
                 deferred.append(req)
                 continue
             if plain and len(req.all_token_ids) - req.num_computed_tokens == 1:
-                chunk = _ONE_TOKEN
-            elif (chunk := self._plan_chunk(req, req.num_computed_tokens, plan.budget, plan)) is None:
-                continue
-            new_blocks = allocate(req, chunk.num_tokens, num_lookahead_tokens=chunk.lookahead)
-            if new_blocks is None and (not preempt or (new_blocks := self._preempt_for(req, chunk, plan)) is None):
-                continue
-            plan.add(rid, chunk, req.lora_name, _capped_pooling(plan, req))
-            if rid in self._unseen or rid in self.kv.rewritten:
-                self._unseen.discard(rid)
-                self.kv.rewritten.discard(rid)
+                # The decode row, spelled out: StepPlan.add's work for a one-token chunk and no pooling cap.
+                new_blocks = allocate(req, 1)
+                if new_blocks is None and (
+                        not preempt or (new_blocks := self._preempt_for(req, _ONE_TOKEN, plan)) is None):
+                    continue
+                tokens[rid] = 1
+                plan.budget -= 1
+                if req.lora_name:
+                    plan.loras.add(req.lora_name)
+            else:
+                if (chunk := self._plan_chunk(req, req.num_computed_tokens, plan.budget, plan)) is None:
+                    continue
+                new_blocks = allocate(req, chunk.num_tokens, num_lookahead_tokens=chunk.lookahead)
+                if new_blocks is None and (
+                        not preempt or (new_blocks := self._preempt_for(req, chunk, plan)) is None):
+                    continue
+                plan.add(rid, chunk, req.lora_name, _capped_pooling(plan, req))
+            if rid in unseen or rid in rewritten:
+                unseen.discard(rid)
+                rewritten.discard(rid)
                 plan.new.append(self._new_request_data(req))
             else:
-                new_ids = tuple(b.block_id for b in new_blocks) if new_blocks else ()
-                plan.cached.append(CachedRequestData(rid, new_ids, req.num_computed_tokens))
+                new_ids = tuple([b.block_id for b in new_blocks]) if new_blocks else ()
+                cached.append(_cached_row((rid, new_ids, req.num_computed_tokens)))
         return deferred
 
     def _preempt_for(self, req: Request, chunk: Chunk, plan: StepPlan) -> list | None:

@@ -64,8 +64,9 @@ class StepPlan:
         whose chunk is then taken back."""
         if req_id in self.tokens:
             self.budget += self.tokens.pop(req_id)
-            self.cached = [c for c in self.cached if c.req_id != req_id]
-            self.new = [d for d in self.new if d.req_id != req_id]
+            # In place: the scheduler holds these lists while it walks the running requests.
+            self.cached[:] = [c for c in self.cached if c.req_id != req_id]
+            self.new[:] = [d for d in self.new if d.req_id != req_id]
             self.drafts.pop(req_id, None)
             self.propose.discard(req_id)
         self.preempted.add(req_id)

@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         model=model, kv_cache_blocks=core.num_blocks, block_size=core.config.cache.block_size,
         startup_s=round(startup_s, 3), transfer=transfer, steps=steps, single_host=True,
         machine={**info, "dtype": dtype, "grid": [list(g) for g in grid], "repeats": args.repeats,
-                 "points": [{"threads": p.threads, "kind": p.kind, "shape": vars(p.shape), "seconds": p.seconds}
+                 "points": [{"threads": p.threads, "kind": p.kind, "shape": p.shape._asdict(), "seconds": p.seconds}
                             for p in points]},
         figures={"measured": measured, "modelled": [] if not args.skip_transfer else ["same-host KV transfer"]},
         fit=fits,

@@ -20,6 +20,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from kvrelay.common.system import cache_dir
 
@@ -30,8 +31,9 @@ def local_profile_path() -> Path:
     return Path(os.environ.get("KVRELAY_SIM_PROFILE") or Path(cache_dir()) / "sim" / "local.json")
 
 
-@dataclass(frozen=True)
-class StepShape:
+class StepShape(NamedTuple):
+    """A named tuple: one is made per simulated step."""
+
     tokens: int = 0  # tokens computed this step
     rows: int = 0  # requests in the step
     prefill_tokens: int = 0  # of `tokens`, those in chunks of more than one token
@@ -53,7 +55,7 @@ class StepShape:
                 ptok += n
                 pctx += ctx + n
                 pairs += n * (ctx + (n + 1) / 2)
-        return cls(tokens, rows, ptok, pairs, pctx, dctx)
+        return tuple.__new__(cls, (tokens, rows, ptok, pairs, pctx, dctx))
 
 
 def step_shape(sched, requests) -> StepShape:
@@ -113,19 +115,26 @@ class RooflineStep:
     memory_efficiency: float
     overhead_s: float  # per step: scheduling, launches, sampling
     allreduce_latency_s: float  # per all-reduce (two per layer under tensor parallelism)
+    # The factors of `time` that do not depend on the step, worked out once (a simulation asks for every step).
+    _factors: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
-    def time(self, s: StepShape) -> float:
+    def __post_init__(self) -> None:
         m, tp = self.model, self.tensor_parallel
         embed = m.vocab_size * m.hidden_size
-        flops = (2 * (m.params - embed) * s.tokens + 2 * embed * s.rows
-                 + 4 * m.num_layers * m.num_heads * m.head_size * (s.prefill_pairs + s.decode_context))
-        bytes_ = m.weight_bytes + m.kv_bytes_per_token * (s.decode_context + s.prefill_context + s.tokens)
-        compute = flops / (tp * self.peak_flops * self.compute_efficiency)
-        memory = bytes_ / (tp * self.hbm_bytes_per_s * self.memory_efficiency)
+        object.__setattr__(self, "_factors", (
+            2 * (m.params - embed), 2 * embed, 4 * m.num_layers * m.num_heads * m.head_size, m.weight_bytes,
+            m.kv_bytes_per_token, tp * self.peak_flops * self.compute_efficiency,
+            tp * self.hbm_bytes_per_s * self.memory_efficiency, 2 * (tp - 1) / tp))
+
+    def time(self, s: StepShape) -> float:
+        per_token, per_row, per_pair, weight_bytes, kv_bytes, flops_per_s, bytes_per_s, ring = self._factors
+        flops = per_token * s.tokens + per_row * s.rows + per_pair * (s.prefill_pairs + s.decode_context)
+        memory = (weight_bytes + kv_bytes * (s.decode_context + s.prefill_context + s.tokens)) / bytes_per_s
+        compute = flops / flops_per_s
         comm = 0.0
-        if tp > 1:
-            per = self.allreduce_latency_s + 2 * (tp - 1) / tp * s.tokens * m.hidden_size * m.dtype_bytes \
-                / self.link_bytes_per_s
+        if self.tensor_parallel > 1:
+            m = self.model
+            per = self.allreduce_latency_s + ring * s.tokens * m.hidden_size * m.dtype_bytes / self.link_bytes_per_s
             comm = 2 * m.num_layers * per
         return self.overhead_s + max(compute, memory) + comm
 
@@ -177,7 +186,7 @@ class Profile:
     def to_json(self) -> dict:
         out = asdict(self)
         out["steps"] = {str(k): {"kind": "linear" if isinstance(v, LinearStep) else "roofline",
-                                 **{f: x for f, x in asdict(v).items() if f != "model"}}
+                                 **{f: x for f, x in asdict(v).items() if f not in ("model", "_factors")}}
                         for k, v in self.steps.items()}
         return out
 
