@@ -49,6 +49,9 @@ class GatewayConfig:
     kv_cache_dtype: str = "auto"  # the nodes' --kv-cache-dtype: part of every block hash (common.hashing)
     max_model_len: int | None = None  # None: the smallest any node announces
     shutdown_timeout: float = 30.0
+    # --port and --grpc-port shared with a successor (SO_REUSEPORT): a rolling restart starts the new gateway on
+    # the same ports before this one drains, and a draining gateway stops listening at once (kvrelay up sets it).
+    reuse_port: bool = False
     refresh_interval: float = 0.5  # registry poll
     health_interval: float = 2.0  # static nodes' health checks
     startup_timeout: float = 0.0  # wait this long for a decode node before serving (0: serve at once)

@@ -217,8 +217,9 @@ def _handlers(servicer: GatewayServicer) -> grpc.GenericRpcHandler:
 
 
 async def start_grpc_server(gateway, host: str, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length",
-                                                                 gateway.config.max_body_bytes or -1)])
+    # SO_REUSEPORT only with --reuse-port: a successor shares the port during a rolling restart.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", int(gateway.config.reuse_port)),
+                                      ("grpc.max_receive_message_length", gateway.config.max_body_bytes or -1)])
     server.add_generic_rpc_handlers((_handlers(GatewayServicer(gateway)),))
     tls = gateway.config.serving_tls()
     address = f"{host}:{port}"
@@ -227,6 +228,6 @@ async def start_grpc_server(gateway, host: str, port: int) -> grpc.aio.Server:
     if bound == 0:
         raise OSError(f"cannot bind the gRPC API to {host}:{port}")
     await server.start()
-    gateway.grpc_port = bound
+    gateway.grpc_port, gateway.grpc_server = bound, server
     logger.info("gateway gRPC API on %s:%d%s", host, bound, " (TLS)" if tls is not None else "")
     return server

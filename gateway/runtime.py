@@ -109,6 +109,8 @@ class Gateway:
         self.idempotency = IdempotentRequests(config.idempotency_ttl, on_replay=self.metrics.observe_replay,
                                               resume_grace_s=config.stream_resume_grace, shared=self.shared_answers)
         self.started_at = time.time()
+        self.grpc_port: int | None = None  # the gRPC API's, once it listens (kvrelay.gateway.grpc_api)
+        self.grpc_server = None  # its grpc.aio.Server
 
     def _endpoint(self, resolved, names: tuple[str, ...], parser, tokenizer: Tokenizer | None) -> ModelEndpoint:
         config, model_id = self.config, resolved.model_id

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager, contextmanager
@@ -356,6 +357,8 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         core, grace = self.gateway.core, self.gateway.config.shutdown_timeout
         core.draining = True  # new requests get 503 with Retry-After; the port stays open until the drain ends
+        if self.gateway.config.reuse_port:
+            self._hand_over_ports(grace)
         if core.active:
             logger.info("shutting down: new requests get 503; %d generations in progress get up to %.0f s",
                         core.active, grace)
@@ -369,6 +372,31 @@ class _Server(uvicorn.Server):
             while core.active and time.monotonic() < end:
                 await asyncio.sleep(0.01)
         await super().shutdown(sockets)
+
+
+    def _hand_over_ports(self, grace: float) -> None:
+        """A successor shares the ports (--reuse-port): stop listening now, so that every new connection reaches
+        it; idle keep-alive connections close (their clients reconnect, to the successor), busy ones once their
+        response is out. The streams in progress finish here within the grace."""
+        logger.info("handing the ports over: no longer listening; the open streams finish here")
+        for server in self.servers:
+            server.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
+        if self.gateway.grpc_server is not None:  # no new RPCs; those in progress get the grace
+            self._grpc_stop = asyncio.ensure_future(self.gateway.grpc_server.stop(grace=grace))
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port that another process may bind too (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def make_server(config: GatewayConfig, gateway: Gateway | None = None, log_level: str = "info") -> _Server:
@@ -392,7 +420,8 @@ def serve(config: GatewayConfig, log_level: str = "info") -> int:
     tracing.setup_tracing("kvrelay-gateway", config.otlp_traces_endpoint)
     try:
         # server.run() picks uvloop and httptools when installed (uvicorn[standard]): ~1 ms less per request.
-        make_server(config, log_level=log_level).run()
+        sockets = [reuse_port_socket(config.host, config.port)] if config.reuse_port else None
+        make_server(config, log_level=log_level).run(sockets=sockets)
     finally:
         tracing.shutdown_tracing()
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -68,6 +69,19 @@ class Child:
     restarts: int = 0
     next_restart: float = 0.0  # monotonic time of the next restart; 0: none due; -1: reported, not restarted
     metrics_url: str = ""  # nodes: http://host:port (its /health says loading, then serving)
+
+    @property
+    def is_gateway(self) -> bool:
+        """The gateway ("gateway", or "gateway-rN" once a rolling restart replaced it), not a node."""
+        return self.name == "gateway" or self.name.startswith("gateway-")
+
+
+def _with_flags(argv: list[str], values: dict[str, str]) -> list[str]:
+    """argv with the value after each flag in `values` replaced."""
+    out = list(argv)
+    for flag, value in values.items():
+        out[out.index(flag) + 1] = value
+    return out
 
 
 def _set_flags(config: UpConfig, names: tuple[str, ...]) -> list[str]:
@@ -146,7 +160,7 @@ def plan_children(config: UpConfig, redis_url: str, where: Placement, ports: Fle
                 argv += _set_flags(config, ("speculative_config",))
             children.append(Child(name, argv, metrics_url=f"http://{config.host}:{metrics_port}", env=dict(env)))
     gateway = kvrelay_command("gateway", "--host", config.host, "--port", str(ports.http), "--grpc-port",
-                              str(ports.grpc), "--shutdown-grace",
+                              str(ports.grpc), "--reuse-port", "--shutdown-grace",
                               str(config.shutdown_grace), *gateway_flags(config))
     if api_key:
         env["KVRELAY_API_KEY"] = api_key
@@ -164,6 +178,8 @@ class Fleet:
         # Set by the first Ctrl-C / SIGTERM (a plain flag: a signal handler must take no lock); every loop here
         # looks at it at least every quarter second.
         self.stop_requested = False
+        self.roll_requested = False  # SIGHUP: a rolling restart (set by the handler, run by supervise())
+        self._generation = 0  # of the nodes' successors' names: decode-0 -> decode-0-r1 -> ...
         # With a keys file only, the launcher's own admin key (its readiness checks), known to nobody else.
         self.api_key = config.api_key or (secrets.token_urlsafe(32) if config.api_keys_file else None)
 
@@ -176,7 +192,7 @@ class Fleet:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def nodes(self) -> list[Child]:
-        return [c for c in self.children if c.name != "gateway"]
+        return [c for c in self.children if not c.is_gateway]
 
     def start(self) -> None:
         redis_url = self.config.redis_url or self._start_redis()
@@ -297,6 +313,9 @@ class Fleet:
         """Watch the children until Ctrl-C: report one that exits (restart it with --restart, with backoff)."""
         while not self.stop_requested:
             time.sleep(0.2)
+            if self.roll_requested:
+                self.roll_requested = False
+                self.roll()
             if self.config.restart:
                 self._check_children(restart=True)
                 continue
@@ -307,6 +326,90 @@ class Fleet:
                                  process.returncode, process.log_tail(20))
                     child.next_restart = -1.0
 
+    # -------------------------------------------------------------------------------------- rolling restart
+
+    def roll(self) -> bool:
+        """Restart every process, one at a time, without a lost request (SIGHUP to `kvrelay up`). Each node is
+        replaced surge-first, as deploy/'s rollouts do: its successor starts under a new name on new ports, and
+        once the gateway routes to it the old node gets SIGTERM: it stops taking work, finishes what it can within
+        --shutdown-grace, and the gateway moves the rest to other nodes token-exact. The gateway goes last: its
+        successor binds the same ports (--reuse-port), then the old one stops listening and finishes its open
+        streams. False if it stopped early (Ctrl-C, or a successor that did not come up: the old process then
+        stays)."""
+        start = time.monotonic()
+        logger.info("rolling restart of %d processes, one at a time", len(self.children))
+        for old in list(self.nodes()):
+            if self.stop_requested or not self._replace_node(old):
+                return False
+        if self.stop_requested or not self._replace_gateway():
+            return False
+        logger.info("rolling restart done in %.0f s: %s", time.monotonic() - start,
+                    ", ".join(c.name for c in self.children))
+        return True
+
+    def _replace_node(self, old: Child) -> bool:
+        host = self.config.host
+        base = re.sub(r"-r\d+$", "", old.name)
+        self._generation += 1
+        name = f"{base}-r{self._generation}"
+        grpc_port, metrics_port = free_port(host), free_port(host)
+        argv = _with_flags(old.argv, {"--node-id": name, "--port": str(grpc_port), "--metrics-port": str(metrics_port)})
+        new = Child(name, argv, env=dict(old.env), metrics_url=f"http://{host}:{metrics_port}")
+        self._spawn(new)
+        if not self._wait_routable(new):
+            return False
+        self._retire(old, new)
+        return True
+
+    def _replace_gateway(self) -> bool:
+        old = next(c for c in self.children if c.is_gateway)
+        self._generation += 1
+        new = Child(f"gateway-r{self._generation}", list(old.argv), env=dict(old.env))  # a log of its own
+        self._spawn(new)
+        deadline = time.monotonic() + self.config.ready_timeout
+        # Both listen on the port now: the new one is up once its own log says so (uvicorn's line).
+        while "Application startup complete" not in new.process.log_path.read_text(errors="replace"):
+            if self.stop_requested or not new.process.alive() or time.monotonic() > deadline:
+                return self._give_up(new, old)
+            time.sleep(0.25)
+        self._retire(old, new)
+        return True
+
+    def _wait_routable(self, new: Child) -> bool:
+        """Until the gateway routes to `new` (False, and `new` stopped, if it exits or time runs out first)."""
+        deadline = time.monotonic() + self.config.ready_timeout
+        next_report = time.monotonic() + PROGRESS_EVERY_S
+        while True:
+            try:
+                health = httpx.get(f"{self.url}/health", timeout=2).json()
+                if any(n.get("node_id") == new.name and n.get("routable") for n in health.get("nodes", [])):
+                    return True
+            except (httpx.HTTPError, ValueError):
+                pass
+            if self.stop_requested or not new.process.alive() or time.monotonic() > deadline:
+                return self._give_up(new, None)
+            if time.monotonic() >= next_report:
+                logger.info("rolling restart: %s %s", new.name, self._node_state(new))
+                next_report = time.monotonic() + PROGRESS_EVERY_S
+            time.sleep(0.25)
+
+    def _give_up(self, new: Child, old: Child | None) -> bool:
+        why = "interrupted" if self.stop_requested else (
+            f"it exited with code {new.process.returncode}" if not new.process.alive() else "it was not ready in time")
+        logger.error("rolling restart stopped: %s did not come up (%s); %s keeps serving; its log: %s", new.name, why,
+                     old.name if old is not None else "the old node", new.process.log_path)
+        new.process.stop(grace_s=self.config.shutdown_grace + 5)
+        return False
+
+    def _retire(self, old: Child, new: Child) -> None:
+        """`new` takes `old`'s place; `old` drains (SIGTERM) and exits."""
+        self.children[self.children.index(old)] = new
+        logger.info("rolling restart: %s serves; %s drains (up to %.0f s)", new.name, old.name,
+                    self.config.shutdown_grace)
+        if old.process is not None:
+            code = old.process.stop(grace_s=self.config.shutdown_grace + 5)
+            logger.info("rolling restart: %s exited with code %s", old.name, code)
+
     # ---------------------------------------------------------------------------------------------- stopping
 
     def stop(self) -> None:
@@ -314,8 +417,9 @@ class Fleet:
         event), the nodes (they deregister while Redis still answers), Redis last."""
         processes = [c.process for c in self.children if c.process is not None]
         grace = self.config.shutdown_grace + 5  # past it: SIGKILL to the group
-        stop_all([p for p in processes if p.name == "gateway"], grace)
-        stop_all([p for p in processes if p.name != "gateway"], grace)
+        gateways = [c.process for c in self.children if c.is_gateway and c.process is not None]
+        stop_all(gateways, grace)
+        stop_all([p for p in processes if p not in gateways], grace)
         if self.redis is not None:
             self.redis.stop()
 

@@ -33,6 +33,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    default=d.shutdown_timeout,
                    help="seconds open streams get after SIGTERM (new requests get 503 meanwhile); then each ends "
                         "with an error event and [DONE]")
+    g.add_argument("--reuse-port", action="store_true", default=d.reuse_port,
+                   help="share --port and --grpc-port with another gateway (SO_REUSEPORT): a rolling restart starts "
+                        "the new gateway on the same ports before the old one drains; on SIGTERM this one stops "
+                        "listening at once and its open streams finish (kvrelay up passes it)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="names the API accepts in 'model' (default: the model id); NAME=MODEL names another "
                         "--model's (a plain NAME is the first model's)")
@@ -175,6 +179,8 @@ def check_gateway(config: GatewayConfig) -> None:
         raise UsageError(str(e), "--ssl-certfile") from None
     if config.grpc_port == config.port:
         raise UsageError(f"{config.port} is --port too: give the gRPC API a port of its own", "--grpc-port")
+    if config.reuse_port:  # a predecessor may hold the ports until it has drained
+        return
     check_port(config.host, config.port, "--port")
     if config.grpc_port is not None:
         check_port(config.host, config.grpc_port, "--grpc-port")

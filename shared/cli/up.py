@@ -187,9 +187,13 @@ def _handle_signals(fleet: Fleet) -> None:
             os._exit(130)
         fleet.stop_requested = True
 
+    def on_hangup(signum, frame) -> None:
+        fleet.roll_requested = True
+
     # Both explicitly: a launcher started from a non-interactive shell's background job inherits SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
 
 
 def mask(key: str) -> str:
@@ -232,6 +236,7 @@ print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'co
 max_tokens=32).choices[0].message.content)"
 
 Ctrl-C stops the fleet (the gateway, the nodes, then Redis); a second Ctrl-C kills it at once.
+kill -HUP {os.getpid()} restarts every process, one at a time, without a lost request (a rolling restart).
 """
 
 

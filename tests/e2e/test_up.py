@@ -1,12 +1,14 @@
 """`kvrelay up` end to end, disaggregated (one prefill and one decode node, KV over the auto connector): the fleet
 comes up with the default model, the printed URL serves a real chat completion through the official OpenAI client,
-the printed metrics URL carries both nodes' vLLM series, and an idle fleet stops on Ctrl-C within 3 s, leaving no
-process behind and no traceback. (A colocated fleet, and everything else a newcomer meets: test_newcomer.py.)"""
+the printed metrics URL carries both nodes' vLLM series, a rolling restart (SIGHUP) under load replaces every
+process without a failed request or a changed greedy answer, and an idle fleet stops on Ctrl-C within 3 s, leaving
+no process behind and no traceback. (A colocated fleet, and everything else a newcomer meets: test_newcomer.py.)"""
 
 from __future__ import annotations
 
 import re
 import signal
+import threading
 import time
 
 import httpx
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.timeout(420)
 IDLE_STOP_S = 3.0
 
 
-def test_up_serves_chat_and_stops_cleanly(default_model_dir, tmp_path):
+def test_up_serves_chat_rolls_and_stops_cleanly(default_model_dir, tmp_path):
     port = free_port()
     # Disaggregated explicitly: on a machine under 4 cores the default is one colocated engine.
     cmd = kvrelay_command("up", "--model", "default", "--prefill", "1", "--decode", "1", "--port", str(port),
@@ -55,6 +57,8 @@ def test_up_serves_chat_and_stops_cleanly(default_model_dir, tmp_path):
         # A prompt this short is computed on the decode node itself (--local-prefill-threshold): counted there.
         assert metrics.value("vllm:time_to_first_token_seconds_count", node_id="decode-0") >= 1
 
+        _roll_under_load(up, client, model)
+
         time.sleep(1.0)  # idle
         children = descendants(up.pid)
         assert len(children) >= 4  # redis, prefill, decode, gateway
@@ -75,3 +79,52 @@ def test_up_serves_chat_and_stops_cleanly(default_model_dir, tmp_path):
 def _banner(up: ChildProcess, field: str) -> str | None:
     found = re.search(rf"^  {field} +: (\S+)", up.log_path.read_text(errors="replace"), re.MULTILINE)
     return found.group(1) if found else None
+
+
+def _roll_under_load(up: ChildProcess, client, model: str) -> None:
+    """SIGHUP while two clients (one streaming) send greedy requests back to back: every process is replaced one
+    at a time, every request succeeds (the SDK's own retries allowed), and every answer is the one the fleet gave
+    before the restart."""
+    prompts = [f"Count from {i} to {i + 30}, one number per line." for i in (1, 50)]
+
+    def ask(prompt: str, stream: bool) -> str:
+        kw = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=64, temperature=0)
+        if not stream:
+            return client.chat.completions.create(**kw).choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+
+    expected = {p: ask(p, False) for p in prompts}
+    started = dict(re.findall(r"started (\S+) \(pid (\d+)\)", up.log_path.read_text(errors="replace")))
+    assert set(started) == {"prefill-0", "decode-0", "gateway"}
+    answers, errors, stop = [], [], threading.Event()
+
+    def client_loop(k: int) -> None:
+        while not stop.is_set():
+            prompt = prompts[(len(answers) + k) % 2]
+            try:
+                answers.append((prompt, ask(prompt, stream=k == 0), time.monotonic()))
+            except Exception as e:  # every failure is what the test counts
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        rolled_at = time.monotonic()
+        up.send_signal(signal.SIGHUP)
+        up.wait_ready(lambda: "rolling restart done" in up.log_path.read_text(errors="replace") or None,
+                      timeout_s=240, interval_s=0.5)
+        done_at = time.monotonic()
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+    assert [a for a in answers if a[1] != expected[a[0]]] == []
+    assert sum(rolled_at <= t <= done_at for _, _, t in answers) >= 4  # requests were served through the roll
+    health = httpx.get(_banner(up, "OpenAI base URL").removesuffix("/v1") + "/health", timeout=5).json()
+    assert sorted(n["node_id"] for n in health["nodes"] if n["routable"]) == ["decode-0-r2", "prefill-0-r1"]
+    assert not [name for name, pid in started.items() if alive(int(pid))], "a replaced process is still running"
