@@ -50,7 +50,7 @@ class GatewayConfig:
     max_model_len: int | None = None  # None: the smallest any node announces
     shutdown_timeout: float = 30.0
     # --port and --grpc-port shared with a successor (SO_REUSEPORT): a rolling restart starts the new gateway on
-    # the same ports before this one drains, and a draining gateway stops listening at once (kvrelay up sets it).
+    # the same ports, then sends this one SIGUSR1: it stops listening at once and drains (kvrelay up sets it).
     reuse_port: bool = False
     refresh_interval: float = 0.5  # registry poll
     health_interval: float = 2.0  # static nodes' health checks

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
+import threading
 import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager, contextmanager
@@ -346,18 +348,33 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
         super().__init__(config)
         self.gateway = gateway
+        self.handing_over = False  # SIGUSR1: a rolling restart's successor has the ports
+        self._grpc_stop: asyncio.Future | None = None
 
     @contextmanager
     def capture_signals(self):
         # uvicorn re-raises SIGTERM after its shutdown; a drained gateway exits 0, like the nodes.
         with super().capture_signals():
-            yield
+            hand_over = (signal.signal(signal.SIGUSR1, self._on_hand_over)
+                         if self.gateway.config.reuse_port and threading.current_thread() is threading.main_thread()
+                         else None)
+            try:
+                yield
+            finally:
+                if hand_over is not None:
+                    signal.signal(signal.SIGUSR1, hand_over)
             self._captured_signals.clear()
+
+    def _on_hand_over(self, signum, frame) -> None:
+        """SIGUSR1 (with --reuse-port): a successor listens on the ports; drain as on SIGTERM, but stop listening
+        first (a plain SIGTERM keeps the port open, answering 503, since nobody else may be there)."""
+        self.handing_over = True
+        self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
         core, grace = self.gateway.core, self.gateway.config.shutdown_timeout
         core.draining = True  # new requests get 503 with Retry-After; the port stays open until the drain ends
-        if self.gateway.config.reuse_port:
+        if self.handing_over:
             self._hand_over_ports(grace)
         if core.active:
             logger.info("shutting down: new requests get 503; %d generations in progress get up to %.0f s",

@@ -7,7 +7,8 @@
 3. Burst (--burst N): N chat requests at once mixed with malformed ones; then every node must settle.
 4. Soak: --concurrency requests in flight from the set for --duration seconds while, every --kill-every seconds
    (once every node is back in rotation), a random prefill or decode node gets SIGKILL (--fault hang: SIGSTOP
-   for --hang-seconds, then SIGCONT; mixed: either). Greedy and seeded answers must equal their reference.
+   for --hang-seconds, then SIGCONT; mixed: either; gateway: the gateway gets SIGKILL; roll: `kvrelay up`
+   gets SIGHUP and restarts every process, one at a time). Greedy and seeded answers must equal their reference.
 5. Settle: wait until every node is back and idle, then report each node's load. Blocks in use must be 0.
 
 An answer is judged as a client sees it:
@@ -176,19 +177,40 @@ class Faults:
             while not all_routable(self.fleet, self.num_nodes) and time.monotonic() < deadline \
                     and not self.stop.is_set():
                 time.sleep(0.5)
-            pids = {n: p for n, p in self.fleet.pids().items() if n != "gateway"}
+            running = self.fleet.pids()
+            pids = {n: p for n, p in running.items() if not n.startswith("gateway")}
             if self.stop.is_set() or not pids or not all_routable(self.fleet, self.num_nodes):
                 continue
-            name = self.rng.choice(sorted(pids))
             kind = self.rng.choice(["kill", "hang"]) if self.kind == "mixed" else self.kind
+            if kind == "roll":
+                self._roll()
+                continue
+            if kind == "gateway":  # the launcher (--restart) starts it again
+                pids = {n: p for n, p in running.items() if n.startswith("gateway")}
+            name = self.rng.choice(sorted(pids))
             self.log.append({"t": round(time.monotonic() - self.t0, 1), "node": name, "pid": pids[name], "fault": kind})
             logger.info("soak: %s %s (pid %d)", kind, name, pids[name])
-            if kind == "kill":
+            if kind in ("kill", "gateway"):
                 os.kill(pids[name], signal.SIGKILL)
             else:
                 freeze(pids[name])
                 time.sleep(self.hang_s)
                 os.kill(pids[name], signal.SIGCONT)
+
+    def _roll(self) -> None:
+        """A rolling restart of the whole fleet (SIGHUP to `kvrelay up`), waited for to its end."""
+        ended = self._rolls_ended()
+        start = time.monotonic()
+        self.log.append({"t": round(start - self.t0, 1), "node": "all", "fault": "roll"})
+        logger.info("soak: rolling restart")
+        self.fleet.process.send_signal(signal.SIGHUP)
+        while self._rolls_ended() == ended and not self.stop.wait(1.0):
+            pass
+        self.log[-1]["seconds"] = round(time.monotonic() - start, 1)
+
+    def _rolls_ended(self) -> int:
+        text = self.fleet.process.log_path.read_text(errors="replace")
+        return text.count("rolling restart done") + text.count("rolling restart stopped")
 
 
 # -- phases ---------------------------------------------------------------------------------------------------
@@ -278,8 +300,10 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load with faults (0: burst only)")
     p.add_argument("--kill-every", type=float, default=30.0, help="seconds between faults")
-    p.add_argument("--fault", choices=["kill", "hang", "mixed"], default="kill",
-                   help="kill: SIGKILL (the launcher restarts the node); hang: SIGSTOP for --hang-seconds")
+    p.add_argument("--fault", choices=["kill", "hang", "mixed", "gateway", "roll"], default="kill",
+                   help="kill: SIGKILL to a node (the launcher restarts it); hang: SIGSTOP for --hang-seconds; mixed: "
+                        "either; gateway: SIGKILL to the gateway (restarted likewise); roll: a rolling restart of "
+                        "every process (SIGHUP to kvrelay up), the next one --kill-every seconds after it ended")
     p.add_argument("--hang-seconds", type=float, default=8.0, help="how long a hung node stays stopped")
     p.add_argument("--concurrency", type=int, default=6, help="requests in flight during the soak")
     p.add_argument("--num-prompts", type=int, default=24, help="distinct requests the soak cycles through")

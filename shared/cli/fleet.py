@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import secrets
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -334,7 +335,7 @@ class Fleet:
         once the gateway routes to it the old node gets SIGTERM: it stops taking work, finishes what it can within
         --shutdown-grace, and the gateway moves the rest to other nodes token-exact. The gateway goes last: its
         successor binds the same ports (--reuse-port), then the old one stops listening and finishes its open
-        streams. False if it stopped early (Ctrl-C, or a successor that did not come up: the old process then
+        streams (SIGUSR1). False if it stopped early (Ctrl-C, or a successor that did not come up: the old process then
         stays)."""
         start = time.monotonic()
         logger.info("rolling restart of %d processes, one at a time", len(self.children))
@@ -402,12 +403,15 @@ class Fleet:
         return False
 
     def _retire(self, old: Child, new: Child) -> None:
-        """`new` takes `old`'s place; `old` drains (SIGTERM) and exits."""
+        """`new` takes `old`'s place; `old` drains (a node on SIGTERM, the gateway on SIGUSR1) and exits."""
         self.children[self.children.index(old)] = new
         logger.info("rolling restart: %s serves; %s drains (up to %.0f s)", new.name, old.name,
                     self.config.shutdown_grace)
         if old.process is not None:
-            code = old.process.stop(grace_s=self.config.shutdown_grace + 5)
+            if old.is_gateway:  # it stops listening at once (the new one has the ports), then drains
+                old.process.send_signal(signal.SIGUSR1)
+                old.process.wait(self.config.shutdown_grace + 5)
+            code = old.process.stop(grace_s=self.config.shutdown_grace + 5)  # a node drains on SIGTERM
             logger.info("rolling restart: %s exited with code %s", old.name, code)
 
     # ---------------------------------------------------------------------------------------------- stopping

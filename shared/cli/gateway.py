@@ -35,8 +35,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                         "with an error event and [DONE]")
     g.add_argument("--reuse-port", action="store_true", default=d.reuse_port,
                    help="share --port and --grpc-port with another gateway (SO_REUSEPORT): a rolling restart starts "
-                        "the new gateway on the same ports before the old one drains; on SIGTERM this one stops "
-                        "listening at once and its open streams finish (kvrelay up passes it)")
+                        "the new gateway on the same ports, then sends this one SIGUSR1: it stops listening at once "
+                        "and its open streams finish (SIGTERM keeps the port, answering 503); kvrelay up passes it")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="names the API accepts in 'model' (default: the model id); NAME=MODEL names another "
                         "--model's (a plain NAME is the first model's)")
