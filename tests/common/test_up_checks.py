@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 
 from kvrelay.cli import main, parse
+from kvrelay.cli.args import UsageError
 from kvrelay.cli.fleet import Fleet, FleetPorts
+from kvrelay.cli.gateway import check_gateway
 from kvrelay.cli.preflight import derived_port, port_taken
 from kvrelay.cli.up import banner, config_from_args, placement, plan_children
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.model_info import ConfigError, check_engine_config, read_model_shape
+from kvrelay.gateway.config import GatewayConfig
 
 
 @pytest.fixture(autouse=True)
@@ -93,6 +96,10 @@ def test_node_and_gateway_commands_check_what_is_cheap(capsys, listening):
     assert "--kv-cache-memory" in _refused(capsys, ["prefill", "--port", "0", "--kv-cache-memory", "2MiB"])
     assert _refused(capsys, ["gateway", "--redis-url", "redis://127.0.0.1:1/0", "--port", str(listening)]).startswith(
         f"kvrelay gateway: error: --port: {listening} is taken")
+    # --reuse-port: a rolling restart's successor starts while its predecessor holds the ports.
+    check_gateway(GatewayConfig(port=listening, grpc_port=listening + 1, reuse_port=True))
+    with pytest.raises(UsageError, match="is taken"):
+        check_gateway(GatewayConfig(port=listening, grpc_port=listening + 1))
     # A vLLM flag kvrelay lacks, on a command other than up (which takes --tensor-parallel-size 1):
     assert "vLLM's" in _refused(capsys, ["decode", "--tensor-parallel-size", "2"])
 
@@ -162,7 +169,7 @@ def test_up_hands_every_vllm_flag_to_the_processes_that_use_it():
     assert "--port 3 --metrics-port 4" in " ".join(children["decode-0"].argv)
     gateway = children["gateway"]
     argv = " ".join(gateway.argv)
-    for flag in ("--port 8100", "--grpc-port 8101", "--tool-call-parser llama3_json", "--fleet-metrics",
+    for flag in ("--port 8100", "--grpc-port 8101", "--reuse-port", "--tool-call-parser llama3_json", "--fleet-metrics",
                  "--allowed-origins http://a.example http://b.example", "--shutdown-grace 3"):
         assert flag in argv, flag
     # Secrets travel in the environment, never on a command line: the key, and Redis's URL (it carries a password).
