@@ -111,6 +111,7 @@ class Gateway:
         self.started_at = time.time()
         self.grpc_port: int | None = None  # the gRPC API's, once it listens (kvrelay.gateway.grpc_api)
         self.grpc_server = None  # its grpc.aio.Server
+        self.handing_over = False  # a rolling restart's successor has the ports (kvrelay.gateway.server)
 
     def _endpoint(self, resolved, names: tuple[str, ...], parser, tokenizer: Tokenizer | None) -> ModelEndpoint:
         config, model_id = self.config, resolved.model_id

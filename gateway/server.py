@@ -116,6 +116,7 @@ def build_app(gateway: Gateway, grpc_port: int | None = None) -> FastAPI:
                        max_body_bytes=cfg.max_body_bytes, public_metrics=cfg.public_metrics,
                        on_refused=lambda error: observe_error(gateway.metrics, error))
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(CloseAfterResponse, gateway=gateway)
     if cfg.allowed_origins:  # outermost: a browser's preflight must not need the API key
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
                            allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
@@ -373,15 +374,18 @@ class _Server(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         core, grace = self.gateway.core, self.gateway.config.shutdown_timeout
-        core.draining = True  # new requests get 503 with Retry-After; the port stays open until the drain ends
         if self.handing_over:
             self._hand_over_ports(grace)
+        else:  # new requests get 503 with Retry-After; the port stays open until the drain ends
+            core.draining = True
         if core.active:
-            logger.info("shutting down: new requests get 503; %d generations in progress get up to %.0f s",
-                        core.active, grace)
+            logger.info("shutting down: %s; %d generations in progress get up to %.0f s",
+                        "each open connection closes after its response" if self.handing_over else
+                        "new requests get 503", core.active, grace)
         deadline = time.monotonic() + grace
         while core.active and time.monotonic() < deadline and not self.force_exit:
             await asyncio.sleep(0.05)
+        core.draining = True
         if core.active:
             logger.info("shutdown grace over: ending %d requests (streams with an error event and [DONE])",
                         core.cut())
@@ -393,15 +397,34 @@ class _Server(uvicorn.Server):
 
     def _hand_over_ports(self, grace: float) -> None:
         """A successor shares the ports (--reuse-port): stop listening now, so that every new connection reaches
-        it; idle keep-alive connections close (their clients reconnect, to the successor), busy ones once their
-        response is out. The streams in progress finish here within the grace."""
-        logger.info("handing the ports over: no longer listening; the open streams finish here")
+        it. Requests on connections already open are still served here, each answered with `Connection: close`
+        (CloseAfterResponse), so that a keep-alive client sends its next request to the successor and none is cut
+        while it sends. The streams in progress finish here within the grace."""
+        logger.info("handing the ports over: no longer listening; the open connections close after their response")
+        self.gateway.handing_over = True
         for server in self.servers:
             server.close()
-        for connection in list(self.server_state.connections):
-            connection.shutdown()
         if self.gateway.grpc_server is not None:  # no new RPCs; those in progress get the grace
             self._grpc_stop = asyncio.ensure_future(self.gateway.grpc_server.stop(grace=grace))
+
+
+class CloseAfterResponse:
+    """Once the gateway hands its ports over, every response says `Connection: close`."""
+
+    def __init__(self, app, gateway: Gateway) -> None:
+        self.app, self.gateway = app, gateway
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_closing(message) -> None:
+            if message["type"] == "http.response.start" and self.gateway.handing_over:
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_closing)
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
