@@ -394,7 +394,6 @@ class _Server(uvicorn.Server):
                 await asyncio.sleep(0.01)
         await super().shutdown(sockets)
 
-
     def _hand_over_ports(self, grace: float) -> None:
         """A successor shares the ports (--reuse-port): stop listening now, so that every new connection reaches
         it. Requests on connections already open are still served here, each answered with `Connection: close`
@@ -405,6 +404,7 @@ class _Server(uvicorn.Server):
         for server in self.servers:
             server.close()
         if self.gateway.grpc_server is not None:  # no new RPCs; those in progress get the grace
+            # (the task is kept: the loop holds only a weak reference to it)
             self._grpc_stop = asyncio.ensure_future(self.gateway.grpc_server.stop(grace=grace))
 
 

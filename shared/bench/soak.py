@@ -101,6 +101,7 @@ class Tally:
     errors: Counter = field(default_factory=Counter)
     checked: int = 0
     mismatches: list[str] = field(default_factory=list)
+    refused: int = 0  # attempts refused for want of a gateway, then sent again (not counted as requests)
 
     def add(self, reply: Reply, req: SoakRequest | None = None, reference: dict[str, str] | None = None) -> None:
         self.verdicts[v := verdict(reply)] += 1
@@ -115,6 +116,7 @@ class Tally:
         sent = sum(self.verdicts.values())
         return {"sent": sent, "completed": self.verdicts["ok"], "failed": sent - self.verdicts["ok"]
                 - self.verdicts["client"], "verdicts": dict(sorted(self.verdicts.items())), "errors": dict(self.errors),
+                "refused_then_retried": self.refused,
                 "checked_against_reference": self.checked, "mismatches": len(self.mismatches),
                 "mismatched_requests": self.mismatches[:20]}
 
@@ -241,6 +243,10 @@ async def burst(client: Client, requests: list[SoakRequest], malformed_every: in
             "bad": valid.verdicts["bad"] + bad_input.verdicts["bad"] + bad_input.verdicts["ok"]}
 
 
+def _refused(reply: Reply) -> bool:
+    return reply.status == 0 and "Connect call failed" in reply.error
+
+
 async def soak(client: Client, requests: list[SoakRequest], ref: dict[str, str], args, faults: Faults) -> Tally:
     tally, end = Tally(), time.monotonic() + args.duration
 
@@ -248,7 +254,14 @@ async def soak(client: Client, requests: list[SoakRequest], ref: dict[str, str],
         rng = random.Random(args.seed + w)
         while time.monotonic() < end:
             req = rng.choice(requests)
-            tally.add(await client.post(req.endpoint, req.body), req, ref)
+            reply = await client.post(req.endpoint, req.body)
+            # No gateway listening (one was killed and is not back yet): the request never left, and a client
+            # retries that, as the openai SDK does; a request cut once sent still counts.
+            while _refused(reply) and time.monotonic() < end + args.settle_timeout:
+                tally.refused += 1
+                await asyncio.sleep(0.25)
+                reply = await client.post(req.endpoint, req.body)
+            tally.add(reply, req, ref)
 
     faults.thread.start()
     try:
@@ -287,9 +300,10 @@ def run(args: argparse.Namespace) -> int:
                     "kill_every_s": args.kill_every, "fault": args.fault, "concurrency": args.concurrency}
     with Server.up(flags, log_dir=args.output_dir, timeout_s=args.ready_timeout, name="soak-fleet") as fleet:
         asyncio.run(phases(fleet, tokenizer, args, report))
-        metrics = fleet.metrics()
-        report["gateway"] = {name: metrics.value(name) or 0.0 for name in GATEWAY_COUNTERS}
+        # Settled first: a gateway killed at the end is back (up --restart) before its metrics are read.
         report["nodes_after"] = settle(fleet, args.prefill + args.decode, args.settle_timeout)
+        metrics = fleet.metrics()  # the last gateway's: a restarted one counts from zero
+        report["gateway"] = {name: metrics.value(name) or 0.0 for name in GATEWAY_COUNTERS}
     report["leaked_blocks"] = sum(n.get("blocks_in_use", 0) for n in report["nodes_after"])
     soak_ok = "soak" not in report or (report["soak"]["failed"] == 0 and report["soak"]["mismatches"] == 0)
     report["ok"] = soak_ok and report.get("burst", {}).get("bad", 0) == 0 and report["leaked_blocks"] == 0
