@@ -77,6 +77,11 @@ class Child:
         return self.name == "gateway" or self.name.startswith("gateway-")
 
 
+def _routable_in(health: dict) -> set[str]:
+    """The node ids a gateway's /health marks routable."""
+    return {n["node_id"] for n in health.get("nodes", []) if n.get("routable")}
+
+
 def _with_flags(argv: list[str], values: dict[str, str]) -> list[str]:
     """argv with the value after each flag in `values` replaced."""
     out = list(argv)
@@ -269,11 +274,15 @@ class Fleet:
         return "loading the model" if reply.json().get("status") == "loading" else "not healthy"
 
     def _routed(self) -> int | None:
+        routable = self._routable_nodes()
+        return None if routable is None else len(routable)
+
+    def _routable_nodes(self) -> set[str] | None:
+        """The nodes the gateway routes to (None: it does not answer)."""
         try:
-            health = httpx.get(f"{self.url}/health", timeout=2).json()
+            return _routable_in(httpx.get(f"{self.url}/health", timeout=2).json())
         except (httpx.HTTPError, ValueError):
             return None
-        return sum(1 for n in health.get("nodes", []) if n.get("routable"))
 
     def _ready(self) -> bool:
         self._check_children(restart=False)
@@ -287,8 +296,7 @@ class Fleet:
 
     def _all_nodes_routable(self, health: dict) -> bool:
         """The gateway answers before the nodes have loaded the model; ready means it routes to all of them."""
-        routable = {n["node_id"] for n in health.get("nodes", []) if n.get("routable")}
-        return {c.name for c in self.nodes()} <= routable
+        return {c.name for c in self.nodes()} <= _routable_in(health)
 
     # ----------------------------------------------------------------------------------------- supervising
 
@@ -380,19 +388,14 @@ class Fleet:
         """Until the gateway routes to `new` (False, and `new` stopped, if it exits or time runs out first)."""
         deadline = time.monotonic() + self.config.ready_timeout
         next_report = time.monotonic() + PROGRESS_EVERY_S
-        while True:
-            try:
-                health = httpx.get(f"{self.url}/health", timeout=2).json()
-                if any(n.get("node_id") == new.name and n.get("routable") for n in health.get("nodes", [])):
-                    return True
-            except (httpx.HTTPError, ValueError):
-                pass
+        while new.name not in (self._routable_nodes() or ()):
             if self.stop_requested or not new.process.alive() or time.monotonic() > deadline:
                 return self._give_up(new, None)
             if time.monotonic() >= next_report:
                 logger.info("rolling restart: %s %s", new.name, self._node_state(new))
                 next_report = time.monotonic() + PROGRESS_EVERY_S
             time.sleep(0.25)
+        return True
 
     def _give_up(self, new: Child, old: Child | None) -> bool:
         why = "interrupted" if self.stop_requested else (
