@@ -88,7 +88,7 @@ def _roll_under_load(up: ChildProcess, client, model: str) -> None:
     prompts = [f"Count from {i} to {i + 30}, one number per line." for i in (1, 50)]
 
     def ask(prompt: str, stream: bool) -> str:
-        kw = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=64, temperature=0)
+        kw = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0)
         if not stream:
             return client.chat.completions.create(**kw).choices[0].message.content
         return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
@@ -111,13 +111,13 @@ def _roll_under_load(up: ChildProcess, client, model: str) -> None:
     for t in threads:
         t.start()
     try:
-        time.sleep(1.0)
+        time.sleep(0.5)
         rolled_at = time.monotonic()
         up.send_signal(signal.SIGHUP)
         up.wait_ready(lambda: "rolling restart done" in up.log_path.read_text(errors="replace") or None,
                       timeout_s=240, interval_s=0.5)
         done_at = time.monotonic()
-        time.sleep(1.0)
+        time.sleep(0.5)
     finally:
         stop.set()
         for t in threads:
