@@ -74,7 +74,8 @@ class DecodeServer(NodeServer):
         with self.span("node.reserve", request) as span:
             try:
                 res = await self.engine.reserve(rid, prompt, params, lease_s, request.cache_salt,
-                                                on_reserved=expect, wait_s=wait_s, lora_name=request.lora_name)
+                                                on_reserved=expect, wait_s=wait_s, lora_name=request.lora_name,
+                                                images=wire.images_from_proto(request.images))
             except asyncio.CancelledError:
                 # The caller left while the reservation waited: after the abort the engine runs (queued before
                 # this), nothing may still expect its layers.

@@ -89,6 +89,12 @@ class GatewayConfig:
     max_tool_bytes: int = 64 << 10  # one tool's JSON
     max_schema_bytes: int = 64 << 10  # a response_format / structured-output schema's JSON
     max_schema_depth: int = 32
+    # Images in chat messages (a vision-language model; gateway.images)
+    max_images_per_request: int = 8
+    max_image_bytes: int = 8 << 20  # one image, encoded
+    max_image_pixels: int = 4096 * 4096  # one image, width x height as decoded
+    allow_image_urls: bool = False  # fetch http(s) image URLs (else data: URLs only)
+    image_fetch_timeout: float = 10.0  # seconds for one image URL
 
     def serving_tls(self) -> ServingTLS | None:
         """TLS of the HTTP and gRPC APIs (ValueError when the files are not a usable pair)."""

@@ -33,6 +33,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from kvrelay.common import tracing
+from kvrelay.common.records import ImageInput
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
 from kvrelay.common.tokenizer import Tokenizer
 from kvrelay.common.wire import TokenChunk
@@ -61,6 +62,7 @@ class GenerateInput:
     user: str | None = None  # the OpenAI `user` field: a session-affinity hint for routing
     beam_search: BeamSearchParams | None = None  # set: the choices are the n best of its beams
     lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, at their placeholder tokens (content hashes set)
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ class Generation:
                 with tracing.span("route", self._span):
                     decision = await self.core.dispatcher.route(self.inp.prompt_token_ids, self.inp.cache_salt,
                                                                 self.deadline, user=self.inp.user,
-                                                                lora_name=self.inp.lora_name)
+                                                                lora_name=self.inp.lora_name, images=self.inp.images)
                 if self.inp.beam_search is not None:
                     source = self._beam_stream(decision)
                 else:
@@ -271,7 +273,8 @@ class Generation:
         params = self.inp.params
         child = params.for_child(index) if params.n > 1 else params
         req = EngineRequest(f"{self.request_id}-{index}", self.inp.prompt_token_ids, child, self.inp.cache_salt,
-                            deadline=self.deadline, lora_name=self.inp.lora_name, span=self._span)
+                            deadline=self.deadline, lora_name=self.inp.lora_name, span=self._span,
+                            images=self.inp.images)
         choice = self.choices[index]
         async with aclosing(self.core.dispatcher.stream(decision, req, self.traces[index])) as stream:
             async for chunk in stream:

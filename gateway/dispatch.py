@@ -38,6 +38,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from kvrelay.common import tracing
+from kvrelay.common.records import ImageInput
 from kvrelay.common.wire import PrefillResult, ReserveResult, TokenChunk
 from kvrelay.gateway.adapters import Adapters
 from kvrelay.gateway.config import GatewayConfig
@@ -75,7 +76,7 @@ class Dispatcher:
 
     async def route(self, prompt: Sequence[int], cache_salt: str = "", deadline: float | None = None,
                     exclude: Collection[str] = (), failure: NodeFailure | None = None,
-                    user: str | None = None, lora_name: str = "") -> RouteDecision:
+                    user: str | None = None, lora_name: str = "", images: Sequence[ImageInput] = ()) -> RouteDecision:
         """Route, waiting up to capacity_wait_s (and the deadline) for a decode node to be up. Without one:
         `failure` when re-dispatching after it, else NoCapacity."""
         wait_until = time.monotonic() + self.config.capacity_wait_s
@@ -83,7 +84,7 @@ class Dispatcher:
             wait_until = min(wait_until, deadline)
         while True:
             try:
-                return await self.router.route(prompt, cache_salt, exclude, user, lora_name)
+                return await self.router.route(prompt, cache_salt, exclude, user, lora_name, images)
             except NoCapacity as e:
                 if time.monotonic() >= wait_until:
                     if deadline is not None and time.monotonic() >= deadline:
@@ -139,7 +140,7 @@ class Dispatcher:
             self.metrics.migrations.labels(stage).inc()
         req = seq.current
         return await self.route(req.prompt_token_ids, req.cache_salt, req.deadline, seq.failed, seq.cause,
-                                lora_name=req.lora_name)
+                                lora_name=req.lora_name, images=req.images)
 
     def _attempt(self, decision: RouteDecision, req: EngineRequest, holders: Holders) -> AsyncIterator[TokenChunk]:
         if decision.local_prefill or req.params.pooling is not None:  # a pooling request: where its prompt ends

@@ -117,7 +117,7 @@ def _content_chars(content) -> int:
         return 0
     if isinstance(content, str):
         return len(content)
-    return sum(len(part.text) for part in content)
+    return sum(len(part.text) for part in content if part.type == "text")
 
 
 def _depth(value: Any, cap: int) -> int:

@@ -87,6 +87,10 @@ class GatewayMetrics:
         self.request_generation_tokens = Histogram("kvrelay:request_generation_tokens",
                                                    "Generated tokens per request", m, buckets=_TOKEN_BUCKETS,
                                                    registry=r)
+        self.request_images = Histogram("kvrelay:request_images", "Images per chat request that has any",
+                                        buckets=(1, 2, 4, 8, 16, 32), registry=r)
+        self.image_bytes = Counter("kvrelay:image_bytes", "Bytes of images taken in chat messages (encoded)",
+                                   registry=r)
         for stage in ("mid_stream", "before_first_token"):  # exported at 0 before the first event
             self.migrations.labels(stage)
         for hop in ("reserve", "prefill", "local"):
@@ -129,6 +133,10 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
     # ------------------------------------------------------------------------------------- hooks
+
+    def observe_images(self, count: int, nbytes: int) -> None:
+        self.request_images.observe(count)
+        self.image_bytes.inc(nbytes)
 
     def observe_route(self, decision) -> None:
         self._route.observe(decision.seconds)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvrelay.common import wire
-from kvrelay.common.records import NodeLoad
+from kvrelay.common.records import ImageInput, NodeLoad
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
 from kvrelay.common.tls import TLSFiles
 from kvrelay.common.wire import Health, NodeInfo, PrefillResult, ReserveResult, TokenChunk
@@ -68,6 +68,7 @@ class EngineRequest:
     beam_search: BeamSearchParams | None = None  # set: a beam search (Generate only, no hand-off)
     deadline: float | None = None
     lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
+    images: tuple[ImageInput, ...] = ()  # the prompt's images (a vision-language model)
     span: object | None = field(default=None, repr=False)  # the sequence's span (kvrelay.common.tracing)
     traceparent: str = ""  # this call's parent span, as sent to the node
     _proto_params: pb.SamplingParams | None = field(default=None, repr=False)
@@ -153,7 +154,7 @@ class NodeClient:
         msg = await self._unary("Reserve", pb.ReserveRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, params=req.proto_params(),
             cache_salt=req.cache_salt, lease_ms=lease_ms, queue_timeout_ms=int(queue_s * 1000),
-            lora_name=req.lora_name, traceparent=req.traceparent,
+            lora_name=req.lora_name, traceparent=req.traceparent, images=wire.images_to_proto(req.images),
         ), req.timeout(self.timeouts.reserve_s + queue_s), watch)
         return wire.reserve_result_from_proto(msg)
 
@@ -164,7 +165,7 @@ class NodeClient:
             cache_salt=req.cache_salt, decode_kv_address=reservation.kv_address,
             decode_cached_tokens=reservation.num_cached_tokens, dst_block_ids=reservation.dst_block_ids,
             decode_layout=wire.layout_to_proto(reservation.layout), lora_name=req.lora_name,
-            traceparent=req.traceparent, transfer_id=reservation.transfer_id,
+            traceparent=req.traceparent, transfer_id=reservation.transfer_id, images=wire.images_to_proto(req.images),
         ), req.timeout(self.timeouts.prefill_s), watch)
         return wire.prefill_result_from_proto(msg)
 
@@ -173,7 +174,7 @@ class NodeClient:
         """Stream the sequence's tokens; leaving the loop early cancels the call on the node."""
         msg = pb.GenerateRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                  params=req.proto_params(), cache_salt=req.cache_salt, lora_name=req.lora_name,
-                                 traceparent=req.traceparent)
+                                 traceparent=req.traceparent, images=wire.images_to_proto(req.images))
         if handoff is not None:
             msg.handoff.CopyFrom(wire.handoff_to_proto(handoff))
         if req.beam_search is not None:

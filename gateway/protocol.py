@@ -8,7 +8,7 @@ checked once, by kvrelay.common.sampling_params, so the HTTP API, the gRPC API a
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -142,9 +142,22 @@ class TextContentPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str = Field(min_length=1)  # a data: URL, or http(s) with --allow-image-urls
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; one resolution is all the encoder has
+
+
+class ImageContentPart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvrelay.common.hashing import kv_dtype_key, prompt_block_hashes
+from kvrelay.common.records import ImageInput
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.discovery import Discovery, Node
 from kvrelay.gateway.errors import NoCapacity
@@ -114,9 +115,11 @@ class Router:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def route(self, prompt_token_ids: Sequence[int], cache_salt: str = "",
-                    exclude: Collection[str] = (), user: str | None = None, lora_name: str = "") -> RouteDecision:
+                    exclude: Collection[str] = (), user: str | None = None, lora_name: str = "",
+                    images: Sequence[ImageInput] = ()) -> RouteDecision:
         """`exclude`: node ids not to pick (the nodes a request just failed on). `user`: a session-affinity
-        hint (the same user goes to the same node while loads are comparable). `lora_name`: its adapter."""
+        hint (the same user goes to the same node while loads are comparable). `lora_name`: its adapter.
+        `images`: the prompt's images, whose content hashes key the blocks they fall in."""
         start = time.perf_counter()
         decode_nodes = self._candidates_of("decode", exclude)
         prefill_nodes = self._candidates_of("prefill", exclude)
@@ -128,7 +131,7 @@ class Router:
         if not decode_nodes:
             raise NoCapacity(f"no decode node {'that runs LoRA adapter ' + repr(lora_name) + ' ' if lora_name else ''}"
                              "is up; retry later")
-        hashes = self._hashes(prompt_token_ids, cache_salt, lora_name)
+        hashes = self._hashes(prompt_token_ids, cache_salt, lora_name, images)
         hits = await self._lookup(hashes) if hashes and self.policy.uses_cache else {}
         decision = self.decide(prompt_token_ids, hashes, hits, prefill_nodes, decode_nodes, start, user, extra)
         if self.metrics is not None:
@@ -139,9 +142,10 @@ class Router:
         nodes = self.discovery.routable(role)
         return [n for n in nodes if n.node_id not in exclude] if exclude else nodes
 
-    def _hashes(self, prompt_token_ids: Sequence[int], cache_salt: str, lora_name: str = "") -> list[bytes]:
+    def _hashes(self, prompt_token_ids: Sequence[int], cache_salt: str, lora_name: str = "",
+                images: Sequence[ImageInput] = ()) -> list[bytes]:
         return prompt_block_hashes(prompt_token_ids, self.model_id, self.block_size, cache_salt, lora_name,
-                                   self.kv_dtype)
+                                   self.kv_dtype, images)
 
     def _lora_extra(self, nodes: list[Node], lora_name: str) -> dict[str, float]:
         """Node id -> what running the adapter adds to its cost, for the nodes that can run it."""

@@ -28,6 +28,7 @@ from kvrelay.gateway.discovery import Discovery, DiscoveryConfig
 from kvrelay.gateway.dispatch import DispatchConfig, Dispatcher
 from kvrelay.gateway.fleet_metrics import FleetMetrics
 from kvrelay.gateway.idempotency import IdempotentRequests
+from kvrelay.gateway.images import ChatImages, ImageLimits
 from kvrelay.gateway.input_limits import InputLimits
 from kvrelay.gateway.liveness import Liveness
 from kvrelay.gateway.metrics import GatewayMetrics
@@ -44,6 +45,7 @@ from kvrelay.gateway.shared_answers import SharedAnswers
 from kvrelay.gateway.tool_parsers import create_tool_parser
 from kvrelay.model_files.pooling import pooling_config
 from kvrelay.model_files.resolve import resolve_model
+from kvrelay.model_files.vision import text_config, vision_spec
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +131,8 @@ class Gateway:
                            Admission(config.max_concurrent_requests, config.request_timeout, config.shed_at,
                                      config.tenant_cache_isolation), self.activity,
                            usage_sink=self.limiter.charge_tokens)
-        chat = ChatServing(core, parser)
+        images = ChatImages(vision_spec(resolved.path), ImageLimits.from_config(config), model_id, self.metrics)
+        chat = ChatServing(core, parser, images)
         return ModelEndpoint(model_id, str(resolved.path), names, tokenizer, index, router, dispatcher, core, chat,
                              CompletionServing(core), TokenizeServing(core, chat.render_for_tokenize),
                              EmbeddingServing(core, pooling_config(resolved.path)))
@@ -206,6 +209,7 @@ class Gateway:
 
 def _model_context(path) -> int:
     try:
-        return int(json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings", 2048))
+        config = text_config(json.loads((Path(path) / "config.json").read_text()))
+        return int(config.get("max_position_embeddings", 2048))
     except (OSError, ValueError):
         return 2048

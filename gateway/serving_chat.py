@@ -3,7 +3,8 @@
 Output constraints (response_format, structured_outputs, guided_*) and forced tool choices become one
 grammar in the sampling params (gateway.structured, gateway.tools). With tools, each choice's text goes
 through a tool parser: whole for a response, delta by delta for a stream (content, then each call's id and
-name, then its arguments in pieces, by index).
+name, then its arguments in pieces, by index). Images in messages (a vision-language model) go through
+gateway.images: fetched and checked first, rendered as the model's placeholder, widened to their positions.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from dataclasses import replace
 
 from starlette.responses import Response
 
+from kvrelay.common.records import ImageInput
 from kvrelay.gateway import structured, tools
 from kvrelay.gateway.core import GatewayCore, GenerateInput, Generation, new_request_id
 from kvrelay.gateway.errors import BadRequest, GatewayError
+from kvrelay.gateway.images import ChatImages, image_urls
 from kvrelay.gateway.models import Target
 from kvrelay.gateway.outputs import ChoiceOutput, Delta, LogprobEntry
 from kvrelay.gateway.protocol import (
@@ -59,16 +62,19 @@ logger = logging.getLogger(__name__)
 class ChatServing:
     """`tool_parser`: how tool_choice "auto" reads the model's calls (None: auto answers with content)."""
 
-    def __init__(self, core: GatewayCore, tool_parser: ToolParser | None = None) -> None:
+    def __init__(self, core: GatewayCore, tool_parser: ToolParser | None = None,
+                 images: ChatImages | None = None) -> None:
         self.core = core
         self.tool_parser = tool_parser
+        self.images = images
 
     async def create(self, req: ChatCompletionRequest, target: Target,
                      header_request_id: str | None = None) -> Response:
         """`target`: what req.model resolved to (gateway.models), this core's model or an adapter on it."""
         model = target.name
         plan = tools.plan(req, self.tool_parser)
-        gen = self.core.generate(self._input(req, plan, header_request_id, target.lora_name))
+        datas = await self.images.load(req.messages) if self.images is not None else []
+        gen = self.core.generate(self._input(req, plan, header_request_id, target.lora_name, datas))
         request_id = gen.request_id
         headers = request_id_headers(header_request_id)
         if req.stream:
@@ -77,14 +83,16 @@ class ChatServing:
         return json_response(body, {**gen.route_headers(), **headers})
 
     def _input(self, req: ChatCompletionRequest, plan: tools.ToolPlan, header_id: str | None,
-               lora_name: str = "") -> GenerateInput:
+               lora_name: str = "", datas: list[bytes] | None = None) -> GenerateInput:
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         constraint = structured.from_request(req)
         if constraint is not None and plan.forced:
             raise BadRequest("a forced tool_choice already constrains the output; drop response_format / "
                              "structured_outputs", param="tool_choice")
-        prompt = self._render(req, plan)
+        prompt, images = self._render(req, plan, datas or [])
+        if images and req.use_beam_search:
+            raise BadRequest("use_beam_search: not with images", param="use_beam_search")
         self.core.check_prompt(prompt, "messages")
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -98,17 +106,25 @@ class ChatServing:
         return GenerateInput(prompt, params, options,
                              request_id=header_id or req.request_id or new_request_id("chatcmpl"),
                              cache_salt=req.cache_salt or "", user=req.user,
-                             beam_search=beam_search_params(req, max_tokens=max_tokens), lora_name=lora_name)
+                             beam_search=beam_search_params(req, max_tokens=max_tokens), lora_name=lora_name,
+                             images=images)
 
     def render_for_tokenize(self, req) -> list[int]:
-        """/tokenize with messages: the same rendering as a chat completion (tools offered as here)."""
-        return self._render(req, tools.plan(req, self.tool_parser))
+        """/tokenize with messages: the same rendering as a chat completion (tools offered as here; each image's
+        placeholder widened to its positions, the image itself not fetched)."""
+        count = len(image_urls(req.messages))
+        return self._render(req, tools.plan(req, self.tool_parser), [b""] * count)[0]
 
-    def _render(self, req: ChatCompletionRequest, plan: tools.ToolPlan) -> list[int]:
+    def _render(self, req: ChatCompletionRequest, plan: tools.ToolPlan,
+                datas: list[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt's token ids and its images at their positions."""
+        if datas and (self.images is None or self.images.placeholder is None):
+            raise BadRequest("messages: this model takes no images", param="messages")
+        placeholder = self.images.placeholder if self.images is not None else None
         template = getattr(self.core.tokenizer.hf, "chat_template", None) or ""
         if not isinstance(template, str):
             template = json.dumps(template)
-        messages = tools.template_messages([_message_dict(m) for m in req.messages], template,
+        messages = tools.template_messages([_message_dict(m, placeholder) for m in req.messages], template,
                                            plan.parser or self.tool_parser)
         kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:
@@ -123,9 +139,10 @@ class ChatServing:
             kwargs["continue_final_message"] = True
         add_prompt = req.add_generation_prompt and not req.continue_final_message
         try:
-            return self.core.tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt, **kwargs)
+            tokens = self.core.tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt, **kwargs)
         except Exception as e:  # a template rejecting the conversation (e.g. roles out of order) is bad input
             raise BadRequest(f"the chat template could not render these messages: {e}", param="messages") from None
+        return self.images.expand(tokens, datas) if self.images is not None else (tokens, ())
 
 
 def _with_system(messages: list[dict], text: str) -> list[dict]:
@@ -135,10 +152,11 @@ def _with_system(messages: list[dict], text: str) -> list[dict]:
     return [{"role": "system", "content": text}, *messages]
 
 
-def _message_dict(m) -> dict:
+def _message_dict(m, image_placeholder: str | None = None) -> dict:
+    """A message as the chat template takes it: parts joined by newlines, an image as its placeholder text."""
     content = m.content
     if isinstance(content, list):
-        content = "\n".join(part.text for part in content)
+        content = "\n".join(part.text if part.type == "text" else image_placeholder or "" for part in content)
     out: dict = {"role": m.role, "content": content if content is not None else ""}
     for key in ("name", "tool_call_id", "tool_calls"):
         value = getattr(m, key)

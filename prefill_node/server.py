@@ -22,6 +22,7 @@ import time
 import grpc
 
 from kvrelay.common import tracing, wire
+from kvrelay.common.records import ImageInput
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.engine_hooks import EngineDead
 from kvrelay.engine.request import KVSendSpec
@@ -65,7 +66,8 @@ class PrefillServer(NodeServer):
         self._inflight.add(rid)
         with self.span("node.prefill", request) as span:
             try:
-                out = await self._compute(rid, prompt, params, spec, request.cache_salt, arrival, request.lora_name)
+                out = await self._compute(rid, prompt, params, spec, request.cache_salt, arrival, request.lora_name,
+                                          wire.images_from_proto(request.images))
                 prefill_s = time.perf_counter() - t0
                 sending = {"kvrelay.connector": self.settings.connector_name,
                            "kvrelay.decode_kv_address": request.decode_kv_address}
@@ -118,9 +120,9 @@ class PrefillServer(NodeServer):
         return KVSendSpec(request.decode_kv_address, request.transfer_id or request.request_id, cached // bs, dst)
 
     async def _compute(self, rid: str, prompt: list[int], params: SamplingParams, spec: KVSendSpec,
-                       salt: str, arrival: float, lora_name: str = ""):
+                       salt: str, arrival: float, lora_name: str = "", images: tuple[ImageInput, ...] = ()):
         try:
-            out = await self.engine.prefill(rid, prompt, params, spec, salt, arrival, lora_name)
+            out = await self.engine.prefill(rid, prompt, params, spec, salt, arrival, lora_name, images)
         except asyncio.CancelledError:
             self._settle_later(rid, spec.transfer_id)  # the client left: the transfer may still read the blocks
             raise

@@ -39,9 +39,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def add_field_flags(group: argparse.ArgumentParser | argparse._ArgumentGroup, defaults: object,
                     helps: dict[str, str]) -> None:
     """A flag for each field named in `helps` (`refresh_interval` -> `--refresh-interval`), with the help given;
-    its default is the field's value in `defaults` (a config record), its type that value's type."""
+    its default is the field's value in `defaults` (a config record), its type that value's type (a bool field:
+    `--name` and `--no-name`)."""
     for name, text in helps.items():
         value = getattr(defaults, name)
+        if isinstance(value, bool):
+            group.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=value,
+                               help=text)
+            continue
         group.add_argument("--" + name.replace("_", "-"), type=type(value), default=value, help=text)
 
 

@@ -146,6 +146,12 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "max_tool_bytes": "bytes of one tool's JSON",
         "max_schema_bytes": "bytes of a structured-output schema, regex, grammar or choice list",
         "max_schema_depth": "nesting depth of a structured-output or tool parameters schema",
+        "max_images_per_request": "images in one chat request (a vision-language model)",
+        "max_image_bytes": "bytes of one image, encoded (a data: URL's payload or a fetched URL's body)",
+        "max_image_pixels": "width x height of one image as decoded",
+        "allow_image_urls": "fetch http(s) image URLs in messages (off: only data: URLs; a URL is fetched by the "
+                            "gateway, within --max-image-bytes and --image-fetch-timeout)",
+        "image_fetch_timeout": "seconds to fetch one image URL",
     })
 
 

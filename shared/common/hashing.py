@@ -8,7 +8,10 @@ the UTF-8 of model_id, a NUL, block_size as little-endian uint32, a NUL, the UTF
 quantized KV cache only (--kv-cache-dtype), a NUL and the UTF-8 of its dtype ("fp8_e4m3"), so no node, tier or
 index ever takes a block of one KV dtype for the same prefix in another.
 The extra keys name the LoRA adapter a block was computed with (`lora_extra_keys`): empty for the base model,
-so a block is shared within one adapter and never across adapters or with the base model.
+so a block is shared within one adapter and never across adapters or with the base model. A block that holds
+positions of an image (a vision-language prompt's placeholder tokens) adds, per such image in order, "img", a
+NUL, the image's content hash (xxh3-128 of its bytes) and its first position as little-endian uint32
+(`image_extra_keys`): the placeholder tokens are the same for every image, the hash is not.
 
 The chain runs in one native call when kvrelay.common.native could be built (the gateway hashes every prompt,
 and the Python loop with its list-to-int32 conversion is the slow part of a routing decision); `_hash_blocks_py`
@@ -24,7 +27,7 @@ import numpy as np
 import xxhash
 
 from kvrelay.common import native
-from kvrelay.common.records import BlockHash
+from kvrelay.common.records import BlockHash, ImageInput
 
 # Tokens per KV block: one fleet-wide number (nodes announce theirs; the gateway refuses a node that differs).
 DEFAULT_BLOCK_SIZE = 16
@@ -57,6 +60,17 @@ def lora_extra_keys(lora_name: str) -> bytes:
     return b"lora\x00" + lora_name.encode() if lora_name else b""
 
 
+def image_hash(data: bytes) -> bytes:
+    """An image's content hash: xxh3-128 of its encoded bytes, the same in the gateway and every node."""
+    return xxhash.xxh3_128_digest(data)
+
+
+def image_extra_keys(images: Sequence[ImageInput], start: int, end: int) -> bytes:
+    """The extra keys for the images with positions in [start, end) (a block's), in prompt order."""
+    return b"".join(b"img\x00" + im.content_hash + _U32.pack(im.offset) for im in images
+                    if im.offset < end and start < im.offset + im.length)
+
+
 def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b"") -> BlockHash:
     tokens = np.asarray(token_ids, dtype="<i4").tobytes()
     return xxhash.xxh3_128_digest(parent + tokens + extra_keys)
@@ -68,9 +82,19 @@ def hash_blocks(
     parent: BlockHash,
     start_block: int = 0,
     extra_keys: bytes = b"",
+    images: Sequence[ImageInput] = (),
 ) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids` from block `start_block` on, chained from `parent`
-    (the hash of block start_block-1, or the root hash when start_block is 0)."""
+    (the hash of block start_block-1, or the root hash when start_block is 0). `images`: the prompt's images,
+    whose blocks carry their content hashes."""
+    if images:  # per-block extra keys: the portable path (image prompts are few and short next to their images)
+        hashes = []
+        for b in range(start_block, len(token_ids) // block_size):
+            lo = b * block_size
+            parent = hash_block(parent, token_ids[lo : lo + block_size],
+                                extra_keys + image_extra_keys(images, lo, lo + block_size))
+            hashes.append(parent)
+        return hashes
     lib = native.load()
     if lib is None:
         return _hash_blocks_py(token_ids, block_size, parent, start_block, extra_keys)
@@ -99,10 +123,10 @@ def _hash_blocks_py(
 
 def prompt_block_hashes(
     token_ids: Sequence[int], model_id: str, block_size: int, cache_salt: str = "", lora_name: str = "",
-    kv_dtype: str = "",
+    kv_dtype: str = "", images: Sequence[ImageInput] = (),
 ) -> list[BlockHash]:
     """All full-block hashes of a prompt, the way the gateway computes them for routing (`lora_name`: the
     adapter the request runs with, "" for the base model; `kv_dtype`: the nodes' quantized KV dtype, "" for
-    none)."""
+    none; `images`: its images)."""
     return hash_blocks(token_ids, block_size, root_hash(model_id, block_size, cache_salt, kv_dtype), 0,
-                       lora_extra_keys(lora_name))
+                       lora_extra_keys(lora_name), images)

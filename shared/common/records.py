@@ -6,6 +6,7 @@
 - `TokenLogprobs`: one sampled token's logprobs, from the sampler to the client.
 - `BeamSequence`: one finished beam of a beam search, from the engine to the client.
 - `BlockEvent`: a block stored in or evicted from a node's prefix cache, for the index.
+- `ImageInput`: an image in a prompt, at its placeholder tokens (gateway, RPCs, engine).
 
 Nothing here imports torch at module import time: the gateway and `kvrelay --help` load this module too.
 """
@@ -21,6 +22,22 @@ from typing import NamedTuple, TypeVar
 BlockHash = bytes  # 16 bytes of xxh3-128 (kvrelay.common.hashing)
 
 _R = TypeVar("_R", bound="JsonRecord")
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image of a prompt: its encoded bytes (PNG, JPEG, ...), which fill the `length` placeholder tokens from
+    position `offset`. `content_hash` (kvrelay.common.hashing.image_hash of the bytes) goes into the hashes of the
+    KV blocks those positions fall in, so the same text with another image never shares them."""
+
+    offset: int
+    length: int
+    data: bytes = field(repr=False)
+    content_hash: bytes = b""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
 
 
 class JsonRecord:

@@ -15,7 +15,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrelay.common.records import BeamSequence, KVLayout, NodeLoad, TokenLogprobs
+from kvrelay.common.records import BeamSequence, ImageInput, KVLayout, NodeLoad, TokenLogprobs
 from kvrelay.common.sampling_params import (
     BeamSearchParams,
     PoolingParams,
@@ -200,6 +200,15 @@ def beam_search_from_proto(msg: pb.BeamSearchParams) -> BeamSearchParams:
 def request_params(request) -> SamplingParams:
     """The SamplingParams of a Reserve / Prefill / Generate request."""
     return sampling_from_proto(request.params, request.HasField("params"))
+
+
+def images_to_proto(images: Sequence[ImageInput]) -> list[pb.ImageInput]:
+    return [pb.ImageInput(offset=im.offset, length=im.length, data=im.data) for im in images]
+
+
+def images_from_proto(images) -> tuple[ImageInput, ...]:
+    """A request's images (the engine hashes their bytes; it checks their positions)."""
+    return tuple(ImageInput(offset=im.offset, length=im.length, data=bytes(im.data)) for im in images)
 
 
 def prompt_ids(ids: Sequence[int]) -> list[int]:

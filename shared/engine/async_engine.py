@@ -29,7 +29,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvrelay.common.records import NodeLoad
+from kvrelay.common.records import ImageInput, NodeLoad
 from kvrelay.common.sampling_params import BeamSearchParams, SamplingParams
 from kvrelay.engine.core import EngineCore
 from kvrelay.engine.engine_hooks import EngineDead, EngineDraining, EngineHooks
@@ -116,7 +116,7 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, cache_salt: str = "",
         arrival: float | None = None, kv_send: KVSendSpec | None = None, beam_search: BeamSearchParams | None = None,
-        lora_name: str = "",
+        lora_name: str = "", images: Sequence[ImageInput] = (),
     ) -> AsyncIterator[EngineCoreOutput]:
         """Stream a request's outputs (n > 1: the children's, interleaved, by child id; beam_search: one
         output at the end, with the beams). Leaving the loop early aborts what is unfinished. Raises
@@ -129,10 +129,12 @@ class AsyncEngine:
 
         def add(core: EngineCore) -> list[str]:
             if beam_search is not None:
+                if images:
+                    raise ValueError("beam_search: not with images")
                 core.add_beam_search(request_id, prompt, beam_search, arrival, cache_salt, lora_name)
                 ids = [request_id]
             else:
-                ids = core.add_request(request_id, prompt, params, arrival, cache_salt, kv_send, lora_name)
+                ids = core.add_request(request_id, prompt, params, arrival, cache_salt, kv_send, lora_name, images)
             parent = request_id if len(ids) > 1 else None
             for rid in ids:
                 self._streams[rid] = _Stream(q, arrival, computes_prompt=True, parent=parent)
@@ -147,12 +149,12 @@ class AsyncEngine:
 
     async def prefill(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, kv_send: KVSendSpec,
-        cache_salt: str = "", arrival: float | None = None, lora_name: str = "",
+        cache_salt: str = "", arrival: float | None = None, lora_name: str = "", images: Sequence[ImageInput] = (),
     ) -> EngineCoreOutput:
         """Prefill role: compute the prompt, send its KV per `kv_send`, and return the first token's output
         (finish_reason "abort" and no token when it was aborted). Its blocks stay held: release_held()."""
         async with aclosing(self.generate(request_id, prompt, params, cache_salt, arrival, kv_send,
-                                          lora_name=lora_name)) as stream:
+                                          lora_name=lora_name, images=images)) as stream:
             async for out in stream:
                 return out  # max_tokens is 1 for a kv_send request: the first output is the last
         raise EngineDead(f"request {request_id!r} ended without output")
@@ -160,7 +162,7 @@ class AsyncEngine:
     async def reserve(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, lease_s: float | None = None,
         cache_salt: str = "", on_reserved: Callable[[Reservation], None] | None = None, wait_s: float = 0.0,
-        lora_name: str = "",
+        lora_name: str = "", images: Sequence[ImageInput] = (),
     ) -> Reservation | None:
         """Decode role: blocks for a prompt a prefill node will compute, or None (no room now, or none came
         free within `wait_s`: the reservation waits in the node's queue meanwhile). `on_reserved` runs on the
@@ -172,7 +174,8 @@ class AsyncEngine:
 
         def run(core: EngineCore) -> Reservation | None | asyncio.Future:
             until = time.monotonic() + wait_s if waiter is not None else None
-            res = core.reserve(request_id, prompt, params, lease_s, cache_salt, queue_until=until, lora_name=lora_name)
+            res = core.reserve(request_id, prompt, params, lease_s, cache_salt, queue_until=until, lora_name=lora_name,
+                               images=images)
             if res is not None:
                 self._reserved(core, res, on_reserved)
             elif waiter is not None and core.is_queued(request_id):

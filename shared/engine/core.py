@@ -30,8 +30,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvrelay.common.hashing import kv_dtype_key
-from kvrelay.common.records import BlockEvent, BlockHash, KVLayout, NodeLoad
+from kvrelay.common.hashing import image_hash, kv_dtype_key
+from kvrelay.common.records import BlockEvent, BlockHash, ImageInput, KVLayout, NodeLoad
 from kvrelay.common.sampling_params import BeamSearchParams, PoolingType, SamplingParams, StructuredOutputs
 from kvrelay.common.system import TORCH_THP_ENV, huge_pages_for_tensors, keep_freed_memory
 from kvrelay.engine.beam_search import BeamGroup, num_candidates
@@ -50,6 +50,7 @@ from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.scheduler_output import EngineCoreOutput, EngineCounters, Reservation
 from kvrelay.engine.spec_decode.scheduling import Speculation
 from kvrelay.engine.structured import GrammarCompiler, GrammarVocab, create_grammar_compiler
+from kvrelay.model_files.vision import ImageError, decode_image
 
 MAX_BEAM_CANDIDATES = 20  # a beam's candidates come back as its row's top logprobs
 
@@ -184,6 +185,33 @@ class EngineCore:
             raise ValueError(f"num_resumed_tokens: {params.num_resumed_tokens} leaves no prompt of the "
                              f"{len(prompt_token_ids)} tokens")
 
+    def check_images(self, prompt: Sequence[int], images: Sequence[ImageInput]) -> tuple[ImageInput, ...]:
+        """The images with their content hashes, each checked to sit on exactly its placeholder tokens (every
+        placeholder covered); ValueError for images this model cannot take."""
+        spec = self.runner.vision
+        if spec is None:
+            if images:
+                raise ValueError(f"images: {self.info.architecture} takes no images")
+            return ()
+        out, end = [], 0
+        for im in images:
+            if im.length != spec.tokens_per_image or im.offset < end or im.end > len(prompt):
+                raise ValueError(f"images: an image takes {spec.tokens_per_image} placeholder tokens in order; got "
+                                 f"positions [{im.offset}, {im.end}) in a prompt of {len(prompt)}")
+            if any(t != spec.image_token_id for t in prompt[im.offset : im.end]):
+                raise ValueError(f"images: positions [{im.offset}, {im.end}) are not all image tokens")
+            try:
+                decode_image(im.data)
+            except ImageError as e:
+                raise ValueError(f"images: {e}") from None
+            out.append(replace(im, content_hash=image_hash(im.data)))
+            end = im.end
+        placeholders = sum(1 for t in prompt if t == spec.image_token_id)
+        if placeholders != len(out) * spec.tokens_per_image:
+            raise ValueError(f"images: the prompt has {placeholders} image tokens for {len(out)} images of "
+                             f"{spec.tokens_per_image}")
+        return tuple(out)
+
     def check_lora(self, lora_name: str) -> None:
         """UnknownAdapter unless a request may run with `lora_name` here ("" always may)."""
         if not lora_name:
@@ -262,27 +290,32 @@ class EngineCore:
         cache_salt: str = "",
         kv_send: KVSendSpec | None = None,
         lora_name: str = "",
+        images: Sequence[ImageInput] = (),
     ) -> list[str]:
         """Queue a request; returns the engine request ids (one, or n children for n > 1).
         With `kv_send` (prefill role) the request computes its prompt, samples one token, and its prompt
-        KV goes to the peer layer by layer as it is computed. `lora_name`: its adapter ("": the base model)."""
+        KV goes to the peer layer by layer as it is computed. `lora_name`: its adapter ("": the base model).
+        `images`: the prompt's images at their placeholder tokens (a vision-language model)."""
         prompt = list(prompt_token_ids)
         self.validate(prompt, params)
+        images = self.check_images(prompt, images)
         self.check_lora(lora_name)
         self.scheduler.check_room_to_wait(1 if kv_send is not None else params.n)
         if kv_send is not None:
             if params.pooling is not None:
                 raise ValueError("pooling: a pooling request runs where its prompt is computed; it is not handed off")
-            req = self._make_request(request_id, prompt, params.for_child(0), arrival_time, cache_salt, lora_name)
+            req = self._make_request(request_id, prompt, params.for_child(0), arrival_time, cache_salt, lora_name,
+                                     images)
             req.kv_send, req.max_tokens = kv_send, req.num_resumed_tokens + 1
             self._queue(req)
             return [request_id]
         if params.n == 1:
-            self._queue(self._make_request(request_id, prompt, params, arrival_time, cache_salt, lora_name))
+            self._queue(self._make_request(request_id, prompt, params, arrival_time, cache_salt, lora_name, images))
             return [request_id]
         ids = [child_request_id(request_id, i) for i in range(params.n)]
         for i, rid in enumerate(ids):
-            self._queue(self._make_request(rid, prompt, params.for_child(i), arrival_time, cache_salt, lora_name))
+            self._queue(self._make_request(rid, prompt, params.for_child(i), arrival_time, cache_salt, lora_name,
+                                           images))
         return ids
 
     def add_beam_search(
@@ -343,12 +376,13 @@ class EngineCore:
 
     def _make_request(
         self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None, salt: str,
-        lora_name: str = "",
+        lora_name: str = "", images: tuple[ImageInput, ...] = (),
     ) -> Request:
         extra = [t for t in self.info.extra_eos_token_ids if t not in params.stop_token_ids]
         if extra and not params.ignore_eos:
             params = replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
-        req = Request(rid, prompt, params, eos_token_id=self.info.eos_token_id, cache_salt=salt, lora_name=lora_name)
+        req = Request(rid, prompt, params, eos_token_id=self.info.eos_token_id, cache_salt=salt, lora_name=lora_name,
+                      images=images)
         if arrival is not None:
             req.arrival_time = arrival
         room = self.max_model_len - len(prompt) + params.num_resumed_tokens  # resumed output counts as output
@@ -360,6 +394,7 @@ class EngineCore:
     def reserve(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
         lease_s: float | None = None, cache_salt: str = "", queue_until: float | None = None, lora_name: str = "",
+        images: Sequence[ImageInput] = (),
     ) -> Reservation | None:
         """Decode role: blocks for a prompt a prefill node will compute. None: no room now, and either
         refused or (with `queue_until`, a monotonic time) queued for blocks: `is_queued`, then
@@ -369,7 +404,8 @@ class EngineCore:
         if params.n != 1:
             raise ValueError("n: a reservation is for one sequence; reserve each of n separately")
         self.check_lora(lora_name)
-        req = self._make_request(request_id, prompt, params, None, cache_salt, lora_name)
+        req = self._make_request(request_id, prompt, params, None, cache_salt, lora_name,
+                                 self.check_images(prompt, images))
         lease = self.config.scheduler.kv_lease_s if lease_s is None else lease_s
         return self.scheduler.reserve(req, lease, queue_until)
 
@@ -427,8 +463,12 @@ class EngineCore:
                        lora_resident=tuple(self.lora.cached), lora_capacity=self.config.lora.cpu_capacity)
 
     def counters(self) -> EngineCounters:
-        """Cumulative prefix-cache and preemption counts (the metrics advance by their deltas)."""
-        return self.scheduler.counters
+        """Cumulative prefix-cache, preemption and image-encoder counts (the metrics advance by their deltas)."""
+        counters = self.scheduler.counters
+        if self.runner.images is not None:
+            stats = self.runner.images.stats
+            counters.images_encoded, counters.image_encoder_seconds = stats.images_encoded, stats.encoder_seconds
+        return counters
 
     def cached_block_hashes(self) -> list[BlockHash]:
         return list(self.kv.pool.cached)

@@ -88,7 +88,7 @@ class KVCacheManager:
             return
         parent = req.block_hashes[-1] if done else self._root(req.cache_salt)
         req.block_hashes.extend(hash_blocks(req.all_token_ids, self.block_size, parent, start_block=done,
-                                            extra_keys=lora_extra_keys(req.lora_name)))
+                                            extra_keys=lora_extra_keys(req.lora_name), images=req.images))
 
     def _root(self, salt: str) -> bytes:
         root = self._roots.get(salt)

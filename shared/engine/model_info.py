@@ -23,6 +23,7 @@ from kvrelay.engine.config import EngineConfig, ModelConfig, parse_dtype
 from kvrelay.engine.offload import default_offload_path, held_bytes
 from kvrelay.engine.quant_config import METHODS, QuantConfigError, effective_method
 from kvrelay.model_files.resolve import resolve_model
+from kvrelay.model_files.vision import text_config
 
 if TYPE_CHECKING:
     import torch
@@ -78,14 +79,14 @@ def load_model_info(config: ModelConfig) -> ModelInfo:
     with open(os.path.join(resolved.path, "config.json")) as f:
         hf = json.load(f)
     device = resolve_device(config.device)
-    eos_ids = _eos_token_ids(resolved.path, hf)
+    eos_ids = _eos_token_ids(resolved.path, text_config(hf))
     return ModelInfo(
         path=resolved.path,
         model_id=resolved.model_id,
         device=device,
         dtype=resolve_dtype(config.dtype, device),
         eos_token_id=eos_ids[0] if eos_ids else None,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        max_position_embeddings=int(text_config(hf).get("max_position_embeddings", 2048)),
         architecture=(hf.get("architectures") or ["?"])[0],
         extra_eos_token_ids=eos_ids[1:],
         quantization=quantization,
@@ -129,6 +130,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, hf: dict, model_id: str, source: str) -> ModelShape:
+        hf = text_config(hf)  # a vision-language model's context and KV are its language model's
         heads = int(hf["num_attention_heads"])  # as the model code reads it (models/llama.py)
         return cls(model_id, int(hf.get("max_position_embeddings", 2048)), int(hf["num_hidden_layers"]),
                    int(hf.get("num_key_value_heads") or heads), int(hf.get("head_dim") or hf["hidden_size"] // heads),

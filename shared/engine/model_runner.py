@@ -34,12 +34,13 @@ import numpy as np
 import torch
 
 from kvrelay.common.kv_allocator import KVAllocator
-from kvrelay.common.records import KVLayout, TokenLogprobs, kv_cache_shape
+from kvrelay.common.records import ImageInput, KVLayout, TokenLogprobs, kv_cache_shape
 from kvrelay.common.sampling_params import PoolingType, SamplingParams
 from kvrelay.engine import host_memory
 from kvrelay.engine.attention import get_attention_backend
 from kvrelay.engine.attention.base import AttentionMetadata, cache_row
 from kvrelay.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, kv_cache_torch_dtype
+from kvrelay.engine.image_inputs import ImageEncoder
 from kvrelay.engine.lora.layers import LoRABatch
 from kvrelay.engine.model_info import ModelInfo
 from kvrelay.engine.models.loader import load_model
@@ -48,6 +49,7 @@ from kvrelay.engine.sampler import Sampler, SamplerOutput, SamplingRow, TokenBit
 from kvrelay.engine.scheduler_output import KVSend, ModelRunnerOutput, SchedulerOutput
 from kvrelay.engine.spec_decode import Draft, ProposeRequest, Verified, Verifier, VerifyGroup, create_proposer
 from kvrelay.engine.structured import GrammarCompiler, GrammarMatcher, bitmask_words
+from kvrelay.model_files.vision import vision_spec
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class _ReqState:
     matcher: GrammarMatcher | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # computed so far (none while it has outputs)
     lora_name: str = ""  # its LoRA adapter ("": the base model)
+    images: tuple[ImageInput, ...] = ()  # its prompt's images
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class _Batch:
     offsets: list[int]  # per attention row (req_ids): its first row in the flat batch
     starts: list[int]  # per attention row: its first position this step
     lora: LoRABatch | None = None  # each flat row's adapter slot (None: no row has an adapter)
+    embeds_at: tuple[torch.Tensor, torch.Tensor] | None = None  # image features at their rows (ImageEncoder.rows)
 
 
 class ModelRunner:
@@ -118,6 +122,9 @@ class ModelRunner:
         self.model = load_model(info.path, self.dtype, self.device, self.attn, gguf_blocks=info.gguf_path,
                                 quantization=info.quantization)
         self.kv_row = cache_row(self.model.head_size, self.kv_dtype)  # elements per head row of the cache
+        # A vision-language model: its image spec, and the encoder that fills image placeholders with features.
+        self.vision = vision_spec(info.path) if hasattr(self.model, "encode_images") else None
+        self.images = None if self.vision is None else ImageEncoder(self.model, self.vision, self.device)
         self.lora = lora
         if lora is not None:
             lora.attach(self.model)
@@ -222,7 +229,9 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
         on_layer_done = self._layer_sender(sched.kv_sends) if sched.kv_sends else None
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, on_layer_done, batch.lora)
+        extra = {} if batch.embeds_at is None else {"embeds_at": batch.embeds_at}
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, on_layer_done, batch.lora,
+                            **extra)
         self._prompt_logprobs(batch, hidden)
         pooled = self._pool(batch, hidden)
         if not batch.sample_req_ids:
@@ -376,6 +385,8 @@ class ModelRunner:
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             self.states.pop(rid, None)
             self.pooler.drop(rid)
+            if self.images is not None:
+                self.images.drop(rid)
         for rid in sched.finished_req_ids:
             self.drafts.pop(rid, None)  # a preempted request keeps its drafts: it verifies them on resuming
         if self.proposer is not None:
@@ -388,7 +399,7 @@ class ModelRunner:
                 list(new.token_ids), new.num_prompt_tokens, params, list(new.block_ids),
                 matcher=self._new_matcher(new.req_id, params, replay),
                 prompt_logprobs=[] if params.prompt_logprobs is not None and not outputs else None,
-                lora_name=new.lora_name,
+                lora_name=new.lora_name, images=new.images,
             )
         for cached in sched.cached_reqs:
             self.states[cached.req_id].block_ids.extend(cached.new_block_ids)
@@ -473,6 +484,10 @@ class ModelRunner:
         )
         input_ids = torch.tensor([t for part in ids_parts for t in part], dtype=torch.int64, device=dev)
         lora = None if self.lora is None else self.lora.batch([self.states[r].lora_name for r in req_ids], q_lens)
+        embeds_at = None
+        if self.images is not None:
+            embeds_at = self.images.rows([(r, self.states[r].images, offsets[i], starts[i], q_lens[i])
+                                          for i, r in enumerate(req_ids) if self.states[r].images])
         return _Batch(
             req_ids=req_ids,
             input_ids=input_ids,
@@ -485,6 +500,7 @@ class ModelRunner:
             offsets=offsets,
             starts=starts,
             lora=lora,
+            embeds_at=embeds_at,
         )
 
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvrelay.common.records import BlockHash
+from kvrelay.common.records import BlockHash, ImageInput
 from kvrelay.common.sampling_params import SamplingParams
 
 
@@ -56,6 +56,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str = ""
     lora_name: str = ""  # the LoRA adapter it runs with ("": the base model); part of its block hashes
+    images: tuple[ImageInput, ...] = ()  # its prompt's images, in order; part of its block hashes
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

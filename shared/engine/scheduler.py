@@ -285,6 +285,7 @@ class Scheduler(RequestTable):
             num_computed_tokens=req.num_computed_tokens,
             num_external_tokens=req.num_prompt_tokens - (req.num_cached_tokens or 0) if req.kv_received else 0,
             lora_name=req.lora_name,
+            images=req.images,
         )
 
     # -- update ---------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
-from kvrelay.common.records import BeamSequence, TokenLogprobs
+from kvrelay.common.records import BeamSequence, ImageInput, TokenLogprobs
 from kvrelay.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ class NewRequestData:
     # KV for them and computes it.
     num_external_tokens: int = 0
     lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
+    images: tuple[ImageInput, ...] = ()  # its prompt's images (a vision-language model encodes them)
 
 
 class CachedRequestData(NamedTuple):
@@ -126,6 +127,9 @@ class EngineCounters:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # A vision-language model's images: encoded here, and the time decoding, preprocessing and encoding took.
+    images_encoded: int = 0
+    image_encoder_seconds: float = 0.0
 
     def count_verification(self, num_drafts: int, num_accepted: int) -> None:
         self.spec_num_drafts += 1

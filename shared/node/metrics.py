@@ -10,6 +10,8 @@ Where a number is counted:
 - vllm:spec_decode_*: speculative decoding's verifications (num_drafts), drafts verified and accepted, and
   accepted drafts by their position in a run (label position, 0 = first draft): acceptance rate is
   num_accepted_tokens / num_draft_tokens, mean accepted run num_accepted_tokens / num_drafts.
+- kvrelay:images_encoded, kvrelay:image_encoder_seconds (a vision-language model): images encoded on this node,
+  and the seconds their decoding, preprocessing and encoding took; a decode node given the KV encodes none.
 - vllm:cache_config_info (vLLM's) and kvrelay:engine_config_info: the engine's settings as it runs with them,
   as labels of a gauge at 1 (what --max-num-seqs, --seed, --device ... came to, on the node itself).
 - vllm:lora_requests_info (vLLM's, with LoRA on): the adapters of running and waiting requests and max_lora as
@@ -59,6 +61,11 @@ class NodeMetrics:
         self.cache_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens", m,
                                      registry=reg)
         self.preemptions = Counter("vllm:num_preemptions", "Cumulative preemptions", m, registry=reg)
+        self.images_encoded = Counter("kvrelay:images_encoded", "Images run through the vision encoder here", m,
+                                      registry=reg)
+        self.image_encoder_seconds = Counter("kvrelay:image_encoder_seconds", "Seconds spent decoding, "
+                                             "preprocessing and encoding images (part of their requests' TTFT)", m,
+                                             registry=reg)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens computed", m, registry=reg)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", m, registry=reg)
         self.success = Counter("vllm:request_success", "Finished requests", m + ["finished_reason"], registry=reg)
@@ -113,7 +120,7 @@ class NodeMetrics:
         self.max_loras = 0
         self._lora_labels: tuple[str, str, str] | None = None
         self._last_lora: tuple[int, int, int] = (0, 0, 0)
-        self._last_stats: tuple[int, ...] = (0,) * 6
+        self._last_stats: tuple[float, ...] = (0,) * 8
         self._last_per_pos: list[int] = []
         # Export every series from the start (at 0), as vLLM does: dashboards and rate() need them present.
         for metric in (self.running, self.waiting, self.kv_usage, self.queued_prefill, self.ttft, self.itl,
@@ -147,9 +154,10 @@ class NodeMetrics:
         self.kv_usage.labels(name).set(load.kv_cache_usage)
         self.queued_prefill.labels(name).set(load.queued_prefill_tokens)
         now = (stats.prefix_cache_hits, stats.prefix_cache_queries, stats.num_preemptions, stats.spec_num_drafts,
-               stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+               stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens, stats.images_encoded,
+               stats.image_encoder_seconds)
         counters = (self.cache_hits, self.cache_queries, self.preemptions, self.spec_drafts, self.spec_draft_tokens,
-                    self.spec_accepted)
+                    self.spec_accepted, self.images_encoded, self.image_encoder_seconds)
         for counter, new, old in zip(counters, now, self._last_stats):
             if new > old:
                 counter.labels(name).inc(new - old)

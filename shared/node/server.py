@@ -279,7 +279,7 @@ class NodeServer(pb_grpc.EngineServicer):
             if params.n != 1:
                 raise ValueError("n: Generate streams one sequence (TokenChunk has no index); send n requests")
             stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt, arrival,
-                                          lora_name=request.lora_name)
+                                          lora_name=request.lora_name, images=wire.images_from_proto(request.images))
         num_output = 0
         async with aclosing(stream):
             async for out in stream:

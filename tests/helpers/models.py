@@ -131,3 +131,60 @@ def make_tiny_with_tokenizer(path: Path, tokenizer_dir: Path, **config: Any) -> 
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     copy_tokenizer(tokenizer_dir, path)
     return path
+
+
+IMAGE_SIZE, PATCH = 28, 7  # a tiny LLaVA's images: 28x28 after preprocessing, 16 placeholder tokens each
+
+
+def make_tiny_llava(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A random LLaVA (CLIP vision tower, projector, tiny Llama LM) on the default model's tokenizer with an added
+    `<image>` token, saved with its LlavaProcessor (CLIP preprocessing, 28x28) in transformers' layout."""
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    text = tiny_config("llama")
+    text.vocab_size, text.max_position_embeddings = len(tokenizer), 2048
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
+    config = LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-2,
+                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                         vision_feature_select_strategy="default")
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", "layer_norm1.weight", "layer_norm2.weight",
+                              "pre_layrnorm.weight")):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(path)
+    size = {"shortest_edge": IMAGE_SIZE}
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size=size, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+        tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default", image_token="<image>",
+        num_additional_image_tokens=1)
+    processor.save_pretrained(path)
+    (path / "generation_config.json").write_text((tokenizer_dir / "generation_config.json").read_text())
+    return path
+
+
+def png(seed: int, width: int, height: int) -> bytes:
+    """A random RGB image as PNG bytes."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, "PNG")
+    return out.getvalue()

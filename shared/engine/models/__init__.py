@@ -14,6 +14,7 @@ from .llama import (
     Qwen3ForCausalLM,
     Qwen3ForSequenceClassification,
 )
+from .llava import LlavaForConditionalGeneration
 from .loader import load_model
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -27,6 +28,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
     # Encoders (sentence-transformers' BERT embedders): whole sequences per step, embedding requests only
     "BertModel": BertModel,
+    # Vision-language: a CLIP encoder and projector before a Llama LM; images in the prompt (models/llava.py)
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 __all__ = ["MODEL_REGISTRY", "get_model_class", "load_model", "supported_architectures"]

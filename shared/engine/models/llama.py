@@ -384,10 +384,15 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         on_layer_done: Callable[[int], None] | None = None,
         lora: LoRABatch | None = None,
+        embeds_at: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`on_layer_done(i)` runs once layer i has written its KV: a prefill node starts sending that
-        layer's blocks while the next layers compute. `lora`: each row's adapter slot (None: no row has one)."""
+        layer's blocks while the next layers compute. `lora`: each row's adapter slot (None: no row has one).
+        `embeds_at` (rows, embeddings): these rows take these input embeddings instead of their tokens' (an
+        image's features at its placeholder tokens, models/llava.py)."""
         h = self.model.embed_tokens(input_ids)
+        if embeds_at is not None:
+            h[embeds_at[0]] = embeds_at[1].to(h.dtype)
         rope = self.ops.rope_prepare(self.rope.cos, self.rope.sin, positions)
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):

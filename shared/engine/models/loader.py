@@ -109,22 +109,31 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return found
 
 
+def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
 def load_weights(model: nn.Module, files: list[Path], round_to: torch.dtype | None = None) -> None:
     """Copy every checkpoint tensor into its parameter; round_to first rounds values to that dtype."""
     targets = weight_targets(model)
     tied = getattr(model, "arch", None) is not None and model.arch.tie_word_embeddings
     loaded: set[str] = set()
     unexpected: list[str] = []
+    renames = getattr(model, "CHECKPOINT_RENAMES", ())  # a checkpoint's prefixes -> this model's module names
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = _renamed(stored, renames)
                 if name.endswith(_SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
                 if name not in targets:
                     unexpected.append(name)
                     continue
                 param, rows = targets[name]
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
                 copy_into(param, rows, tensor if round_to is None else tensor.to(round_to), name)
                 loaded.add(name)
     if unexpected:

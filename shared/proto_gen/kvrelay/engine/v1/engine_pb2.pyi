@@ -229,8 +229,18 @@ class Load(_message.Message):
     lora_paths: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_reserved: _Optional[int] = ..., num_held: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_capacity: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ..., lora_paths: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ImageInput(_message.Message):
+    __slots__ = ("offset", "length", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "lease_ms", "queue_timeout_ms", "lora_name", "traceparent")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "lease_ms", "queue_timeout_ms", "lora_name", "traceparent", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +249,7 @@ class ReserveRequest(_message.Message):
     QUEUE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -247,7 +258,8 @@ class ReserveRequest(_message.Message):
     queue_timeout_ms: int
     lora_name: str
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lease_ms: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lease_ms: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("request_id", "node_id", "kv_address", "num_cached_tokens", "dst_block_ids", "layout", "lease_expires_unix_ms", "transfer_id")
@@ -270,7 +282,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "decode_kv_address", "decode_cached_tokens", "dst_block_ids", "decode_layout", "lora_name", "traceparent", "transfer_id")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "decode_kv_address", "decode_cached_tokens", "dst_block_ids", "decode_layout", "lora_name", "traceparent", "transfer_id", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +294,7 @@ class PrefillRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -293,7 +306,8 @@ class PrefillRequest(_message.Message):
     lora_name: str
     traceparent: str
     transfer_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_kv_address: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_kv_address: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ..., transfer_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprobs", "num_cached_tokens", "bytes_transferred", "transfer_seconds", "prefill_seconds", "finish_reason", "last_layer_seconds", "prompt_logprobs")
@@ -328,7 +342,7 @@ class Handoff(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "handoff", "beam_search", "lora_name", "traceparent")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "handoff", "beam_search", "lora_name", "traceparent", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +351,7 @@ class GenerateRequest(_message.Message):
     BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -345,7 +360,8 @@ class GenerateRequest(_message.Message):
     beam_search: BeamSearchParams
     lora_name: str
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., beam_search: _Optional[_Union[BeamSearchParams, _Mapping]] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., beam_search: _Optional[_Union[BeamSearchParams, _Mapping]] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "prompt_logprobs", "beams", "embedding")

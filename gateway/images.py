@@ -1,0 +1,146 @@
+"""Images in chat messages (OpenAI's `image_url` content parts) for a vision-language model.
+
+The gateway takes each image's bytes (a data: URL; an http(s) URL only with --allow-image-urls, fetched within
+--max-image-bytes and --image-fetch-timeout), decodes it once to refuse what is not an image or is too large (a 400
+naming the part, before any node is involved), and hashes it. The chat template renders each image as the model's
+placeholder text (`<image>`), which tokenizes to its image token; `expand` widens each to the
+`tokens_per_image` positions the encoder's features fill and records the image at them. The prompt's block hashes
+then carry each image's content hash (kvrelay.common.hashing), here for routing and on the nodes for caching, in
+the same way. Preprocessing and encoding happen on the prefill side (kvrelay.engine.image_inputs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from kvrelay.common.hashing import image_hash
+from kvrelay.common.records import ImageInput
+from kvrelay.gateway.config import GatewayConfig
+from kvrelay.gateway.errors import BadRequest
+from kvrelay.model_files.vision import ImageError, VisionSpec, decode_image
+
+_D = GatewayConfig()
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_images_per_request: int = _D.max_images_per_request
+    max_image_bytes: int = _D.max_image_bytes
+    max_image_pixels: int = _D.max_image_pixels
+    allow_image_urls: bool = _D.allow_image_urls
+    image_fetch_timeout: float = _D.image_fetch_timeout
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> ImageLimits:
+        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+
+
+def image_urls(messages) -> list[tuple[str, str]]:
+    """(param, url) of every image part of a chat, in order."""
+    found = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            found.extend((f"messages[{i}].content[{j}].image_url", part.image_url.url)
+                         for j, part in enumerate(m.content) if part.type == "image_url")
+    return found
+
+
+class ChatImages:
+    """One model's image handling: `spec` None for a text-only model (any image is a 400)."""
+
+    def __init__(self, spec: VisionSpec | None, limits: ImageLimits, model: str, metrics=None) -> None:
+        self.spec = spec
+        self.limits = limits
+        self.model = model
+        self.metrics = metrics
+
+    @property
+    def placeholder(self) -> str | None:
+        return None if self.spec is None else self.spec.image_token
+
+    async def load(self, messages) -> list[bytes]:
+        """Each image part's bytes, checked; BadRequest naming the part otherwise."""
+        urls = image_urls(messages)
+        if not urls:
+            return []
+        if self.spec is None:
+            raise BadRequest(f"model {self.model!r} takes no images (it has no vision encoder)", param=urls[0][0])
+        limit = self.limits.max_images_per_request
+        if limit and len(urls) > limit:
+            raise BadRequest(f"messages: {len(urls)} images, more than the limit of {limit} "
+                             "(--max-images-per-request)", param="messages")
+        datas = [await self._fetch(param, url) for param, url in urls]
+        for (param, _), data in zip(urls, datas, strict=True):
+            try:
+                await asyncio.to_thread(decode_image, data, self.limits.max_image_pixels or None)
+            except ImageError as e:
+                raise BadRequest(f"{param}: {e}", param=param) from None
+        if self.metrics is not None:
+            self.metrics.observe_images(len(datas), sum(len(d) for d in datas))
+        return datas
+
+    def expand(self, tokens: Sequence[int], datas: Sequence[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The rendered prompt with each image token widened to the image's positions, and the images at them."""
+        if self.spec is None:
+            return list(tokens), ()
+        token, width = self.spec.image_token_id, self.spec.tokens_per_image
+        count = sum(1 for t in tokens if t == token)
+        if count != len(datas):
+            raise BadRequest(f"messages: the rendered prompt has {count} image placeholders ({self.spec.image_token}) "
+                             f"for {len(datas)} images; message text must not contain {self.spec.image_token!r}",
+                             param="messages")
+        out: list[int] = []
+        images = []
+        for t in tokens:
+            if t == token:
+                data = datas[len(images)]
+                images.append(ImageInput(offset=len(out), length=width, data=data, content_hash=image_hash(data)))
+                out.extend([token] * width)
+            else:
+                out.append(t)
+        return out, tuple(images)
+
+    async def _fetch(self, param: str, url: str) -> bytes:
+        cap = self.limits.max_image_bytes
+        if url.startswith("data:"):
+            header, sep, payload = url.partition(",")
+            if not sep or not header.endswith(";base64"):
+                raise BadRequest(f"{param}: a data URL must be base64 (data:image/png;base64,...)", param=param)
+            if cap and len(payload) * 3 // 4 > cap:
+                raise BadRequest(f"{param}: the image exceeds {cap} bytes (--max-image-bytes)", param=param)
+            try:
+                return base64.b64decode(payload, validate=True)
+            except (binascii.Error, ValueError):
+                raise BadRequest(f"{param}: the data URL is not valid base64", param=param) from None
+        if not url.startswith(("http://", "https://")):
+            raise BadRequest(f"{param}: give a data: URL or an http(s) URL", param=param)
+        if not self.limits.allow_image_urls:
+            raise BadRequest(f"{param}: image URLs are not fetched by this server (--allow-image-urls); send the "
+                             "image as a data: URL", param=param)
+        try:  # the whole fetch within the timeout, not each read
+            return await asyncio.wait_for(self._download(param, url, cap), self.limits.image_fetch_timeout)
+        except TimeoutError:
+            raise BadRequest(f"{param}: fetching the image took longer than {self.limits.image_fetch_timeout:g} s "
+                             "(--image-fetch-timeout)", param=param) from None
+
+    async def _download(self, param: str, url: str, cap: int) -> bytes:
+        try:
+            async with httpx.AsyncClient(timeout=self.limits.image_fetch_timeout, follow_redirects=True) as client:
+                async with client.stream("GET", url) as reply:
+                    if reply.status_code != 200:
+                        raise BadRequest(f"{param}: fetching the image gave HTTP {reply.status_code}", param=param)
+                    body = bytearray()
+                    async for piece in reply.aiter_bytes():
+                        body += piece
+                        if cap and len(body) > cap:
+                            raise BadRequest(f"{param}: the image exceeds {cap} bytes (--max-image-bytes)",
+                                             param=param)
+                    return bytes(body)
+        except httpx.HTTPError as e:
+            raise BadRequest(f"{param}: could not fetch the image: {type(e).__name__}: {e}", param=param) from None

@@ -1,0 +1,76 @@
+"""Image features for a step's placeholder tokens: decode, preprocess and encode each image once, on the side that
+computes its prompt (a prefill node, or a colocated one), and hand the model the rows its features replace.
+
+A request's image may span several steps (chunked prefill) or start inside a prefix-cache hit: its features are
+computed when its first uncached position is scheduled and kept until its last one is, then dropped. Every image
+a step needs is encoded in one batch. The time goes into the step, hence into TTFT; `stats` counts it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvrelay.common.records import ImageInput
+from kvrelay.model_files.vision import VisionSpec, decode_image, preprocess
+
+
+@dataclass
+class ImageStats:
+    images_encoded: int = 0
+    encoder_seconds: float = 0.0  # decode, preprocess and encode, together
+
+
+class ImageEncoder:
+    """`model` has encode_images(pixels [n, 3, H, W]) -> features [n, tokens, hidden] (models/llava.py)."""
+
+    def __init__(self, model, spec: VisionSpec, device: torch.device) -> None:
+        self.model = model
+        self.spec = spec
+        self.device = device
+        self._features: dict[tuple[str, int], torch.Tensor] = {}  # (request, image index) -> [tokens, hidden]
+        self.stats = ImageStats()
+
+    def rows(self, spans: Sequence[tuple[str, Sequence[ImageInput], int, int, int]]
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For attention rows (request, its images, first flat row, first position, positions this step): the flat
+        rows that are image positions and their features, or None when no row holds one."""
+        wanted = []  # (request, image index, image, first position used, end, flat row of that position)
+        for rid, images, flat, start, count in spans:
+            end = start + count
+            for i, im in enumerate(images):
+                lo, hi = max(start, im.offset), min(end, im.end)
+                if lo < hi:
+                    wanted.append((rid, i, im, lo, hi, flat + lo - start))
+        if not wanted:
+            return None
+        self._encode([(rid, i, im) for rid, i, im, *_ in wanted if (rid, i) not in self._features])
+        rows, feats = [], []
+        for rid, i, im, lo, hi, flat in wanted:
+            rows.append(np.arange(flat, flat + hi - lo))
+            feats.append(self._features[rid, i][lo - im.offset : hi - im.offset])
+            if hi == im.end:  # its last position is computed this step
+                self._features.pop((rid, i), None)
+        return torch.from_numpy(np.concatenate(rows)).to(self.device), torch.cat(feats)
+
+    def drop(self, rid: str) -> None:
+        """A request finished or was preempted: its features go (a resumed request encodes again)."""
+        for key in [k for k in self._features if k[0] == rid]:
+            del self._features[key]
+
+    def _encode(self, todo: list[tuple[str, int, ImageInput]]) -> None:
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        # Checked by the gateway already; a node reached directly decodes what it was given (ValueError: the step's
+        # caller ends the request).
+        pixels = np.stack([preprocess(decode_image(im.data), self.spec) for _, _, im in todo])
+        feats = self.model.encode_images(torch.from_numpy(pixels).to(self.device))
+        for (rid, i, _), f in zip(todo, feats, strict=True):
+            self._features[rid, i] = f
+        self.stats.images_encoded += len(todo)
+        self.stats.encoder_seconds += time.perf_counter() - t0
