@@ -57,7 +57,8 @@ class SequenceAttempts:
         self.extended = k > 0
         self.current = EngineRequest(f"{orig.request_id}.m{self.moves}", [*orig.prompt_token_ids, *self.generated],
                                      params, orig.cache_salt, beam_search=orig.beam_search,
-                                     deadline=orig.deadline, lora_name=orig.lora_name, span=orig.span)
+                                     deadline=orig.deadline, lora_name=orig.lora_name, span=orig.span,
+                                     images=orig.images)
 
 
 class Tracked:

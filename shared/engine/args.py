@@ -69,7 +69,8 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig | None = 
     g.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs, help="most requests running at once")
     g.add_argument("--max-pooling-tokens-per-step", type=int, default=s.max_pooling_tokens_per_step,
                    help="on a model that generates, the most tokens of a step pooling requests (embeddings, "
-                        "scores) take, so a chat never waits long behind a step of them (0: no cap; an encoder or "
+                        "scores) take, so a chat never waits long behind a step of them; while a chat's prompt "
+                        "computes they take none, for up to 8 steps in a row (0: no cap; an encoder or "
                         "cross-encoder is never capped)")
     g.add_argument("--max-waiting-requests", type=int, default=s.max_waiting_requests,
                    help="requests (and queued decode reservations) that may wait for room; past it new ones are "

@@ -114,7 +114,8 @@ class SchedulerConfig:
     # A long prompt takes at most this many tokens of one step, so decodes keep flowing.
     long_prefill_token_threshold: int = 0  # 0: no cap beyond the budget
     # On a model that generates, pooling requests (embeddings, scores: batch work) take at most this many tokens
-    # of a step, so a chat never waits long behind a step of them (a step runs to its end once started).
+    # of a step, so a chat never waits long behind a step of them (a step runs to its end once started), and
+    # none while a chat's prompt is computing (for at most 8 steps in a row: engine/scheduler.py).
     max_pooling_tokens_per_step: int = 64  # 0: no cap
     # Disaggregation: how long a reservation or blocks held for a transfer live unclaimed.
     kv_lease_s: float = 30.0

@@ -6,7 +6,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvrelay.engine.config import SchedulerConfig, SchedulingPolicy
 from kvrelay.engine.request import Request
@@ -32,6 +32,10 @@ class RequestQueue(ABC):
     @abstractmethod
     def __len__(self) -> int: ...
 
+    @abstractmethod
+    def __iter__(self) -> Iterator[Request]:
+        """The queued requests, in no particular order."""
+
 
 class FCFSQueue(RequestQueue):
     def __init__(self) -> None:
@@ -54,6 +58,9 @@ class FCFSQueue(RequestQueue):
 
     def __len__(self) -> int:
         return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
 
 
 class KeyedQueue(RequestQueue):
@@ -94,6 +101,9 @@ class KeyedQueue(RequestQueue):
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._live.values())
 
 
 def by_priority(req: Request) -> tuple:

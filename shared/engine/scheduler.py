@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 
 _ONE_TOKEN = Chunk(1)
+# Steps in a row that pooling requests may yield their share to generating prompts: chats that keep arriving
+# delay embeddings, they never stop them.
+MAX_POOLING_YIELDS = 8
 
 
 # A CachedRequestData from its three fields as one tuple: the named tuple's own __new__ is a Python-level call,
@@ -66,14 +69,18 @@ class Scheduler(RequestTable):
         # A model that generates may get a chat at any moment: pooling requests take capped steps, so none waits
         # long behind one; an embedder or classifier only (an encoder, a cross-encoder) gives them whole steps.
         self.generates = generates
+        self._pooling_yields = 0  # steps in a row whose pooling share went to generating requests' prompts
 
     # -- schedule -------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
-        if self.config.max_pooling_tokens_per_step and self.num_pooling and self.generates:
-            plan.pooling_budget = self.config.max_pooling_tokens_per_step
+        plan.pooling_budget = self._pooling_budget()
+        # The pooling share is kept from the running prompts: after yielding, pooling requests still waiting start.
+        keep = min(plan.pooling_budget or 0, plan.budget // 2)
+        plan.budget -= keep
         yielded = self._schedule_running(self.running, plan, self._outranked_prefills())
+        plan.budget += keep
         admitted = len(plan.new)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -89,6 +96,26 @@ class Scheduler(RequestTable):
         for rid, n in plan.tokens.items():
             self.requests[rid].num_computed_tokens += n
         return out
+
+    def _pooling_budget(self) -> int | None:
+        """This step's share of pooling tokens (None: uncapped). On a model that generates, pooling requests get
+        `max_pooling_tokens_per_step`, and nothing while a generating request has prompt left to compute (a chat
+        waiting for its first token goes first), but never for more than MAX_POOLING_YIELDS steps in a row."""
+        cap = self.config.max_pooling_tokens_per_step
+        if not (cap and self.num_pooling and self.generates):
+            return None
+        if self._pooling_yields < MAX_POOLING_YIELDS and self._generation_in_prompt():
+            self._pooling_yields += 1
+            return 0
+        self._pooling_yields = 0
+        return cap
+
+    def _generation_in_prompt(self) -> bool:
+        if len(self.requests) == self.num_pooling:
+            return False
+        return (any(r.sampling_params.pooling is None and r.num_computed_tokens < r.num_prompt_tokens
+                    for r in self.running)
+                or any(r.sampling_params.pooling is None and r.status.computing for r in self.waiting))
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
         n = req.num_tokens - num_computed

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoModel
 
 from kvrelay.common.sampling_params import PoolingParams, PoolingType, SamplingParams
+from kvrelay.engine.scheduler import MAX_POOLING_YIELDS
 from tests.helpers.models import make_tiny_checkpoint, make_tiny_classifier, make_tiny_with_tokenizer
 from tests.helpers.nodes import colocated_engine
 
@@ -168,23 +169,31 @@ def test_a_bert_encoder_embeds_as_transformers(tmp_path, pooling):
 def test_pooling_takes_a_capped_share_of_each_step_on_a_model_that_generates(model):
     params = SamplingParams(pooling=PoolingParams())
 
-    def engine_with(chat: bool):
+    def engine_with(chats: int, prompt: list[int] = PROMPTS[1]):
         engine = colocated_engine(str(model))  # 64-token steps
         engine.scheduler.config = replace(engine.scheduler.config, max_pooling_tokens_per_step=16)
         for i, p in enumerate(PROMPTS):  # 7, 64 and 150 tokens, queued first
             engine.add_request(f"e{i}", p, params)
-        if chat:
-            engine.add_request("chat", PROMPTS[1], GREEDY)
+        for i in range(chats):  # each its own prompt: no prefix-cache hits between them
+            engine.add_request(f"chat{i}", prompt[i:] + prompt[:i], GREEDY)
         return engine
 
-    # Pooling takes 16 tokens of the step (7, then 9 of the next prompt); the third keeps its place while the chat,
-    # queued behind it, takes the rest.
-    assert dict(engine_with(True).scheduler.schedule().num_scheduled_tokens) == {"e0": 7, "e1": 9, "chat": 48}
-    # Alone too: on a model that generates, a chat may arrive at any moment and would wait for the step's end.
-    assert dict(engine_with(False).scheduler.schedule().num_scheduled_tokens) == {"e0": 7, "e1": 9}
-    engine = engine_with(True)
+    # On a model that generates, pooling takes 16 tokens of a step (7, then 9 of the next prompt): a chat may arrive
+    # at any moment and would wait for the step's end.
+    assert dict(engine_with(0).scheduler.schedule().num_scheduled_tokens) == {"e0": 7, "e1": 9}
+    # A chat's prompt goes first: the chat queued behind the embeddings takes the whole step; once it decodes,
+    # pooling has its share again.
+    assert dict(engine_with(1).scheduler.schedule().num_scheduled_tokens) == {"chat0": 64}
+    engine = engine_with(1)
+    engine.step()  # that step: the chat's prompt
+    assert dict(engine.scheduler.schedule().num_scheduled_tokens) == {"chat0": 1, "e0": 7, "e1": 9}
+    # Chats that keep coming delay pooling by MAX_POOLING_YIELDS steps at most, then it has its share.
+    engine = engine_with(4, PROMPTS[2])  # 600 prompt tokens: 10 steps of them
+    steps = [dict(engine.scheduler.schedule().num_scheduled_tokens) for _ in range(MAX_POOLING_YIELDS + 1)]
+    assert all("e0" not in s for s in steps[:-1]) and steps[-1]["e0"] == 7
+    engine = engine_with(1)
     done: dict[str, list] = {}
     while engine.has_unfinished():
         for out in engine.step():
             done.setdefault(out.req_id, []).append(out)
-    assert all(done[f"e{i}"][-1].pooled is not None for i in range(3)) and done["chat"][-1].finish_reason
+    assert all(done[f"e{i}"][-1].pooled is not None for i in range(3)) and done["chat0"][-1].finish_reason
