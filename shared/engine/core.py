@@ -30,13 +30,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvrelay.common.hashing import image_hash, kv_dtype_key
+from kvrelay.common.hashing import kv_dtype_key
 from kvrelay.common.records import BlockEvent, BlockHash, ImageInput, KVLayout, NodeLoad
 from kvrelay.common.sampling_params import BeamSearchParams, PoolingType, SamplingParams, StructuredOutputs
 from kvrelay.common.system import TORCH_THP_ENV, huge_pages_for_tensors, keep_freed_memory
 from kvrelay.engine.beam_search import BeamGroup, num_candidates
 from kvrelay.engine.block_pool import BlockPool
 from kvrelay.engine.config import EngineConfig, dtype_name
+from kvrelay.engine.image_inputs import checked_images
 from kvrelay.engine.kv_cache_manager import KVCacheManager
 from kvrelay.engine.kv_handoff import KVHandoff
 from kvrelay.engine.lora import LoRAAdapter, LoRAManager
@@ -50,7 +51,6 @@ from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.scheduler_output import EngineCoreOutput, EngineCounters, Reservation
 from kvrelay.engine.spec_decode.scheduling import Speculation
 from kvrelay.engine.structured import GrammarCompiler, GrammarVocab, create_grammar_compiler
-from kvrelay.model_files.vision import ImageError, decode_image
 
 MAX_BEAM_CANDIDATES = 20  # a beam's candidates come back as its row's top logprobs
 
@@ -185,33 +185,6 @@ class EngineCore:
             raise ValueError(f"num_resumed_tokens: {params.num_resumed_tokens} leaves no prompt of the "
                              f"{len(prompt_token_ids)} tokens")
 
-    def check_images(self, prompt: Sequence[int], images: Sequence[ImageInput]) -> tuple[ImageInput, ...]:
-        """The images with their content hashes, each checked to sit on exactly its placeholder tokens (every
-        placeholder covered); ValueError for images this model cannot take."""
-        spec = self.runner.vision
-        if spec is None:
-            if images:
-                raise ValueError(f"images: {self.info.architecture} takes no images")
-            return ()
-        out, end = [], 0
-        for im in images:
-            if im.length != spec.tokens_per_image or im.offset < end or im.end > len(prompt):
-                raise ValueError(f"images: an image takes {spec.tokens_per_image} placeholder tokens in order; got "
-                                 f"positions [{im.offset}, {im.end}) in a prompt of {len(prompt)}")
-            if any(t != spec.image_token_id for t in prompt[im.offset : im.end]):
-                raise ValueError(f"images: positions [{im.offset}, {im.end}) are not all image tokens")
-            try:
-                decode_image(im.data)
-            except ImageError as e:
-                raise ValueError(f"images: {e}") from None
-            out.append(replace(im, content_hash=image_hash(im.data)))
-            end = im.end
-        placeholders = sum(1 for t in prompt if t == spec.image_token_id)
-        if placeholders != len(out) * spec.tokens_per_image:
-            raise ValueError(f"images: the prompt has {placeholders} image tokens for {len(out)} images of "
-                             f"{spec.tokens_per_image}")
-        return tuple(out)
-
     def check_lora(self, lora_name: str) -> None:
         """UnknownAdapter unless a request may run with `lora_name` here ("" always may)."""
         if not lora_name:
@@ -298,7 +271,7 @@ class EngineCore:
         `images`: the prompt's images at their placeholder tokens (a vision-language model)."""
         prompt = list(prompt_token_ids)
         self.validate(prompt, params)
-        images = self.check_images(prompt, images)
+        images = checked_images(self.runner.vision, self.info.architecture, prompt, images)
         self.check_lora(lora_name)
         self.scheduler.check_room_to_wait(1 if kv_send is not None else params.n)
         if kv_send is not None:
@@ -404,8 +377,9 @@ class EngineCore:
         if params.n != 1:
             raise ValueError("n: a reservation is for one sequence; reserve each of n separately")
         self.check_lora(lora_name)
-        req = self._make_request(request_id, prompt, params, None, cache_salt, lora_name,
-                                 self.check_images(prompt, images))
+        # Hashed, not decoded: the prefill node decodes them (and this node only if it recomputes the prompt).
+        images = checked_images(self.runner.vision, self.info.architecture, prompt, images, decode=False)
+        req = self._make_request(request_id, prompt, params, None, cache_salt, lora_name, images)
         lease = self.config.scheduler.kv_lease_s if lease_s is None else lease_s
         return self.scheduler.reserve(req, lease, queue_until)
 
@@ -465,8 +439,8 @@ class EngineCore:
     def counters(self) -> EngineCounters:
         """Cumulative prefix-cache, preemption and image-encoder counts (the metrics advance by their deltas)."""
         counters = self.scheduler.counters
-        if self.runner.images is not None:
-            stats = self.runner.images.stats
+        stats = self.runner.image_stats()
+        if stats is not None:
             counters.images_encoded, counters.image_encoder_seconds = stats.images_encoded, stats.encoder_seconds
         return counters
 

@@ -10,13 +10,44 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from kvrelay.common.hashing import image_hash
 from kvrelay.common.records import ImageInput
-from kvrelay.model_files.vision import VisionSpec, decode_image, preprocess
+from kvrelay.model_files.vision import ImageError, VisionSpec, decode_image, preprocess
+
+
+def checked_images(spec: VisionSpec | None, architecture: str, prompt: Sequence[int], images: Sequence[ImageInput],
+                   decode: bool = True) -> tuple[ImageInput, ...]:
+    """A request's images with their content hashes, each checked to sit on exactly its placeholder tokens, every
+    placeholder covered, and (`decode`) to be an image; ValueError naming what is wrong (nothing is held yet)."""
+    if spec is None:
+        if images:
+            raise ValueError(f"images: {architecture} takes no images")
+        return ()
+    out: list[ImageInput] = []
+    end = 0
+    for im in images:
+        if im.length != spec.tokens_per_image or im.offset < end or im.end > len(prompt):
+            raise ValueError(f"images: an image takes {spec.tokens_per_image} placeholder tokens in order; got "
+                             f"positions [{im.offset}, {im.end}) in a prompt of {len(prompt)}")
+        if any(t != spec.image_token_id for t in prompt[im.offset : im.end]):
+            raise ValueError(f"images: positions [{im.offset}, {im.end}) are not all image tokens")
+        if decode:
+            try:
+                decode_image(im.data)
+            except ImageError as e:
+                raise ValueError(f"images: {e}") from None
+        out.append(replace(im, content_hash=image_hash(im.data)))
+        end = im.end
+    placeholders = sum(1 for t in prompt if t == spec.image_token_id)
+    if placeholders != len(out) * spec.tokens_per_image:
+        raise ValueError(f"images: the prompt has {placeholders} image tokens for {len(out)} images of "
+                         f"{spec.tokens_per_image}")
+    return tuple(out)
 
 
 @dataclass

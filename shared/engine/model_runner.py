@@ -40,7 +40,7 @@ from kvrelay.engine import host_memory
 from kvrelay.engine.attention import get_attention_backend
 from kvrelay.engine.attention.base import AttentionMetadata, cache_row
 from kvrelay.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, kv_cache_torch_dtype
-from kvrelay.engine.image_inputs import ImageEncoder
+from kvrelay.engine.image_inputs import ImageEncoder, ImageStats
 from kvrelay.engine.lora.layers import LoRABatch
 from kvrelay.engine.model_info import ModelInfo
 from kvrelay.engine.models.loader import load_model
@@ -141,6 +141,10 @@ class ModelRunner:
         self.grammars = grammars
         self._bitmask: torch.Tensor | None = None  # int32 [rows, words], reused every step
         self.kv_allocator = kv_allocator
+
+    def image_stats(self) -> ImageStats | None:
+        """Images encoded here and the time it took (None: the model takes no images)."""
+        return None if self.images is None else self.images.stats
 
     # -- KV cache ----------------------------------------------------------------------------------
 
