@@ -15,30 +15,14 @@ import asyncio
 import base64
 import binascii
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import httpx
 
 from kvrelay.common.hashing import image_hash
 from kvrelay.common.records import ImageInput
-from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.errors import BadRequest
+from kvrelay.gateway.input_limits import InputLimits
 from kvrelay.model_files.vision import ImageError, VisionSpec, decode_image
-
-_D = GatewayConfig()
-
-
-@dataclass(frozen=True)
-class ImageLimits:
-    max_images_per_request: int = _D.max_images_per_request
-    max_image_bytes: int = _D.max_image_bytes
-    max_image_pixels: int = _D.max_image_pixels
-    allow_image_urls: bool = _D.allow_image_urls
-    image_fetch_timeout: float = _D.image_fetch_timeout
-
-    @classmethod
-    def from_config(cls, config: GatewayConfig) -> ImageLimits:
-        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
 
 
 def image_urls(messages) -> list[tuple[str, str]]:
@@ -54,7 +38,7 @@ def image_urls(messages) -> list[tuple[str, str]]:
 class ChatImages:
     """One model's image handling: `spec` None for a text-only model (any image is a 400)."""
 
-    def __init__(self, spec: VisionSpec | None, limits: ImageLimits, model: str, metrics=None) -> None:
+    def __init__(self, spec: VisionSpec | None, limits: InputLimits, model: str, metrics=None) -> None:
         self.spec = spec
         self.limits = limits
         self.model = model

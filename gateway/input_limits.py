@@ -5,7 +5,8 @@ The body's size is the middleware's (gateway.http_guard, --max-body-bytes); `n`,
 model's field types cannot: the number of messages, a prompt's characters (before the tokenizer spends time on
 them), logit_bias entries, stop sequences, the number and size of tools, and a structured-output schema's size and
 nesting depth (a deep schema is a deep grammar). Each limit is a GatewayConfig field and flag (0: none) and each
-breach an OpenAI 400 naming the field.
+breach an OpenAI 400 naming the field. The image limits are here too; gateway.images applies them as it fetches and
+decodes a chat's images.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ class InputLimits:
     max_tool_bytes: int = _D.max_tool_bytes
     max_schema_bytes: int = _D.max_schema_bytes
     max_schema_depth: int = _D.max_schema_depth
+    # images in chat messages (checked by gateway.images, which fetches and decodes them)
+    max_images_per_request: int = _D.max_images_per_request
+    max_image_bytes: int = _D.max_image_bytes
+    max_image_pixels: int = _D.max_image_pixels
+    allow_image_urls: bool = _D.allow_image_urls
+    image_fetch_timeout: float = _D.image_fetch_timeout
 
     @classmethod
     def from_config(cls, config: GatewayConfig) -> InputLimits:

@@ -28,7 +28,7 @@ from kvrelay.gateway.discovery import Discovery, DiscoveryConfig
 from kvrelay.gateway.dispatch import DispatchConfig, Dispatcher
 from kvrelay.gateway.fleet_metrics import FleetMetrics
 from kvrelay.gateway.idempotency import IdempotentRequests
-from kvrelay.gateway.images import ChatImages, ImageLimits
+from kvrelay.gateway.images import ChatImages
 from kvrelay.gateway.input_limits import InputLimits
 from kvrelay.gateway.liveness import Liveness
 from kvrelay.gateway.metrics import GatewayMetrics
@@ -131,7 +131,7 @@ class Gateway:
                            Admission(config.max_concurrent_requests, config.request_timeout, config.shed_at,
                                      config.tenant_cache_isolation), self.activity,
                            usage_sink=self.limiter.charge_tokens)
-        images = ChatImages(vision_spec(resolved.path), ImageLimits.from_config(config), model_id, self.metrics)
+        images = ChatImages(vision_spec(resolved.path), self.input_limits, model_id, self.metrics)
         chat = ChatServing(core, parser, images)
         return ModelEndpoint(model_id, str(resolved.path), names, tokenizer, index, router, dispatcher, core, chat,
                              CompletionServing(core), TokenizeServing(core, chat.render_for_tokenize),

@@ -14,20 +14,22 @@ import shutil
 from pathlib import Path
 
 
+def save_llava_processor(out: Path, tokenizer, image_size: int, patch: int) -> None:
+    """The folder's LlavaProcessor: CLIP preprocessing to `image_size` squares, the tokenizer with `<image>`."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    side = {"height": image_size, "width": image_size}
+    LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size=side),
+                   tokenizer=tokenizer, patch_size=patch, vision_feature_select_strategy="default",
+                   image_token="<image>", num_additional_image_tokens=1).save_pretrained(out)
+
+
 def llava_from_lm(lm_dir: str | Path, out: str | Path, image_size: int = 112, patch: int = 14,
                   vision_hidden: int = 256, vision_layers: int = 4, seed: int = 0) -> Path:
     """Write a LlavaForConditionalGeneration into `out` around the LM at `lm_dir`; returns `out`."""
     import torch
     from safetensors.torch import load_file
-    from transformers import (
-        AutoConfig,
-        AutoTokenizer,
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
+    from transformers import AutoConfig, AutoTokenizer, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
     out, lm_dir = Path(out), Path(lm_dir)
     if (out / "config.json").is_file():
@@ -55,10 +57,7 @@ def llava_from_lm(lm_dir: str | Path, out: str | Path, image_size: int = 112, pa
         model.lm_head.weight.data.copy_(torch.cat([head, head.mean(0, keepdim=True).expand(rows, -1)]))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    side = {"height": image_size, "width": image_size}
-    LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size=side),
-                   tokenizer=tokenizer, patch_size=patch, vision_feature_select_strategy="default",
-                   image_token="<image>", num_additional_image_tokens=1).save_pretrained(out)
+    save_llava_processor(out, tokenizer, image_size, patch)
     if (lm_dir / "generation_config.json").is_file():
         shutil.copy(lm_dir / "generation_config.json", out / "generation_config.json")
     (out / "kvrelay_bench_model.json").write_text(json.dumps({"language_model": str(lm_dir), "vision": "random"}))

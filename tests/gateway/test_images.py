@@ -14,7 +14,8 @@ import pytest
 
 from kvrelay.common.hashing import image_hash
 from kvrelay.gateway.errors import BadRequest
-from kvrelay.gateway.images import ChatImages, ImageLimits
+from kvrelay.gateway.images import ChatImages
+from kvrelay.gateway.input_limits import InputLimits
 from kvrelay.gateway.protocol import ChatMessage
 from kvrelay.model_files.vision import VisionSpec
 from tests.helpers.models import png
@@ -74,7 +75,7 @@ def _refused(images: ChatImages, *urls: str) -> BadRequest:
 
 
 def test_data_urls_and_fetched_urls(server):
-    images = ChatImages(SPEC, ImageLimits(allow_image_urls=True, max_image_bytes=4000, image_fetch_timeout=1.0), "m")
+    images = ChatImages(SPEC, InputLimits(allow_image_urls=True, max_image_bytes=4000, image_fetch_timeout=1.0), "m")
     assert _load(images, _url(IMAGE), f"{server}/cat.png") == [IMAGE, IMAGE]
     assert "exceeds 4000 bytes" in str(_refused(images, f"{server}/big.png"))
     assert "HTTP 404" in str(_refused(images, f"{server}/missing.png"))
@@ -82,7 +83,7 @@ def test_data_urls_and_fetched_urls(server):
 
 
 def test_each_refusal_names_the_part(server):
-    images = ChatImages(SPEC, ImageLimits(max_images_per_request=2, max_image_pixels=150), "m")
+    images = ChatImages(SPEC, InputLimits(max_images_per_request=2, max_image_pixels=150), "m")
     assert _refused(images, _url(IMAGE), "file:///etc/passwd").param == "messages[0].content[2].image_url"
     assert "not fetched by this server" in str(_refused(images, f"{server}/cat.png"))
     assert "not valid base64" in str(_refused(images, "data:image/png;base64,%%%"))
@@ -90,13 +91,13 @@ def test_each_refusal_names_the_part(server):
     assert "could not decode" in str(_refused(images, _url(b"GIF89a nothing")))
     assert "20x10 pixels exceeds the limit of 150" in str(_refused(images, _url(IMAGE)))
     assert "3 images, more than the limit of 2" in str(_refused(images, *[_url(IMAGE)] * 3))
-    text_only = ChatImages(None, ImageLimits(), "smol")
+    text_only = ChatImages(None, InputLimits(), "smol")
     assert "takes no images" in str(_refused(text_only, _url(IMAGE)))
     assert _load(text_only) == []
 
 
 def test_placeholders_widen_to_each_images_positions():
-    images = ChatImages(SPEC, ImageLimits(), "m")
+    images = ChatImages(SPEC, InputLimits(), "m")
     a, b = png(2, 8, 8), png(3, 8, 8)
     tokens, found = images.expand([1, 7, 2, 7, 3], [a, b])
     assert tokens == [1, 7, 7, 7, 2, 7, 7, 7, 3]

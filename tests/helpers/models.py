@@ -139,14 +139,9 @@ IMAGE_SIZE, PATCH = 28, 7  # a tiny LLaVA's images: 28x28 after preprocessing, 1
 def make_tiny_llava(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """A random LLaVA (CLIP vision tower, projector, tiny Llama LM) on the default model's tokenizer with an added
     `<image>` token, saved with its LlavaProcessor (CLIP preprocessing, 28x28) in transformers' layout."""
-    from transformers import (
-        AutoTokenizer,
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
+    from transformers import AutoTokenizer, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from kvrelay.bench.vision_model import save_llava_processor
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
@@ -167,12 +162,7 @@ def make_tiny_llava(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
             else:
                 param.normal_(0.0, 0.15)
     model.save_pretrained(path)
-    size = {"shortest_edge": IMAGE_SIZE}
-    processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(size=size, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
-        tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default", image_token="<image>",
-        num_additional_image_tokens=1)
-    processor.save_pretrained(path)
+    save_llava_processor(path, tokenizer, IMAGE_SIZE, PATCH)
     (path / "generation_config.json").write_text((tokenizer_dir / "generation_config.json").read_text())
     return path
 
