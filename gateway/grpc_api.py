@@ -52,6 +52,11 @@ def _fields(msg: pb.GenerateRequest) -> SimpleNamespace:
     )
 
 
+def _with_images(m: pb.ChatMessage, placeholder: str | None) -> str:
+    """A message's content as the template takes it: its images' placeholders first, one line each."""
+    return "".join(f"{placeholder}\n" for _ in m.images) + m.content if placeholder else m.content
+
+
 class GatewayServicer(pb_grpc.GatewayServicer):
     def __init__(self, gateway) -> None:
         self.gateway = gateway
@@ -75,7 +80,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             check_model(principal, target.name)
             current_rate.set(await self.gateway.limiter.admit(principal))
             model = target.name
-            gen = target.endpoint.core.generate(self._input(request, target))
+            gen = target.endpoint.core.generate(await self._input(request, target))
         except GatewayError as e:
             await self._abort(context, e)
         try:
@@ -123,26 +128,30 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             context.set_trailing_metadata(trailers)
         await context.abort(_STATUS.get(int(e.status), grpc.StatusCode.INTERNAL), e.message)
 
-    def _input(self, msg: pb.GenerateRequest, target) -> GenerateInput:
-        core = target.endpoint.core
+    async def _input(self, msg: pb.GenerateRequest, target) -> GenerateInput:
+        core, images = target.endpoint.core, target.endpoint.images
         fields = _fields(msg)
-        prompt = self._prompt(msg, core.tokenizer)
+        prompt = self._prompt(msg, core.tokenizer, images.placeholder)
+        datas = await images.check([(f"chat.messages[{i}].images[{j}]", bytes(data))
+                                    for i, m in enumerate(msg.chat.messages) for j, data in enumerate(m.images)],
+                                   "chat.messages") if msg.WhichOneof("input") == "chat" else []
+        prompt, found = images.expand(prompt, datas)
         core.check_prompt(prompt, "prompt")
         max_tokens = core.fit_max_tokens(len(prompt), fields.max_tokens, "prompt", "max_tokens")
         params = sampling_params(fields, core, max_tokens=max_tokens, logprobs=fields.logprobs)
         return GenerateInput(prompt, params, output_options(fields, fields.logprobs),
                              request_id=msg.request_id or new_request_id("grpc"), cache_salt=msg.cache_salt,
-                             lora_name=target.lora_name)
+                             lora_name=target.lora_name, images=found)
 
-    def _prompt(self, msg: pb.GenerateRequest, tok) -> list[int]:
+    def _prompt(self, msg: pb.GenerateRequest, tok, placeholder: str | None) -> list[int]:
         kind = msg.WhichOneof("input")
         if kind == "prompt":
             return tok.encode(msg.prompt)
         if kind == "prompt_token_ids":
             return list(msg.prompt_token_ids.ids)
         if kind == "chat":
-            messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-                        for m in msg.chat.messages]
+            messages = [{"role": m.role, "content": _with_images(m, placeholder),
+                         **({"name": m.name} if m.name else {})} for m in msg.chat.messages]
             add = msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True
             try:
                 return tok.apply_chat_template(messages, add_generation_prompt=add)

@@ -51,23 +51,31 @@ class ChatImages:
     async def load(self, messages) -> list[bytes]:
         """Each image part's bytes, checked; BadRequest naming the part otherwise."""
         urls = image_urls(messages)
-        if not urls:
-            return []
-        if self.spec is None:
-            raise BadRequest(f"model {self.model!r} takes no images (it has no vision encoder)", param=urls[0][0])
-        limit = self.limits.max_images_per_request
-        if limit and len(urls) > limit:
-            raise BadRequest(f"messages: {len(urls)} images, more than the limit of {limit} "
-                             "(--max-images-per-request)", param="messages")
-        datas = [await self._fetch(param, url) for param, url in urls]
-        for (param, _), data in zip(urls, datas, strict=True):
+        self._check_count([param for param, _ in urls], "messages")
+        return await self.check([(param, await self._fetch(param, url)) for param, url in urls])
+
+    async def check(self, images: list[tuple[str, bytes]], where: str = "messages") -> list[bytes]:
+        """Images given as bytes (param naming each, bytes), checked as `load` checks a chat's."""
+        self._check_count([param for param, _ in images], where)
+        cap = self.limits.max_image_bytes
+        for param, data in images:
+            if cap and len(data) > cap:
+                raise BadRequest(f"{param}: the image exceeds {cap} bytes (--max-image-bytes)", param=param)
             try:
                 await asyncio.to_thread(decode_image, data, self.limits.max_image_pixels or None)
             except ImageError as e:
                 raise BadRequest(f"{param}: {e}", param=param) from None
-        if self.metrics is not None:
-            self.metrics.observe_images(len(datas), sum(len(d) for d in datas))
-        return datas
+        if images and self.metrics is not None:
+            self.metrics.observe_images(len(images), sum(len(d) for _, d in images))
+        return [data for _, data in images]
+
+    def _check_count(self, params: list[str], where: str) -> None:
+        if params and self.spec is None:
+            raise BadRequest(f"model {self.model!r} takes no images (it has no vision encoder)", param=params[0])
+        limit = self.limits.max_images_per_request
+        if limit and len(params) > limit:
+            raise BadRequest(f"{where}: {len(params)} images, more than the limit of {limit} "
+                             "(--max-images-per-request)", param=where)
 
     def expand(self, tokens: Sequence[int], datas: Sequence[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The rendered prompt with each image token widened to the image's positions, and the images at them."""

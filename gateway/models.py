@@ -64,6 +64,7 @@ class ModelEndpoint:
     completions: object
     tokenize: object
     embeddings: object  # gateway.serving_embeddings.EmbeddingServing
+    images: object  # gateway.images.ChatImages
 
 
 @dataclass(frozen=True)

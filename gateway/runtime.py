@@ -135,7 +135,7 @@ class Gateway:
         chat = ChatServing(core, parser, images)
         return ModelEndpoint(model_id, str(resolved.path), names, tokenizer, index, router, dispatcher, core, chat,
                              CompletionServing(core), TokenizeServing(core, chat.render_for_tokenize),
-                             EmbeddingServing(core, pooling_config(resolved.path)))
+                             EmbeddingServing(core, pooling_config(resolved.path)), images)
 
     @property
     def served_names(self) -> list[str]:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import base64
 import io
 
+import grpc
 import openai
 import pytest
 import torch
 
+from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2 as gpb
+from kvrelay.proto_gen.kvrelay.gateway.v1 import gateway_pb2_grpc as gpb_grpc
 from tests.helpers.gateway import GatewayThread
 from tests.helpers.models import make_tiny_llava, png
 from tests.helpers.nodes import BLOCK, start_nodes, stop_nodes, tiny_args
@@ -44,7 +47,7 @@ def fleet(tmp_path_factory, default_model_dir):
         limits = dict(max_images_per_request=2, max_image_pixels=80 * 80, capacity_wait=1)
         gws.append(GatewayThread(model=str(model), decode=(nodes[2].address,), **limits))
         gws.append(GatewayThread(model=str(model), prefill=(nodes[0].address,), decode=(nodes[1].address,),
-                                 local_prefill_threshold=0, **limits))
+                                 local_prefill_threshold=0, grpc_port=0, **limits))
         yield {"model": model, "colocated": gws[0], "disaggregated": gws[1], "prefill": nodes[0],
                "decode": nodes[1]}
     finally:
@@ -101,6 +104,28 @@ def test_only_the_prefill_node_encodes(fleet):
     encoded = fleet["prefill"].metrics().value("kvrelay:images_encoded_total")
     assert encoded is not None and encoded >= 1
     assert (fleet["decode"].metrics().value("kvrelay:images_encoded_total") or 0) == 0
+
+
+def test_images_through_the_grpc_api(fleet):
+    gw, image = fleet["disaggregated"], png(70, 33, 29)
+    want = gw.client().chat.completions.create(
+        model=str(gw.gateway.model_id), max_tokens=MAX_TOKENS, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                               {"type": "text", "text": QUESTION}]}])
+    with grpc.insecure_channel(f"127.0.0.1:{gw.gateway.grpc_port}") as channel:
+        stub = gpb_grpc.GatewayStub(channel)
+
+        def generate(*images: bytes):
+            chat = gpb.Chat(messages=[gpb.ChatMessage(role="user", content=QUESTION, images=list(images))])
+            return stub.Generate(gpb.GenerateRequest(chat=chat, params=gpb.SamplingParams(
+                max_tokens=MAX_TOKENS, temperature=0)), timeout=60)
+
+        reply = list(generate(image))
+        assert "".join(c.text for m in reply for c in m.choices) == want.choices[0].message.content
+        with pytest.raises(grpc.RpcError) as info:
+            list(generate(b"not an image"))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "chat.messages[0].images[0]: could not decode" in info.value.details()
 
 
 @pytest.mark.parametrize("case", ["undecodable", "not_base64", "too_many_pixels", "too_many_images", "http_url",

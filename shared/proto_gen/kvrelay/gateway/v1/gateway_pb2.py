@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvrelay/gateway/v1/gateway.proto\x12\x12kvrelay.gateway.v1\"\xf2\x04\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x10\n\x08priority\x18\x0f \x01(\x05\x12\x0c\n\x04stop\x18\x10 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x0b\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"w\n\x04\x43hat\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.kvrelay.gateway.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8b\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x38\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x1c.kvrelay.gateway.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.kvrelay.gateway.v1.ChatH\x00\x12\x32\n\x06params\x18\x05 \x01(\x0b\x32\".kvrelay.gateway.v1.SamplingParams\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\tB\x07\n\x05input\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"m\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\x03top\x18\x04 \x03(\x0b\x32\x1e.kvrelay.gateway.v1.TopLogprob\"\xc7\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x32\n\x08logprobs\x18\x04 \x03(\x0b\x32 .kvrelay.gateway.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x42\r\n\x0bstop_reason\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x30\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x1f.kvrelay.gateway.v1.ChoiceDelta\x12(\n\x05usage\x18\x04 \x01(\x0b\x32\x19.kvrelay.gateway.v1.Usage\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\"\x0f\n\rModelsRequest\"7\n\x0eModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\xbf\x01\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12/\n\ttoken_ids\x18\x03 \x03(\x0b\x32\x1c.kvrelay.gateway.v1.TokenIds\x12\x17\n\ndimensions\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\r\n\x0b_dimensionsB\x0c\n\n_normalize\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"{\n\rEmbedResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x31\n\nembeddings\x18\x02 \x03(\x0b\x32\x1d.kvrelay.gateway.v1.Embedding\x12(\n\x05usage\x18\x03 \x01(\x0b\x32\x19.kvrelay.gateway.v1.Usage2\x85\x02\n\x07Gateway\x12W\n\x08Generate\x12#.kvrelay.gateway.v1.GenerateRequest\x1a$.kvrelay.gateway.v1.GenerateResponse0\x01\x12S\n\nListModels\x12!.kvrelay.gateway.v1.ModelsRequest\x1a\".kvrelay.gateway.v1.ModelsResponse\x12L\n\x05\x45mbed\x12 .kvrelay.gateway.v1.EmbedRequest\x1a!.kvrelay.gateway.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvrelay/gateway/v1/gateway.proto\x12\x12kvrelay.gateway.v1\"\xf2\x04\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x10\n\x08priority\x18\x0f \x01(\x05\x12\x0c\n\x04stop\x18\x10 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x0b\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"J\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06images\x18\x04 \x03(\x0c\"w\n\x04\x43hat\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.kvrelay.gateway.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8b\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x38\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x1c.kvrelay.gateway.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.kvrelay.gateway.v1.ChatH\x00\x12\x32\n\x06params\x18\x05 \x01(\x0b\x32\".kvrelay.gateway.v1.SamplingParams\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\tB\x07\n\x05input\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"m\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\x03top\x18\x04 \x03(\x0b\x32\x1e.kvrelay.gateway.v1.TopLogprob\"\xc7\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x32\n\x08logprobs\x18\x04 \x03(\x0b\x32 .kvrelay.gateway.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x42\r\n\x0bstop_reason\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x30\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x1f.kvrelay.gateway.v1.ChoiceDelta\x12(\n\x05usage\x18\x04 \x01(\x0b\x32\x19.kvrelay.gateway.v1.Usage\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\"\x0f\n\rModelsRequest\"7\n\x0eModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\xbf\x01\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12/\n\ttoken_ids\x18\x03 \x03(\x0b\x32\x1c.kvrelay.gateway.v1.TokenIds\x12\x17\n\ndimensions\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\r\n\x0b_dimensionsB\x0c\n\n_normalize\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"{\n\rEmbedResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x31\n\nembeddings\x18\x02 \x03(\x0b\x32\x1d.kvrelay.gateway.v1.Embedding\x12(\n\x05usage\x18\x03 \x01(\x0b\x32\x19.kvrelay.gateway.v1.Usage2\x85\x02\n\x07Gateway\x12W\n\x08Generate\x12#.kvrelay.gateway.v1.GenerateRequest\x1a$.kvrelay.gateway.v1.GenerateResponse0\x01\x12S\n\nListModels\x12!.kvrelay.gateway.v1.ModelsRequest\x1a\".kvrelay.gateway.v1.ModelsResponse\x12L\n\x05\x45mbed\x12 .kvrelay.gateway.v1.EmbedRequest\x1a!.kvrelay.gateway.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,33 +34,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=57
   _globals['_SAMPLINGPARAMS']._serialized_end=683
   _globals['_CHATMESSAGE']._serialized_start=685
-  _globals['_CHATMESSAGE']._serialized_end=743
-  _globals['_CHAT']._serialized_start=745
-  _globals['_CHAT']._serialized_end=864
-  _globals['_TOKENIDS']._serialized_start=866
-  _globals['_TOKENIDS']._serialized_end=889
-  _globals['_GENERATEREQUEST']._serialized_start=892
-  _globals['_GENERATEREQUEST']._serialized_end=1159
-  _globals['_TOPLOGPROB']._serialized_start=1161
-  _globals['_TOPLOGPROB']._serialized_end=1223
-  _globals['_TOKENLOGPROB']._serialized_start=1225
-  _globals['_TOKENLOGPROB']._serialized_end=1334
-  _globals['_CHOICEDELTA']._serialized_start=1337
-  _globals['_CHOICEDELTA']._serialized_end=1536
-  _globals['_USAGE']._serialized_start=1538
-  _globals['_USAGE']._serialized_end=1618
-  _globals['_GENERATERESPONSE']._serialized_start=1621
-  _globals['_GENERATERESPONSE']._serialized_end=1784
-  _globals['_MODELSREQUEST']._serialized_start=1786
-  _globals['_MODELSREQUEST']._serialized_end=1801
-  _globals['_MODELSRESPONSE']._serialized_start=1803
-  _globals['_MODELSRESPONSE']._serialized_end=1858
-  _globals['_EMBEDREQUEST']._serialized_start=1861
-  _globals['_EMBEDREQUEST']._serialized_end=2052
-  _globals['_EMBEDDING']._serialized_start=2054
-  _globals['_EMBEDDING']._serialized_end=2081
-  _globals['_EMBEDRESPONSE']._serialized_start=2083
-  _globals['_EMBEDRESPONSE']._serialized_end=2206
-  _globals['_GATEWAY']._serialized_start=2209
-  _globals['_GATEWAY']._serialized_end=2470
+  _globals['_CHATMESSAGE']._serialized_end=759
+  _globals['_CHAT']._serialized_start=761
+  _globals['_CHAT']._serialized_end=880
+  _globals['_TOKENIDS']._serialized_start=882
+  _globals['_TOKENIDS']._serialized_end=905
+  _globals['_GENERATEREQUEST']._serialized_start=908
+  _globals['_GENERATEREQUEST']._serialized_end=1175
+  _globals['_TOPLOGPROB']._serialized_start=1177
+  _globals['_TOPLOGPROB']._serialized_end=1239
+  _globals['_TOKENLOGPROB']._serialized_start=1241
+  _globals['_TOKENLOGPROB']._serialized_end=1350
+  _globals['_CHOICEDELTA']._serialized_start=1353
+  _globals['_CHOICEDELTA']._serialized_end=1552
+  _globals['_USAGE']._serialized_start=1554
+  _globals['_USAGE']._serialized_end=1634
+  _globals['_GENERATERESPONSE']._serialized_start=1637
+  _globals['_GENERATERESPONSE']._serialized_end=1800
+  _globals['_MODELSREQUEST']._serialized_start=1802
+  _globals['_MODELSREQUEST']._serialized_end=1817
+  _globals['_MODELSRESPONSE']._serialized_start=1819
+  _globals['_MODELSRESPONSE']._serialized_end=1874
+  _globals['_EMBEDREQUEST']._serialized_start=1877
+  _globals['_EMBEDREQUEST']._serialized_end=2068
+  _globals['_EMBEDDING']._serialized_start=2070
+  _globals['_EMBEDDING']._serialized_end=2097
+  _globals['_EMBEDRESPONSE']._serialized_start=2099
+  _globals['_EMBEDRESPONSE']._serialized_end=2222
+  _globals['_GATEWAY']._serialized_start=2225
+  _globals['_GATEWAY']._serialized_end=2486
 # @@protoc_insertion_point(module_scope)
