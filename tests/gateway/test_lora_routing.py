@@ -115,7 +115,8 @@ def test_served_names_go_to_their_models():
 
 def _endpoint(model_id: str, names: tuple[str, ...]) -> ModelEndpoint:
     core = SimpleNamespace(max_model_len=2048)
-    return ModelEndpoint(model_id, f"/p/{model_id}", names, None, None, None, None, core, None, None, None, None)
+    return ModelEndpoint(model_id, f"/p/{model_id}", names, None, None, None, None, core, None, None, None, None,
+                         None)
 
 
 def test_models_resolve_and_list_with_vllm_fields_as_the_sdk_reads_them():
