@@ -18,11 +18,10 @@ from collections.abc import Sequence
 
 import httpx
 
-from kvrelay.common.hashing import image_hash
 from kvrelay.common.records import ImageInput
 from kvrelay.gateway.errors import BadRequest
 from kvrelay.gateway.input_limits import InputLimits
-from kvrelay.model_files.vision import ImageError, VisionSpec, decode_image
+from kvrelay.model_files.vision import ImageError, VisionSpec, decode_image, expand_images
 
 
 def image_urls(messages) -> list[tuple[str, str]]:
@@ -81,22 +80,11 @@ class ChatImages:
         """The rendered prompt with each image token widened to the image's positions, and the images at them."""
         if self.spec is None:
             return list(tokens), ()
-        token, width = self.spec.image_token_id, self.spec.tokens_per_image
-        count = sum(1 for t in tokens if t == token)
-        if count != len(datas):
-            raise BadRequest(f"messages: the rendered prompt has {count} image placeholders ({self.spec.image_token}) "
-                             f"for {len(datas)} images; message text must not contain {self.spec.image_token!r}",
-                             param="messages")
-        out: list[int] = []
-        images = []
-        for t in tokens:
-            if t == token:
-                data = datas[len(images)]
-                images.append(ImageInput(offset=len(out), length=width, data=data, content_hash=image_hash(data)))
-                out.extend([token] * width)
-            else:
-                out.append(t)
-        return out, tuple(images)
+        try:
+            return expand_images(tokens, self.spec, datas)
+        except ValueError as e:
+            raise BadRequest(f"messages: {e}; message text must not contain {self.spec.image_token!r}",
+                             param="messages") from None
 
     async def _fetch(self, param: str, url: str) -> bytes:
         cap = self.limits.max_image_bytes

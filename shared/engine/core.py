@@ -51,6 +51,7 @@ from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.scheduler_output import EngineCoreOutput, EngineCounters, Reservation
 from kvrelay.engine.spec_decode.scheduling import Speculation
 from kvrelay.engine.structured import GrammarCompiler, GrammarVocab, create_grammar_compiler
+from kvrelay.model_files.vision import VisionSpec
 
 MAX_BEAM_CANDIDATES = 20  # a beam's candidates come back as its row's top logprobs
 
@@ -185,6 +186,16 @@ class EngineCore:
             raise ValueError(f"num_resumed_tokens: {params.num_resumed_tokens} leaves no prompt of the "
                              f"{len(prompt_token_ids)} tokens")
 
+    @property
+    def vision(self) -> VisionSpec | None:
+        """How this model takes images (None: it takes none)."""
+        return self.runner.vision
+
+    def check_images(self, prompt: Sequence[int], images: Sequence[ImageInput], decode: bool = True
+                     ) -> tuple[ImageInput, ...]:
+        """The prompt's images with their content hashes; ValueError for images it cannot take (image_inputs.py)."""
+        return checked_images(self.runner.vision, self.info.architecture, prompt, images, decode)
+
     def check_lora(self, lora_name: str) -> None:
         """UnknownAdapter unless a request may run with `lora_name` here ("" always may)."""
         if not lora_name:
@@ -271,7 +282,7 @@ class EngineCore:
         `images`: the prompt's images at their placeholder tokens (a vision-language model)."""
         prompt = list(prompt_token_ids)
         self.validate(prompt, params)
-        images = checked_images(self.runner.vision, self.info.architecture, prompt, images)
+        images = self.check_images(prompt, images)
         self.check_lora(lora_name)
         self.scheduler.check_room_to_wait(1 if kv_send is not None else params.n)
         if kv_send is not None:
@@ -378,7 +389,7 @@ class EngineCore:
             raise ValueError("n: a reservation is for one sequence; reserve each of n separately")
         self.check_lora(lora_name)
         # Hashed, not decoded: the prefill node decodes them (and this node only if it recomputes the prompt).
-        images = checked_images(self.runner.vision, self.info.architecture, prompt, images, decode=False)
+        images = self.check_images(prompt, images, decode=False)
         req = self._make_request(request_id, prompt, params, None, cache_salt, lora_name, images)
         lease = self.config.scheduler.kv_lease_s if lease_s is None else lease_s
         return self.scheduler.reserve(req, lease, queue_until)

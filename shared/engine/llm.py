@@ -3,27 +3,36 @@
 
 Speculative decoding: `LLM(..., speculative_config={"method": "ngram", "num_speculative_tokens": 4})`.
 LoRA: `LLM(..., enable_lora=True, max_loras=4)` and `generate(..., lora_request=LoRARequest("name", 1, "/path"))`
-(one for all prompts, or one per prompt; None runs the base model)."""
+(one for all prompts, or one per prompt; None runs the base model).
+Images (a vision-language model), as vLLM takes them: `generate({"prompt": "USER: <image>\nWhat is it?",
+"multi_modal_data": {"image": image}})`, an image being PIL image or encoded bytes (a list for several, one per
+`<image>` in the prompt), and `chat(messages)` with OpenAI `image_url` parts holding data: URLs."""
 
 from __future__ import annotations
 
+import base64
+import io
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
+from kvrelay.common.records import ImageInput
 from kvrelay.common.sampling_params import BeamSearchParams, PoolingParams, SamplingParams
 from kvrelay.common.tokenizer import Tokenizer
 from kvrelay.engine.config import engine_config_from_kwargs
 from kvrelay.engine.core import EngineCore
 from kvrelay.engine.lora import LoRARequest
 from kvrelay.engine.scheduler_output import EngineCoreOutput
+from kvrelay.model_files.vision import expand_images
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "BeamSearchOutput",
            "BeamSearchSequence", "LoRARequest"]
 
 Prompt = str | Sequence[int]
+# A prompt with images: {"prompt": str} or {"prompt_token_ids": [...]}, and {"multi_modal_data": {"image": ...}}
+PromptInput = Prompt | dict
 
 
 @dataclass
@@ -90,27 +99,29 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        prompts = _as_list(prompts)
+        prompts = [prompts] if isinstance(prompts, dict) else _as_list(prompts)
         params = _broadcast(sampling_params, len(prompts))
-        encoded = [self._encode(p) for p in prompts]
+        inputs = [self._encode_input(p) for p in prompts]
         loras = self._lora_names(lora_request, len(prompts))
         # Validate everything first: a bad prompt must not leave the others half-queued.
-        for ids, sp, lora in zip(encoded, params, loras):
+        for (ids, images), sp, lora in zip(inputs, params, loras):
             self.engine.validate(ids, sp)
+            self.engine.check_images(ids, images)
             self.engine.check_lora(lora)
             if sp.structured_outputs is not None:
                 self.engine.compile_grammar(sp.structured_outputs).result()  # ValueError for a bad grammar
         results: dict[str, RequestOutput] = {}
         children: dict[str, tuple[str, int]] = {}
-        for prompt, ids, sp, lora in zip(prompts, encoded, params, loras):
+        for prompt, (ids, images), sp, lora in zip(prompts, inputs, params, loras):
             rid = str(next(self._ids))
-            results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids, [])
-            for i, child in enumerate(self.engine.add_request(rid, ids, sp, lora_name=lora)):
+            text = _prompt_of(prompt)
+            results[rid] = RequestOutput(rid, text if isinstance(text, str) else None, ids, [])
+            for i, child in enumerate(self.engine.add_request(rid, ids, sp, lora_name=lora, images=images)):
                 children[child] = (rid, i)
                 results[rid].outputs.append(CompletionOutput(i, "", [], [] if sp.logprobs is not None else None, None))
         self._run(results, children, use_tqdm)
@@ -193,12 +204,28 @@ class LLM:
                                   beam.finish_reason, beam.stop_reason, beam.score)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True):
+        """Chats rendered by the model's template; content may be OpenAI parts (text, and image_url with a data:
+        URL, each image shown as the model's placeholder where it stands)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c) for c in convs]
+        prompts = []
+        for conv in convs:
+            rendered, images = _chat_parts(conv, self.engine.vision.image_token if self.engine.vision else None)
+            ids = self.tokenizer.apply_chat_template(rendered)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def _encode_input(self, prompt: PromptInput) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """Token ids, and the images at their positions (each `<image>` widened to its tokens)."""
+        ids = self._encode(_prompt_of(prompt))
+        images = _image_bytes((prompt.get("multi_modal_data") or {}).get("image")) if isinstance(prompt, dict) else []
+        if not images:
+            return ids, ()
+        if self.engine.vision is None:
+            raise ValueError(f"multi_modal_data: {self.engine.info.architecture} takes no images")
+        return expand_images(ids, self.engine.vision, images)
 
     def _run(self, results: dict, children: dict, use_tqdm: bool) -> None:
         bar = tqdm(total=len(children), desc="requests", unit="req", disable=not use_tqdm)
@@ -229,6 +256,47 @@ class LLM:
             comp.stop_reason = out.stop_reason
             return True
         return False
+
+
+def _image_bytes(images) -> list[bytes]:
+    """multi_modal_data["image"]: one image or a list, each encoded bytes or a PIL image (saved as PNG)."""
+    if images is None:
+        return []
+    out = []
+    for image in images if isinstance(images, (list, tuple)) else [images]:
+        if isinstance(image, (bytes, bytearray)):
+            out.append(bytes(image))
+        elif hasattr(image, "save"):
+            buffer = io.BytesIO()
+            image.save(buffer, "PNG")
+            out.append(buffer.getvalue())
+        else:
+            raise ValueError(f"multi_modal_data: an image is encoded bytes or a PIL image, not {type(image).__name__}")
+    return out
+
+
+def _chat_parts(messages: list[dict], placeholder: str | None) -> tuple[list[dict], list[bytes]]:
+    """Messages whose content lists are joined into text (an image part as `placeholder`), and their images."""
+    rendered, images = [], []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") == "image_url":
+                    url = (part.get("image_url") or {}).get("url", "")
+                    header, _, payload = url.partition(",")
+                    if not url.startswith("data:") or not header.endswith(";base64"):
+                        raise ValueError("image_url: offline, an image is a base64 data: URL")
+                    if placeholder is None:
+                        raise ValueError("image_url: this model takes no images")
+                    images.append(base64.b64decode(payload, validate=True))
+                    texts.append(placeholder)
+                else:
+                    texts.append(part.get("text", ""))
+            m = {**m, "content": "\n".join(texts)}
+        rendered.append(m)
+    return rendered, images
 
 
 def _prompt_of(prompt: Prompt | dict) -> Prompt:

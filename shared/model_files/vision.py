@@ -7,18 +7,23 @@ to expand a chat's images into placeholder tokens and to refuse bad images early
 and encodes. Preprocessing follows transformers' CLIP image processor (PIL backend) step for step: RGB, resize
 the shortest edge (bicubic), centre crop, rescale, normalise; tests check it against transformers' own.
 
-Also `text_config`: the language model's part of a config.json (itself for a text-only model).
+Also `text_config`: the language model's part of a config.json (itself for a text-only model), and
+`expand_images`: a rendered prompt's image tokens widened to their images' positions (the gateway and `LLM` alike).
 """
 
 from __future__ import annotations
 
 import io
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvrelay.common.hashing import image_hash
+from kvrelay.common.records import ImageInput
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -142,6 +147,26 @@ def preprocess(image, spec: VisionSpec) -> np.ndarray:
         std = np.asarray(spec.std, dtype=np.float32)[:, None, None]
         values = (values - mean) / std
     return np.ascontiguousarray(values, dtype=np.float32)
+
+
+def expand_images(tokens: Sequence[int], spec: VisionSpec, datas: Sequence[bytes]
+                  ) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """A rendered prompt with each image token widened to its image's `tokens_per_image` positions, and the images
+    (bytes, content hash) at them, in order; ValueError when the image tokens and the images do not pair up."""
+    token, width = spec.image_token_id, spec.tokens_per_image
+    count = sum(1 for t in tokens if t == token)
+    if count != len(datas):
+        raise ValueError(f"the prompt has {count} image placeholders ({spec.image_token}) for {len(datas)} images")
+    out: list[int] = []
+    images = []
+    for t in tokens:
+        if t == token:
+            data = datas[len(images)]
+            images.append(ImageInput(offset=len(out), length=width, data=data, content_hash=image_hash(data)))
+            out.extend([token] * width)
+        else:
+            out.append(t)
+    return out, tuple(images)
 
 
 def _json(path: Path) -> dict[str, Any]:

@@ -151,3 +151,29 @@ def test_bad_images_are_refused_holding_nothing(engine, hf, default_model_dir):
                                         cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=16)))
     with pytest.raises(ValueError, match="takes no images"):
         text_only.add_request("t", [1, 2, 3], params, images=inputs)
+
+
+def test_offline_llm_takes_images_as_vllm_does(llava_dir, hf):
+    import base64
+
+    from PIL import Image
+
+    from kvrelay.engine.llm import LLM, SamplingParams
+
+    llm = LLM(model=str(llava_dir), dtype="float32", kv_cache_memory=4 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    image = png(40, 36, 30)
+    text = "Describe <image> in a word."
+    rendered = hf[1].tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                   tokenize=False)
+    want = _hf_tokens(hf, text, [image])
+    for picture in (image, Image.open(io.BytesIO(image))):  # bytes, or a PIL image (the same pixels as PNG)
+        out = llm.generate({"prompt": rendered, "multi_modal_data": {"image": picture}}, params, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == want
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    parts = [{"type": "text", "text": "Describe"}, {"type": "image_url", "image_url": {"url": url}},
+             {"type": "text", "text": "in a word."}]
+    got = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == _hf_tokens(hf, "Describe\n<image>\nin a word.", [image])
+    with pytest.raises(ValueError, match="1 image placeholders .* for 2 images"):
+        llm.generate({"prompt": rendered, "multi_modal_data": {"image": [image, image]}}, params, use_tqdm=False)
