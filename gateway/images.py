@@ -12,8 +12,6 @@ the same way. Preprocessing and encoding happen on the prefill side (kvrelay.eng
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 from collections.abc import Sequence
 
 import httpx
@@ -21,7 +19,7 @@ import httpx
 from kvrelay.common.records import ImageInput
 from kvrelay.gateway.errors import BadRequest
 from kvrelay.gateway.input_limits import InputLimits
-from kvrelay.model_files.vision import ImageError, VisionSpec, decode_image, expand_images
+from kvrelay.model_files.vision import ImageError, VisionSpec, data_url_bytes, decode_image, expand_images
 
 
 def image_urls(messages) -> list[tuple[str, str]]:
@@ -89,15 +87,10 @@ class ChatImages:
     async def _fetch(self, param: str, url: str) -> bytes:
         cap = self.limits.max_image_bytes
         if url.startswith("data:"):
-            header, sep, payload = url.partition(",")
-            if not sep or not header.endswith(";base64"):
-                raise BadRequest(f"{param}: a data URL must be base64 (data:image/png;base64,...)", param=param)
-            if cap and len(payload) * 3 // 4 > cap:
-                raise BadRequest(f"{param}: the image exceeds {cap} bytes (--max-image-bytes)", param=param)
             try:
-                return base64.b64decode(payload, validate=True)
-            except (binascii.Error, ValueError):
-                raise BadRequest(f"{param}: the data URL is not valid base64", param=param) from None
+                return data_url_bytes(url, cap)
+            except ImageError as e:
+                raise BadRequest(f"{param}: {e}", param=param) from None
         if not url.startswith(("http://", "https://")):
             raise BadRequest(f"{param}: give a data: URL or an http(s) URL", param=param)
         if not self.limits.allow_image_urls:

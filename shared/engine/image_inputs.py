@@ -97,8 +97,8 @@ class ImageEncoder:
         if not todo:
             return
         t0 = time.perf_counter()
-        # Checked by the gateway already; a node reached directly decodes what it was given (ValueError: the step's
-        # caller ends the request).
+        # Decodable: checked_images decoded each when its request was added (a decode node's reservation, on the
+        # prefill node that computed it), so nothing here fails for bad input.
         pixels = np.stack([preprocess(decode_image(im.data), self.spec) for _, _, im in todo])
         feats = self.model.encode_images(torch.from_numpy(pixels).to(self.device))
         for (rid, i, _), f in zip(todo, feats, strict=True):

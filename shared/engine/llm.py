@@ -10,7 +10,6 @@ Images (a vision-language model), as vLLM takes them: `generate({"prompt": "USER
 
 from __future__ import annotations
 
-import base64
 import io
 import itertools
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from kvrelay.engine.config import engine_config_from_kwargs
 from kvrelay.engine.core import EngineCore
 from kvrelay.engine.lora import LoRARequest
 from kvrelay.engine.scheduler_output import EngineCoreOutput
-from kvrelay.model_files.vision import expand_images
+from kvrelay.model_files.vision import ImageError, data_url_bytes, expand_images
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "BeamSearchOutput",
            "BeamSearchSequence", "LoRARequest"]
@@ -284,13 +283,12 @@ def _chat_parts(messages: list[dict], placeholder: str | None) -> tuple[list[dic
             texts = []
             for part in content:
                 if part.get("type") == "image_url":
-                    url = (part.get("image_url") or {}).get("url", "")
-                    header, _, payload = url.partition(",")
-                    if not url.startswith("data:") or not header.endswith(";base64"):
-                        raise ValueError("image_url: offline, an image is a base64 data: URL")
                     if placeholder is None:
                         raise ValueError("image_url: this model takes no images")
-                    images.append(base64.b64decode(payload, validate=True))
+                    try:
+                        images.append(data_url_bytes((part.get("image_url") or {}).get("url", "")))
+                    except ImageError as e:
+                        raise ValueError(f"image_url: offline, an image is a data: URL; {e}") from None
                     texts.append(placeholder)
                 else:
                     texts.append(part.get("text", ""))

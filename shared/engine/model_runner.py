@@ -233,9 +233,9 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
         on_layer_done = self._layer_sender(sched.kv_sends) if sched.kv_sends else None
-        extra = {} if batch.embeds_at is None else {"embeds_at": batch.embeds_at}
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, on_layer_done, batch.lora,
-                            **extra)
+        args = (batch.input_ids, batch.positions, self.kv_caches, batch.meta, on_layer_done, batch.lora)
+        # Image features only where a step holds image positions (the other models take no such argument).
+        hidden = self.model(*args) if batch.embeds_at is None else self.model(*args, embeds_at=batch.embeds_at)
         self._prompt_logprobs(batch, hidden)
         pooled = self._pool(batch, hidden)
         if not batch.sample_req_ids:

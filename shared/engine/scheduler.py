@@ -75,10 +75,13 @@ class Scheduler(RequestTable):
 
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
-        plan.pooling_budget = self._pooling_budget()
-        # The pooling share is kept from the running prompts: after yielding, pooling requests still waiting start.
-        keep = min(plan.pooling_budget or 0, plan.budget // 2)
-        plan.budget -= keep
+        keep = 0
+        if self.num_pooling:  # (the common step has none: nothing more to do for it)
+            plan.pooling_budget = self._pooling_budget()
+            # The pooling share is kept from the running prompts: after yielding, pooling requests still waiting
+            # start.
+            keep = min(plan.pooling_budget or 0, plan.budget // 2)
+            plan.budget -= keep
         yielded = self._schedule_running(self.running, plan, self._outranked_prefills())
         plan.budget += keep
         admitted = len(plan.new)
@@ -102,7 +105,7 @@ class Scheduler(RequestTable):
         `max_pooling_tokens_per_step`, and nothing while a generating request has prompt left to compute (a chat
         waiting for its first token goes first), but never for more than MAX_POOLING_YIELDS steps in a row."""
         cap = self.config.max_pooling_tokens_per_step
-        if not (cap and self.num_pooling and self.generates):
+        if not (cap and self.generates):
             return None
         if self._pooling_yields < MAX_POOLING_YIELDS and self._generation_in_prompt():
             self._pooling_yields += 1

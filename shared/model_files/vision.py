@@ -13,6 +13,8 @@ Also `text_config`: the language model's part of a config.json (itself for a tex
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import json
 from collections.abc import Sequence
@@ -92,6 +94,20 @@ def vision_spec(model_dir: str | Path) -> VisionSpec | None:
         do_rescale=bool(image.get("do_rescale", True)),
         do_normalize=bool(image.get("do_normalize", True)),
     )
+
+
+def data_url_bytes(url: str, max_bytes: int | None = None) -> bytes:
+    """The bytes of a base64 data: URL (data:image/png;base64,...); ImageError when it is not one, or when it holds
+    more than `max_bytes` (checked before decoding)."""
+    header, sep, payload = url.partition(",")
+    if not url.startswith("data:") or not sep or not header.endswith(";base64"):
+        raise ImageError("a data URL must be base64 (data:image/png;base64,...)")
+    if max_bytes and len(payload) * 3 // 4 > max_bytes:
+        raise ImageError(f"the image exceeds {max_bytes} bytes (--max-image-bytes)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError("the data URL is not valid base64") from None
 
 
 def decode_image(data: bytes, max_pixels: int | None = None):
