@@ -58,17 +58,21 @@ class TorchAttentionBackend(AttentionBackend):
         self._native_chunks = self._native is not None and self._native.attention_isa() != "scalar"
         self._buffers: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
 
-    def _native_ok(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def runs_native(self, dtype: torch.dtype, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether a step of `meta` with CPU queries of `dtype` (each head's row contiguous) on this cache runs
+        in the native kernel, which writes the step's K/V itself (models/gguf_stack.py calls it directly then)."""
         return (
             self._native is not None
-            and q.device.type == "cpu"
-            and q.dtype in (torch.float32, torch.bfloat16)
+            and kv_cache.device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
             and kv_cache.dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
             and kv_cache.is_contiguous()
-            and q.stride(2) == 1
-            and q.stride(1) == q.shape[2]
             and (meta.num_decodes == meta.num_reqs or self._native_chunks)
         )
+
+    def _native_ok(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return (q.device.type == "cpu" and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+                and self.runs_native(q.dtype, kv_cache, meta))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:

@@ -7,6 +7,7 @@
     rope_write_kv    rotary embedding of q and k in place + the KV-cache write, in one pass
     lora_add         the low-rank update of a batch whose rows use different LoRA adapters (or none), in one call
     gguf_gemm        a linear layer on weights kept in GGUF's Q4_0/Q4_1/Q8_0 blocks (int8 activations, as llama.cpp)
+    gguf_decoder_layers  every decoder layer of a Llama-family model on such blocks in one call (no Python between)
 
 The build happens on first use (about a minute on 2 cores) under torch's own file lock, so concurrent node
 processes wait for one build; the sources' content keys the build folder, so an edited kernel is rebuilt.
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "paged_decode.cpp", "paged_decode_amx.cpp", "paged_prefill.cpp",
             "paged_prefill_amx.cpp", "fused_ops.cpp", "skinny_linear.cpp", "small_gemm.cpp", "lora.cpp",
-            "gguf_gemm.cpp")
+            "gguf_gemm.cpp", "gguf_stack.cpp")
 _lock = threading.Lock()
 _module = None
 _tried = False

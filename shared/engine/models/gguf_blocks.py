@@ -6,7 +6,8 @@ the 4- or 8-bit values): one uint8 row of blocks per output row, the file's byte
 to KERNEL_ROWS rows (decode steps, short prefill chunks) runs on them in the native kernel
 (kernels/csrc/gguf_gemm.cpp: int8 activations and integer dot products, as llama.cpp does); more rows (long
 prefill chunks) dequantize the weight one tile of output rows at a time into a scratch buffer for the GEMM, so
-the dense weight never exists whole. The embedding dequantizes only the rows looked up; a tied LM head shares
+the dense weight never exists whole. Where every projection of a Llama-family model is such blocks, a step's
+layers run in one native call (gguf_stack.py). The embedding dequantizes only the rows looked up; a tied LM head shares
 the embedding's blocks.
 
 llama.cpp's converter permutes the rows of Q and K for its rotary layout; rows are independent of each other in

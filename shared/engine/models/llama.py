@@ -27,6 +27,7 @@ from kvrelay.engine.lora.layers import LoRABatch, LoRAProjection
 from kvrelay.engine.models.ops import LayerOps
 
 from . import cpu_linear
+from .gguf_stack import GGUFLayerStack
 from .rotary import RotaryEmbedding, rope_parameters
 
 
@@ -332,6 +333,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_size, self.vocab_size, self.hidden_size = cfg.head_dim, cfg.vocab_size, cfg.hidden_size
         self.max_position_embeddings = cfg.max_position_embeddings
         self.dtype = dtype
+        self.gguf_stack: GGUFLayerStack | None = None  # all layers in one native call (after_load decides)
 
     @classmethod
     def arch_config(cls, c: Any) -> ArchConfig:
@@ -375,6 +377,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.after_load(arena)
+        self.gguf_stack = GGUFLayerStack.build(self)
 
     def forward(
         self,
@@ -394,11 +397,17 @@ class LlamaForCausalLM(nn.Module):
         if embeds_at is not None:
             h[embeds_at[0]] = embeds_at[1].to(h.dtype)
         rope = self.ops.rope_prepare(self.rope.cos, self.rope.sin, positions)
-        residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            h, residual = layer(h, residual, rope, kv_cache, meta, lora)
-            if on_layer_done is not None:
-                on_layer_done(i)
+        stacked = None
+        if self.gguf_stack is not None and on_layer_done is None and lora is None and embeds_at is None:
+            stacked = self.gguf_stack.forward(h, rope, kv_caches, meta)
+        if stacked is not None:
+            h, residual = stacked
+        else:
+            residual = None
+            for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+                h, residual = layer(h, residual, rope, kv_cache, meta, lora)
+                if on_layer_done is not None:
+                    on_layer_done(i)
         h, _ = self.model.norm.add_forward(h, residual)
         return h
 

@@ -37,6 +37,15 @@ at::Tensor skinny_linear(TensorArg x, TensorArg w, OptTensorArg bias);
 // those rows back as fp32 [R, K].
 at::Tensor gguf_gemm(TensorArg x, TensorArg w, int64_t qtype, OptTensorArg bias);
 at::Tensor gguf_dequantize(TensorArg w, int64_t qtype, int64_t k);
+// Every decoder layer of a Llama-family model on GGUF blocks, as DecoderLayer.forward computes them (gguf_stack.cpp):
+// returns (hidden, residual) before the final norm.
+std::vector<at::Tensor> gguf_decoder_layers(TensorArg h, const std::vector<at::Tensor>& tensors,
+                                            const std::vector<int64_t>& qtypes,
+                                            const std::vector<at::Tensor>& kv_caches, TensorArg cos, TensorArg sin,
+                                            TensorArg positions, TensorArg slot_mapping, TensorArg block_tables,
+                                            TensorArg query_start_loc, TensorArg seq_lens, int64_t num_decodes,
+                                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                                            double scale);
 // y[t] += B[slots[t]] A[slots[t]] x[t] for the rows with a LoRA slot >= 0 (lora.cpp).
 void lora_add(TensorArg y, TensorArg x, TensorArg a, TensorArg bt, TensorArg slots,
               const std::vector<int64_t>& shard_cols);

@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &kvrelay::skinny_linear, nogil, "y = x w^T + b for a few rows, each independent of the others");
   m.def("gguf_gemm", &kvrelay::gguf_gemm, nogil, "y = x w^T + b, w in a GGUF block format (Q4_0, Q4_1, Q8_0)");
   m.def("gguf_dequantize", &kvrelay::gguf_dequantize, nogil, "GGUF block rows back to fp32");
+  m.def("gguf_decoder_layers", &kvrelay::gguf_decoder_layers, nogil,
+        "every decoder layer of a Llama-family model on GGUF blocks in one call -> (hidden, residual)");
   m.def("lora_add", &kvrelay::lora_add, nogil,
         "y += B[slot] A[slot] x per row, rows of many LoRA adapters (and of none: slot -1) in one batch");
   m.def("rope_write_kv", &kvrelay::rope_write_kv, nogil, "rotate q, k in place and write k, v into the paged cache");

@@ -1,0 +1,77 @@
+"""Every decoder layer in one native call, for a Llama-family model whose projections are all GGUF blocks.
+
+A decode step of the default model (Q4_1, 30 layers) on two cores spent about as long in Python between the
+kernels (module calls, views, argument parsing: ~10 kernels a layer) as in the GEMMs themselves; the second
+OpenMP thread spun idle for that time. `kernels.gguf_decoder_layers` runs the same kernels in the same order
+with the same roundings as DecoderLayer.forward, so its output is the same bits (tests/engine/test_gguf_stack.py),
+and the Python path stays the reference and the fallback.
+
+It applies when every layer's projections are GGUF blocks without biases, with plain RMSNorms, no q/k norm, no
+sliding window, the fused CPU layer ops and the torch attention backend's native kernel (`build` checks once),
+and per step when the rows fit the GGUF kernel (no dequantized tiles), no row uses a LoRA adapter, no row takes
+image features, and no caller waits on each layer (a prefill node streaming KV layer by layer).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvrelay.engine import kernels
+from kvrelay.engine.attention.base import AttentionMetadata
+from kvrelay.engine.attention.torch_backend import TorchAttentionBackend
+
+from . import gguf_blocks
+from .gguf_blocks import BlockWeight
+
+
+class GGUFLayerStack:
+    def __init__(self, native, backend: TorchAttentionBackend, tensors: list[torch.Tensor], qtypes: list[int],
+                 num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float) -> None:
+        self._native, self._backend = native, backend
+        self._tensors, self._qtypes = tensors, qtypes
+        self._shape = (num_heads, num_kv_heads, head_dim)
+        self._eps, self._scale = eps, scale
+
+    @classmethod
+    def build(cls, model: nn.Module) -> GGUFLayerStack | None:
+        """The stack for `model` (a models.llama.LlamaForCausalLM, which this module may not import: it imports
+        this one) once its weights are loaded, or None where it does not apply."""
+        native = kernels.load()
+        cfg = model.arch
+        if (native is None or not hasattr(native, "gguf_decoder_layers") or not model.ops.native or cfg.qk_norm
+                or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or any(w is not None for w in cfg.sliding_windows)):
+            return None
+        tensors: list[torch.Tensor] = []
+        qtypes: list[int] = []
+        backends = set()
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(p.blocks, BlockWeight) for p in projections):
+                return None
+            blocks = [p.blocks for p in projections]
+            tensors += [layer.input_layernorm.weight, blocks[0].raw, blocks[1].raw,
+                        layer.post_attention_layernorm.weight, blocks[2].raw, blocks[3].raw]
+            qtypes += [b.qtype for b in blocks]
+            backends.add(id(attn.backend))
+        backend = model.model.layers[0].self_attn.backend if model.model.layers else None
+        if len(backends) != 1 or not isinstance(backend, TorchAttentionBackend):
+            return None
+        return cls(native, backend, tensors, qtypes, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.rms_norm_eps, cfg.head_dim**-0.5)
+
+    def forward(self, h: torch.Tensor, rope: tuple, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, residual) after the last layer, as the layers' own forwards give them; None when this step
+        must take the Python path (rows past the GGUF kernel's, or attention off the native kernel)."""
+        if h.shape[0] > gguf_blocks.KERNEL_ROWS or not kv_caches or not self._backend.runs_native(
+                h.dtype, kv_caches[0], meta):
+            return None
+        cos, sin, positions = rope
+        num_heads, num_kv_heads, head_dim = self._shape
+        hidden, residual = self._native.gguf_decoder_layers(
+            h, self._tensors, self._qtypes, kv_caches, cos, sin, positions, meta.slot_mapping, meta.block_tables,
+            meta.query_start_loc, meta.seq_lens, meta.num_decodes, num_heads, num_kv_heads, head_dim, self._eps,
+            self._scale)
+        return hidden, residual

@@ -1,0 +1,61 @@
+"""All decoder layers in one native call (models/gguf_stack.py): the same bits as the layers' own forwards, and
+used only where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.engine import kernels
+from kvrelay.engine.llm import LLM
+from kvrelay.engine.models.gguf_stack import GGUFLayerStack
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    # Past the GGUF kernel's 128 rows: its prefill takes the Python path, its decode steps the stack.
+    "Tell me a long story about a lighthouse keeper. " * 14,
+]
+
+
+def _generate(kv_cache_dtype: str) -> tuple[list[list[int]], list, object]:
+    llm = LLM(model="default", dtype="float32", quantization="gguf", kv_cache_memory=64 << 20,
+              kv_cache_dtype=kv_cache_dtype)
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [o.outputs[0].logprobs for o in outs]
+    return tokens, logprobs, llm.engine.runner.model.gguf_stack
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto"])
+def test_the_stack_gives_the_layers_own_tokens_and_logprobs(kv_cache_dtype, monkeypatch):
+    calls = []
+    forward = GGUFLayerStack.forward
+    monkeypatch.setattr(GGUFLayerStack, "forward", lambda self, *a: calls.append(forward(self, *a)) or calls[-1])
+    tokens, logprobs, stack = _generate(kv_cache_dtype)
+    assert isinstance(stack, GGUFLayerStack)
+    # One prefill step of all three prompts (past 128 rows: the Python path), then 11 decode steps in the stack.
+    assert [c is None for c in calls] == [True] + [False] * 11
+    monkeypatch.setattr(GGUFLayerStack, "build", classmethod(lambda cls, model: None))
+    python_tokens, python_logprobs, none = _generate(kv_cache_dtype)
+    assert none is None
+    assert python_tokens == tokens
+    assert python_logprobs == logprobs  # the same floats, not close ones
+
+
+def test_it_does_not_apply_to_a_model_with_dense_projections(tmp_path):
+    from kvrelay.engine.models.loader import load_model
+    from kvrelay.model_files.gguf import ensure_converted
+    from tests.helpers.gguf_files import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)  # q_proj and k_proj in F32: the fused q|k|v is dense
+    ensure_converted(path, tmp_path / "converted", progress=False)
+    model = load_model(tmp_path / "converted", torch.float32, "cpu", "torch", gguf_blocks=path)
+    assert model.gguf_stack is None
+    assert model.model.layers[0].mlp.gate_up_proj.blocks is not None  # blocks, but not every projection's
+
