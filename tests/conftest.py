@@ -68,10 +68,18 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _process_logs_in_pytest_tmp(tmp_path_factory):
+    """Started processes log under pytest's temporary folder (pruned by pytest), not one folder each in /tmp."""
+    from tests.helpers import procs
+
+    procs.LOG_ROOT = tmp_path_factory.mktemp("logs")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fixtures = [d.func for name, defs in item._fixtureinfo.name2fixturedefs.items() for d in defs
-                    if name != "_fast_tier_starts_no_process"]
+                    if name not in ("_fast_tier_starts_no_process", "_process_logs_in_pytest_tmp")]
         if (_FLEET_FOLDERS & set(Path(item.fspath).parts)
                 or any(_starts_processes(f) for f in [getattr(item, "function", None), *fixtures] if f)):
             item.add_marker(pytest.mark.fleet)

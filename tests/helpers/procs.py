@@ -25,6 +25,14 @@ from kvrelay.common.system import free_port
 from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 
+# Where the processes' log folders go: tests/conftest.py points it into pytest's own temporary folder, which
+# pytest prunes (the last three runs are kept); None: the system's temporary folder.
+LOG_ROOT: Path | None = None
+
+
+def log_folder(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=LOG_ROOT))
+
 __all__ = ["GatewayProcess", "NodeProcess", "alive", "descendants"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +52,7 @@ class NodeProcess(ChildProcess):
     def spawn(cls, role: str, argv: list[str], env: dict[str, str] | None = None,
               log_level: str = "INFO") -> NodeProcess:
         """Start the node without waiting for it; `ready` waits."""
-        folder = Path(tempfile.mkdtemp(prefix=f"kvrelay-{role}-"))
+        folder = log_folder(f"{role}-")
         cmd = kvrelay_command("--log-level", log_level, role, "--port", "0",
                               "--ready-file", str(folder / f"{role}.ready.json"), *argv)
         return cls.start(role, cmd, env=env, log_dir=folder, cwd=ROOT)
@@ -119,7 +127,8 @@ class GatewayProcess(ChildProcess):
     def launch(cls, argv: list[str], num_nodes: int = 1, timeout_s: float = 120.0) -> GatewayProcess:
         """Start it and wait until /health counts `num_nodes` nodes."""
         port = free_port()
-        gw = cls.start("gateway", kvrelay_command("--log-level", "WARNING", "gateway", "--port", str(port), *argv))
+        gw = cls.start("gateway", kvrelay_command("--log-level", "WARNING", "gateway", "--port", str(port), *argv),
+                       log_dir=log_folder("gateway-"))
         gw.url = f"http://127.0.0.1:{port}"
         gw.wait_ready(lambda: gw.num_nodes() >= num_nodes, timeout_s, interval_s=0.2)
         return gw
