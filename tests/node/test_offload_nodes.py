@@ -87,8 +87,12 @@ def test_disaggregated_output_is_colocated_output_with_the_tier(model, nodes):
     prompts = [_prompt(s) for s in range(10, 14)]
     ref = colocated_engine(model, blocks=256)
     want = run_colocated(ref, "ref", prompts[0], GREEDY)
+    stored = _stored(store)
     for i, p in enumerate(prompts):
         assert disaggregated(prefill, decode, f"d-{i}", p, GREEDY).tokens == run_colocated(ref, f"ref-{i}", p, GREEDY)
+    # The writers run behind the steps (on loaded cores, seconds behind). Each node's queue starts with the first
+    # prompt's 9 whole blocks, the same files on both: 9 new files mean one node has written all of them.
+    wait_for(lambda: _stored(store) >= stored + 9, 30, "the first prompt's blocks in the store")
     before = _loaded(prefill) + _loaded(decode)
     again = disaggregated(prefill, decode, "d-again", prompts[0], GREEDY)
     assert again.tokens == want
