@@ -16,12 +16,28 @@ from kvrelay.engine.models.gguf_blocks import BlockEmbedding, BlockWeight, block
 from kvrelay.model_files.gguf import ensure_converted
 from tests.helpers.gguf_files import write_tiny_gguf
 
-TYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
+Q = gguf.GGMLQuantizationType
+KQUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, *KQUANTS]
+
+
+def _kquant_rows(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random super-blocks (the gguf package cannot quantize to K-quants): any bytes are valid scales and values,
+    with the fp16 factors set small and finite."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for at in ((size - 2,) if qtype == Q.Q6_K else (0, 2)):  # Q6_K: d last; Q4_K, Q5_K: d, dmin first
+        raw[..., at : at + 2] = rng.uniform(1e-3, 1e-2, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
 
 
 def _blocks(qtype, rows: int = 48, cols: int = 96, seed: int = 0) -> tuple[BlockWeight, np.ndarray]:
-    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    data = gguf.quants.quantize(w, qtype)
+    rng = np.random.default_rng(seed)
+    if qtype in KQUANTS:
+        cols = 512
+        data = _kquant_rows(qtype, rows, cols, rng)
+    else:
+        data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
     return BlockWeight(block_rows(data, int(qtype), cols), int(qtype), cols), gguf.quants.dequantize(data, qtype)
 
 
@@ -46,7 +62,7 @@ def test_dequantize_equals_the_gguf_package(qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_kernel_is_the_int8_dot_product_and_rows_are_independent(qtype):
     blocks, w = _blocks(qtype)
-    x = np.random.default_rng(1).standard_normal((5, 96)).astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((5, blocks.cols)).astype(np.float32)
     x[2, :32] = 0.0  # an all-zero block: scale 0
     bias = torch.arange(48, dtype=torch.float32)
     y = blocks.linear(torch.from_numpy(x), bias)
@@ -59,7 +75,7 @@ def test_kernel_is_the_int8_dot_product_and_rows_are_independent(qtype):
 def test_many_rows_run_on_dequantized_tiles(qtype, monkeypatch):
     monkeypatch.setattr(gguf_blocks, "_TILE_ROWS", 16)  # 48 output rows: three tiles
     blocks, w = _blocks(qtype)
-    x = torch.randn(gguf_blocks.KERNEL_ROWS + 4, 96)
+    x = torch.randn(gguf_blocks.KERNEL_ROWS + 4, blocks.cols)
     y = blocks.linear(x.to(torch.bfloat16))
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), F.linear(x.to(torch.bfloat16).float(), torch.from_numpy(w)),
@@ -69,10 +85,14 @@ def test_many_rows_run_on_dequantized_tiles(qtype, monkeypatch):
 
 def test_malformed_blocks_are_refused():
     raw = torch.zeros(4, 20, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="no kernel for ggml type 14"):
-        BlockWeight(raw, 14, 32)
+    with pytest.raises(ValueError, match="no kernel for ggml type 10"):
+        BlockWeight(raw, 10, 256)  # Q2_K
     with pytest.raises(ValueError, match="Q4_1 rows of 64 weights do not fit 20 bytes"):
         BlockWeight(raw, 3, 64)
+    with pytest.raises(ValueError, match="Q4_K rows of 576 weights do not fit 20 bytes"):
+        BlockWeight(raw, 12, 576)  # not a whole number of super-blocks (SmolLM2's hidden size)
+    assert [gguf_blocks.fits_blocks(t, 576) for t in (3, 12, 13, 14)] == [True, False, False, False]
+    assert [gguf_blocks.fits_blocks(t, 1536) for t in (3, 10, 12, 13, 14)] == [True, False, True, True, True]
 
 
 @pytest.fixture(scope="module")

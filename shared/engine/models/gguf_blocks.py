@@ -2,7 +2,9 @@
 dequantized whole.
 
 Q4_0, Q4_1 and Q8_0 tensors stay as their blocks of 32 weights (an fp16 scale, for Q4_1 an fp16 minimum, and
-the 4- or 8-bit values): one uint8 row of blocks per output row, the file's bytes unchanged. A linear layer of up
+the 4- or 8-bit values), and the K-quants Q4_K, Q5_K and Q6_K as their super-blocks of 256 (sub-blocks of 32 or
+16 with their own scales; kernels/csrc/gguf_kquants.h): one uint8 row of blocks per output row, the file's bytes
+unchanged. A linear layer of up
 to KERNEL_ROWS rows (decode steps, short prefill chunks) runs on them in the native kernel
 (kernels/csrc/gguf_gemm.cpp: int8 activations and integer dot products, as llama.cpp does); more rows (long
 prefill chunks) dequantize the weight one tile of output rows at a time into a scratch buffer for the GEMM, so
@@ -13,8 +15,9 @@ the embedding's blocks.
 llama.cpp's converter permutes the rows of Q and K for its rotary layout; rows are independent of each other in
 every block format, so the same permutation is undone on the block rows (kvrelay.model_files.gguf).
 
-Other tensor types (F32 norms, F16, and the quantized types without a kernel here: the K-quants) are
-dequantized at load, as without --quantization; the loader (gguf_loader.py) logs which.
+Other tensor types (F32 norms, F16, and the quantized types without a kernel here: Q5_0, Q5_1, Q2_K, Q3_K, the
+IQ types), and K-quant tensors whose rows are not a whole number of super-blocks, are dequantized at load, as
+without --quantization; the loader (gguf_loader.py) logs which.
 """
 
 from __future__ import annotations
@@ -34,9 +37,19 @@ from kvrelay.engine import kernels
 logger = logging.getLogger(__name__)
 
 BLOCK = 32
-# ggml type number -> bytes per block of 32 weights
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
-TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+# ggml type number -> weights per block, bytes per block
+BLOCK_ELEMS = {2: 32, 3: 32, 8: 32, 12: 256, 13: 256, 14: 256}
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 12: 144, 13: 176, 14: 210}
+TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+
+def fits_blocks(qtype: int, cols: int) -> bool:
+    """Whether rows of `cols` weights of ggml type `qtype` can stay in their blocks here."""
+    return qtype in BLOCK_BYTES and cols % BLOCK_ELEMS[qtype] == 0
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    return cols // BLOCK_ELEMS[qtype] * BLOCK_BYTES[qtype]
 # Up to this many rows the native kernel; past it, per-tile dequantization and the dense GEMM. The kernel's time
 # grows with the rows (int8 dot products per row); the dense GEMM pays ~1.3 ms per weight to dequantize and
 # repack it, then little per row: on a Zen 2 the kernel was faster at every count up to 128 rows, for the
@@ -56,7 +69,7 @@ class BlockWeight:
     def __post_init__(self) -> None:
         if self.qtype not in BLOCK_BYTES:
             raise ValueError(f"gguf: no kernel for ggml type {self.qtype}")
-        if self.cols % BLOCK or self.raw.shape[1] != self.cols // BLOCK * BLOCK_BYTES[self.qtype]:
+        if not fits_blocks(self.qtype, self.cols) or self.raw.shape[1] != row_bytes(self.qtype, self.cols):
             raise ValueError(f"gguf: {TYPE_NAMES[self.qtype]} rows of {self.cols} weights do not fit "
                              f"{self.raw.shape[1]} bytes")
 
@@ -122,11 +135,16 @@ class BlockEmbedding(nn.Module):
 def block_rows(data: np.ndarray, qtype: int, cols: int) -> torch.Tensor:
     """A GGUF tensor's raw bytes as uint8 [rows, row bytes] (a copy: the reader's map is read-only)."""
     flat = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-    return torch.from_numpy(flat.copy()).reshape(-1, cols // BLOCK * BLOCK_BYTES[qtype])
+    return torch.from_numpy(flat.copy()).reshape(-1, row_bytes(qtype, cols))
 
 
 def _dequantize_torch(raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     """The portable dequantization (no native kernels): the same values as gguf_dequantize."""
+    if BLOCK_ELEMS[qtype] != BLOCK:  # the K-quants: the gguf package's reference (numpy)
+        import gguf
+
+        values = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(qtype))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(raw.shape[0], cols)
     blocks = raw.reshape(raw.shape[0], cols // BLOCK, BLOCK_BYTES[qtype])
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()
     if qtype == 8:

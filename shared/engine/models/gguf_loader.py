@@ -4,7 +4,7 @@
 Every tensor goes where the safetensors loader would put it (weight_targets.py): a projection whose
 tensors (all the shards of a fused one: q|k|v, gate|up) are blocks of one type with a kernel gets them as a
 BlockWeight; the token embedding as a BlockEmbedding, which a tied LM head shares. Everything else (norms, biases,
-F16, the K-quants, a fused projection whose shards differ in type) is dequantized into its dense parameter, as
+F16, the types without a kernel, a fused projection whose shards differ in type) is dequantized into its dense parameter, as
 the float32 conversion does, and logged once by type.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .gguf_blocks import BLOCK, BLOCK_BYTES, TYPE_NAMES, BlockEmbedding, BlockWeight, block_rows
+from .gguf_blocks import TYPE_NAMES, BlockEmbedding, BlockWeight, block_rows, fits_blocks
 from .llama import FusedLinear, Linear
 from .weight_targets import copy_into, projection_owners, weight_targets
 
@@ -47,7 +47,7 @@ def load_gguf_weights(model: nn.Module, gguf_path: Path, round_to: torch.dtype |
             raise ValueError(f"{gguf_path.name}: tensor {tensor.name} ({name}) is not part of this model")
         heads = permuted_heads(tensor.name, arch.num_heads, arch.num_kv_heads)
         qtype, cols = int(tensor.tensor_type), int(tensor.shape[0])
-        keeps = qtype in BLOCK_BYTES and cols % BLOCK == 0 and (name in owners or name == _EMBED)
+        keeps = fits_blocks(qtype, cols) and (name in owners or name == _EMBED)
         if keeps:
             raw = block_rows(tensor.data, qtype, cols)
             if heads is not None:

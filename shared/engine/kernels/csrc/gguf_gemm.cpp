@@ -1,5 +1,6 @@
 // y = x W^T + b with W in a GGUF block format as the file stores it (Q4_0, Q4_1, Q8_0: blocks of 32 weights
-// along K, each with an fp16 scale, and for Q4_1 an fp16 minimum), never dequantized as a whole.
+// along K, each with an fp16 scale, and for Q4_1 an fp16 minimum; the K-quants Q4_K, Q5_K, Q6_K: super-blocks of
+// 256, gguf_kquants.h), never dequantized as a whole.
 //
 // As llama.cpp does, each row of x is first quantized per block of 32 to int8 with a scale (dx = max|x| / 127,
 // rounded to nearest), and a block's dot product is an integer one: sum_i q_i * xq_i in int32, then
@@ -20,6 +21,7 @@
 
 #include "api.h"
 #include "common.h"
+#include "gguf_kquants.h"
 
 namespace {
 
@@ -32,9 +34,13 @@ int64_t block_bytes(int64_t t) {
     case kQ4_1: return 20;
     case kQ8_0: return 34;
   }
-  TORCH_CHECK(false, "gguf: unsupported block type ", t, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  if (kquants::is_kquant(t)) return kquants::super_bytes(t);
+  TORCH_CHECK(false, "gguf: unsupported block type ", t, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
   return 0;
 }
+
+// Weights per block: 32, or a K-quant's super-block of 256.
+int64_t block_elems(int64_t t) { return kquants::is_kquant(t) ? kquants::kSuper : kBlock; }
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -152,17 +158,109 @@ void row_tile(const uint8_t* wrow, int64_t t, int64_t B, int64_t bsz, const int8
   }
 }
 
+// The K-quants' rows [m0, m0 + MT) against weight row n: a sub-block of 32 per block of x (gguf_kquants.h).
+#ifdef KVRELAY_AVX2
+inline __m256i kq_sub(const uint8_t* sb, int64_t t, int j) {  // sub-block j's 32 q (Q6_K: minus 32, signed)
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  if (t == kquants::kQ6_K) {
+    const int h = j / 4, jj = j % 4;
+    const __m256i lo = _mm256_and_si256(
+        _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + h * 64 + (jj % 2) * 32)),
+                          4 * (jj / 2)), low4);
+    const __m256i hi = _mm256_and_si256(
+        _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + h * 32)), 2 * jj),
+        _mm256_set1_epi8(0x03));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+  }
+  const uint8_t* qs = sb + (t == kquants::kQ4_K ? 16 : 48);
+  __m256i q = _mm256_and_si256(
+      _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (j / 2) * 32)), 4 * (j % 2)), low4);
+  if (t == kquants::kQ5_K) {
+    const __m256i bits = _mm256_and_si256(
+        _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16)), j), _mm256_set1_epi8(1));
+    q = _mm256_or_si256(q, _mm256_slli_epi16(bits, 4));
+  }
+  return q;
+}
+#endif
+
+template <int MT>
+void kq_row_tile(const uint8_t* wrow, int64_t t, int64_t B, int64_t bsz, const int8_t* xq, const float* dx,
+                 const float* sx, int64_t K, float* out) {
+  (void)K;
+  float extra[MT] = {};
+#ifdef KVRELAY_AVX2
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+#else
+  float acc[MT] = {};
+#endif
+  const bool q6 = t == kquants::kQ6_K;
+  for (int64_t s = 0; s < B / 8; ++s) {
+    const uint8_t* sb = wrow + s * bsz;
+    const float d = half_to_float(q6 ? sb + 208 : sb), dmin = q6 ? 0.f : half_to_float(sb + 2);
+    for (int j = 0; j < 8; ++j) {
+      float dl = d, lo = 0.f;
+      int sc_a = 0, sc_b = 0;
+      if (q6) {
+        sc_a = static_cast<int8_t>(sb[192 + 2 * j]);
+        sc_b = static_cast<int8_t>(sb[192 + 2 * j + 1]);
+      } else {
+        int sc, mn;
+        kquants::scale_min(j, sb + 4, sc, mn);
+        dl = d * static_cast<float>(sc);
+        lo = -(dmin * static_cast<float>(mn));
+      }
+#ifdef KVRELAY_AVX2
+      const __m256i q = kq_sub(sb, t, j);
+      const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(sc_b)),
+                                              _mm_set1_epi16(static_cast<int16_t>(sc_a)));
+#endif
+      for (int m = 0; m < MT; ++m) {
+        const int64_t i = m * B + s * 8 + j;
+        const int8_t* xb = xq + i * kBlock;
+#ifdef KVRELAY_AVX2
+        __m256 p;
+        if (q6) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+          const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+          p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales));
+        } else {
+          p = dot_u8_i8(q, xb);
+        }
+        acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(dl * dx[i]), acc[m]);
+#else
+        int dot = 0;
+        for (int l = 0; l < 32; ++l)
+          dot += kquants::q_at(sb, t, j, l) * xb[l] * (q6 ? (l < 16 ? sc_a : sc_b) : 1);
+        acc[m] += static_cast<float>(dot) * (dl * dx[i]);
+#endif
+        extra[m] += lo * sx[i];
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+#ifdef KVRELAY_AVX2
+    out[m] = kvrelay::hsum8(acc[m]) + extra[m];
+#else
+    out[m] = acc[m] + extra[m];
+#endif
+  }
+}
+
 using RowTileFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
                            int64_t, float*);
 constexpr int kTileRows = 4;
 constexpr RowTileFn kRowTiles[kTileRows] = {row_tile<1>, row_tile<2>, row_tile<3>, row_tile<4>};
+constexpr RowTileFn kKQuantTiles[kTileRows] = {kq_row_tile<1>, kq_row_tile<2>, kq_row_tile<3>, kq_row_tile<4>};
 
 void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "gguf: the weight must be contiguous uint8 [N, row bytes]");
-  TORCH_CHECK(K % kBlock == 0, "gguf: K must be a multiple of 32, got ", K);
-  TORCH_CHECK(w.size(1) == K / kBlock * block_bytes(t), "gguf: a row of ", K, " weights of type ", t, " is ",
-              K / kBlock * block_bytes(t), " bytes, not ", w.size(1));
+  const int64_t elems = block_elems(t);
+  TORCH_CHECK(K % elems == 0, "gguf: K must be a multiple of ", elems, " for type ", t, ", got ", K);
+  TORCH_CHECK(w.size(1) == K / elems * block_bytes(t), "gguf: a row of ", K, " weights of type ", t, " is ",
+              K / elems * block_bytes(t), " bytes, not ", w.size(1));
 }
 
 }  // namespace
@@ -190,13 +288,14 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
   }
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
+  const RowTileFn* tiles = kquants::is_kquant(qtype) ? kKQuantTiles : kRowTiles;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     float out[kTileRows];
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wrow = wp + n * row_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int64_t mt = std::min<int64_t>(kTileRows, M - m0);
-        kRowTiles[mt - 1](wrow, qtype, B, bsz, xq.data() + m0 * K, dx.data() + m0 * B, sx.data() + m0 * B, K, out);
+        tiles[mt - 1](wrow, qtype, B, bsz, xq.data() + m0 * K, dx.data() + m0 * B, sx.data() + m0 * B, K, out);
         for (int64_t m = 0; m < mt; ++m) yp[(m0 + m) * N + n] = bp ? out[m] + bp[n] : out[m];
       }
     }
@@ -212,6 +311,27 @@ at::Tensor gguf_dequantize(TensorArg w, int64_t qtype, int64_t K) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
+      if (kquants::is_kquant(qtype)) {
+        for (int64_t s = 0; s < K / kquants::kSuper; ++s) {
+          const uint8_t* sb = wp + r * row_bytes + s * bsz;
+          float* o = op + r * K + s * kquants::kSuper;
+          if (qtype == kquants::kQ6_K) {
+            const float d = half_to_float(sb + 208);
+            for (int e = 0; e < kquants::kSuper; ++e)
+              o[e] = (d * static_cast<float>(static_cast<int8_t>(sb[192 + e / 16]))) *
+                     static_cast<float>(kquants::q_at(sb, qtype, e / 32, e % 32));
+            continue;
+          }
+          const float d = half_to_float(sb), dmin = half_to_float(sb + 2);
+          for (int j = 0; j < 8; ++j) {
+            int sc, mn;
+            kquants::scale_min(j, sb + 4, sc, mn);
+            const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
+            for (int l = 0; l < 32; ++l) o[j * 32 + l] = dl * static_cast<float>(kquants::q_at(sb, qtype, j, l)) - ml;
+          }
+        }
+        continue;
+      }
       for (int64_t b = 0; b < B; ++b) {
         const uint8_t* blk = wp + r * row_bytes + b * bsz;
         float* o = op + r * K + b * kBlock;
