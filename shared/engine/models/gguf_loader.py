@@ -4,8 +4,8 @@
 Every tensor goes where the safetensors loader would put it (weight_targets.py): a projection whose
 tensors (all the shards of a fused one: q|k|v, gate|up) are blocks of one type with a kernel gets them as a
 BlockWeight; the token embedding as a BlockEmbedding, which a tied LM head shares. Everything else (norms, biases,
-F16, the types without a kernel, a fused projection whose shards differ in type) is dequantized into its dense parameter, as
-the float32 conversion does, and logged once by type.
+F16, the types without a kernel, a fused projection whose shards differ in type) is dequantized into its dense
+parameter, as the float32 conversion does, and logged once by type.
 """
 
 from __future__ import annotations

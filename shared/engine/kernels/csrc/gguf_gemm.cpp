@@ -35,7 +35,8 @@ int64_t block_bytes(int64_t t) {
     case kQ8_0: return 34;
   }
   if (kquants::is_kquant(t)) return kquants::super_bytes(t);
-  TORCH_CHECK(false, "gguf: unsupported block type ", t, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
+  TORCH_CHECK(false, "gguf: unsupported block type ", t,
+              " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
   return 0;
 }
 
