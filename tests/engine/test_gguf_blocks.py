@@ -14,28 +14,18 @@ from kvrelay.engine import kernels
 from kvrelay.engine.models import gguf_blocks
 from kvrelay.engine.models.gguf_blocks import BlockEmbedding, BlockWeight, block_rows
 from kvrelay.model_files.gguf import ensure_converted
-from tests.helpers.gguf_files import write_tiny_gguf
+from tests.helpers.gguf_files import kquant_rows, write_tiny_gguf
 
 Q = gguf.GGMLQuantizationType
 KQUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, *KQUANTS]
 
 
-def _kquant_rows(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random super-blocks (the gguf package cannot quantize to K-quants): any bytes are valid scales and values,
-    with the fp16 factors set small and finite."""
-    size = gguf.GGML_QUANT_SIZES[qtype][1]
-    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
-    for at in ((size - 2,) if qtype == Q.Q6_K else (0, 2)):  # Q6_K: d last; Q4_K, Q5_K: d, dmin first
-        raw[..., at : at + 2] = rng.uniform(1e-3, 1e-2, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
-    return raw.reshape(rows, -1)
-
-
 def _blocks(qtype, rows: int = 48, cols: int = 96, seed: int = 0) -> tuple[BlockWeight, np.ndarray]:
     rng = np.random.default_rng(seed)
     if qtype in KQUANTS:
         cols = 512
-        data = _kquant_rows(qtype, rows, cols, rng)
+        data = kquant_rows(qtype, rows, cols, rng)
     else:
         data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
     return BlockWeight(block_rows(data, int(qtype), cols), int(qtype), cols), gguf.quants.dequantize(data, qtype)

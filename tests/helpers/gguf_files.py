@@ -63,16 +63,17 @@ def _tiny_tensors(n_vocab: int) -> list[tuple]:
     return tensors
 
 
-def _write_tiny_metadata(writer: gguf.GGUFWriter, tokens: list[str]) -> None:
+def _write_tiny_metadata(writer: gguf.GGUFWriter, tokens: list[str], hidden: int = TINY_HIDDEN, ffn: int = TINY_FFN,
+                         heads: int = TINY_HEADS, kv_heads: int = TINY_KV_HEADS) -> None:
     writer.add_block_count(2)
     writer.add_context_length(256)
-    writer.add_embedding_length(TINY_HIDDEN)
-    writer.add_feed_forward_length(TINY_FFN)
-    writer.add_head_count(TINY_HEADS)
-    writer.add_head_count_kv(TINY_KV_HEADS)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(TINY_HIDDEN // TINY_HEADS)
+    writer.add_rope_dimension_count(hidden // heads)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_merges(["Ġ t", "h e"])
@@ -104,3 +105,46 @@ def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
     writer.write_tensors_to_file()
     writer.close()
     return expected
+
+
+# ---------------------------------------------------------------- a K-quant llama GGUF, as llama.cpp's Q4_K_M
+
+KQ_HIDDEN, KQ_FFN, KQ_HEADS, KQ_KV_HEADS = 256, 512, 4, 2  # widths of whole 256-weight super-blocks
+
+
+def kquant_rows(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator,
+                scale: tuple[float, float] = (1e-3, 1e-2)) -> np.ndarray:
+    """Random super-blocks of a K-quant (the gguf package cannot quantize to them): any bytes are valid scales and
+    values, with the fp16 factors (d, and dmin for Q4_K and Q5_K) drawn from `scale`."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for at in ((size - 2,) if qtype == gguf.GGMLQuantizationType.Q6_K else (0, 2)):  # Q6_K: d last
+        raw[..., at : at + 2] = rng.uniform(*scale, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_kquant_gguf(path: Path) -> None:
+    """A 2-layer llama GGUF laid out as llama.cpp's Q4_K_M: Q4_K projections, but attn_v and ffn_down in Q6_K
+    (so the fused q|k|v mixes types), the embedding in Q8_0; random values."""
+    q4k, q6k = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_alphabet(), "Ġt", "he"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _write_tiny_metadata(writer, tokens, KQ_HIDDEN, KQ_FFN, KQ_HEADS, KQ_KV_HEADS)
+    rng = np.random.default_rng(0)
+    embed = rng.standard_normal((len(tokens), KQ_HIDDEN)).astype(np.float32)
+    writer.add_tensor("token_embd.weight", gguf.quants.quantize(embed, Q8), raw_dtype=Q8)
+    writer.add_tensor("output_norm.weight", np.ones(KQ_HIDDEN, dtype=np.float32))
+    kv = KQ_HIDDEN // KQ_HEADS * KQ_KV_HEADS
+    for i in range(2):
+        for name, rows, cols, qtype in (("attn_q", KQ_HIDDEN, KQ_HIDDEN, q4k), ("attn_k", kv, KQ_HIDDEN, q4k),
+                                        ("attn_v", kv, KQ_HIDDEN, q6k), ("attn_output", KQ_HIDDEN, KQ_HIDDEN, q4k),
+                                        ("ffn_gate", KQ_FFN, KQ_HIDDEN, q4k), ("ffn_up", KQ_FFN, KQ_HIDDEN, q4k),
+                                        ("ffn_down", KQ_HIDDEN, KQ_FFN, q6k)):
+            values = kquant_rows(qtype, rows, cols, rng, scale=(2e-4, 2e-3))
+            writer.add_tensor(f"blk.{i}.{name}.weight", values, raw_dtype=qtype)
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(KQ_HIDDEN, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

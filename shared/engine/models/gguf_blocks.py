@@ -109,6 +109,36 @@ class BlockWeight:
         return self.dequantize(self.raw.index_select(0, flat)).to(dtype).reshape(*ids.shape, self.cols)
 
 
+@dataclass
+class BlockShards:
+    """A fused projection (q|k|v, gate|up) whose shards came as blocks of different types (llama.cpp's Q4_K_M
+    keeps attn_v in Q6_K beside Q4_K q and k): each shard keeps its own blocks, outputs side by side."""
+
+    parts: list[BlockWeight]
+
+    def __post_init__(self) -> None:
+        if not self.parts or len({p.cols for p in self.parts}) != 1:
+            raise ValueError("gguf: a fused projection's shards must be one or more, of equal width")
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def cols(self) -> int:
+        return self.parts[0].cols
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T + bias in x's dtype, each shard on its own blocks."""
+        starts = np.cumsum([0] + [p.rows for p in self.parts])
+        return torch.cat([p.linear(x, None if bias is None else bias[a:b])
+                          for p, a, b in zip(self.parts, starts[:-1], starts[1:], strict=True)], dim=-1)
+
+
 @contextmanager
 def kernel_on_every_row() -> Iterator[None]:
     """Every row on the int8 kernel meanwhile, prefill chunks included: what a decode step computes, for the

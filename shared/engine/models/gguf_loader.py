@@ -1,11 +1,11 @@
 """Load a llama-family model straight from its GGUF file, keeping the quantized tensors in their blocks
 (`--quantization gguf`; the formats and kernels: gguf_blocks.py).
 
-Every tensor goes where the safetensors loader would put it (weight_targets.py): a projection whose
-tensors (all the shards of a fused one: q|k|v, gate|up) are blocks of one type with a kernel gets them as a
-BlockWeight; the token embedding as a BlockEmbedding, which a tied LM head shares. Everything else (norms, biases,
-F16, the types without a kernel, a fused projection whose shards differ in type) is dequantized into its dense
-parameter, as the float32 conversion does, and logged once by type.
+Every tensor goes where the safetensors loader would put it (weight_targets.py): a projection whose tensors (all
+the shards of a fused one: q|k|v, gate|up) are blocks with a kernel gets them as a BlockWeight (shards of one type)
+or BlockShards (of several, as Q4_K_M's q|k|v); the token embedding as a BlockEmbedding, which a tied LM head
+shares. Everything else (norms, biases, F16, the types without a kernel, a fused projection with a shard of such
+a type) is dequantized into its dense parameter, as the float32 conversion does, and logged once by type.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .gguf_blocks import TYPE_NAMES, BlockEmbedding, BlockWeight, block_rows, fits_blocks
+from .gguf_blocks import TYPE_NAMES, BlockEmbedding, BlockShards, BlockWeight, block_rows, fits_blocks
 from .llama import FusedLinear, Linear
 from .weight_targets import copy_into, projection_owners, weight_targets
 
@@ -82,14 +82,18 @@ def load_gguf_weights(model: nn.Module, gguf_path: Path, round_to: torch.dtype |
 
 def _place(module: Linear, parts: dict[str, BlockWeight], round_to: torch.dtype | None,
            dense: Counter[str]) -> Counter[str]:
-    """Give `module` its blocks: one BlockWeight over all its shards when every shard came as blocks of one type;
-    otherwise each shard that came as blocks is dequantized into the dense weight (the rest already is there).
-    The types kept."""
+    """Give `module` its blocks when every shard came as blocks: one BlockWeight over all of them when they are of
+    one type, else BlockShards (each shard its own); otherwise each shard that came as blocks is dequantized into
+    the dense weight (the rest already is there). The types kept."""
     order = list(module.shards) if isinstance(module, FusedLinear) else list(parts)
-    if all(s in parts for s in order) and len({parts[s].qtype for s in order}) == 1:
-        first = parts[order[0]]
-        module.use_blocks(BlockWeight(torch.cat([parts[s].raw for s in order]), first.qtype, first.cols))
-        return Counter({TYPE_NAMES[first.qtype]: 1})
+    if all(s in parts for s in order):
+        types = [parts[s].qtype for s in order]
+        if len(set(types)) == 1:
+            first = parts[order[0]]
+            module.use_blocks(BlockWeight(torch.cat([parts[s].raw for s in order]), first.qtype, first.cols))
+        else:
+            module.use_blocks(BlockShards([parts[s] for s in order]))
+        return Counter(TYPE_NAMES[t] for t in types) if len(set(types)) > 1 else Counter({TYPE_NAMES[types[0]]: 1})
     for shard in parts:
         rows = module.shards[shard] if isinstance(module, FusedLinear) else None
         values = parts[shard].dequantize()

@@ -6,10 +6,11 @@ OpenMP thread spun idle for that time. `kernels.gguf_decoder_layers` runs the sa
 with the same roundings as DecoderLayer.forward, so its output is the same bits (tests/engine/test_gguf_stack.py),
 and the Python path stays the reference and the fallback.
 
-It applies when every layer's projections are GGUF blocks without biases, with plain RMSNorms, no q/k norm, no
-sliding window, the fused CPU layer ops and the torch attention backend's native kernel (`build` checks once),
-and per step when the rows fit the GGUF kernel (no dequantized tiles), no row uses a LoRA adapter, no row takes
-image features, and no caller waits on each layer (a prefill node streaming KV layer by layer).
+It applies when every layer's projections are GGUF blocks (a fused one's shards may differ in type) without
+biases, with plain RMSNorms, no q/k norm, no sliding window, the fused CPU layer ops and the torch attention
+backend's native kernel (`build` checks once), and per step when the rows fit the GGUF kernel (no dequantized
+tiles), no row uses a LoRA adapter, no row takes image features, and no caller waits on each layer (a prefill
+node streaming KV layer by layer).
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from kvrelay.engine.attention.base import AttentionMetadata
 from kvrelay.engine.attention.torch_backend import TorchAttentionBackend
 
 from . import gguf_blocks
-from .gguf_blocks import BlockWeight
+from .gguf_blocks import BlockShards, BlockWeight
 
 
 class GGUFLayerStack:
     def __init__(self, native, backend: TorchAttentionBackend, tensors: list[torch.Tensor], qtypes: list[int],
-                 num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float) -> None:
+                 parts: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float) -> None:
         self._native, self._backend = native, backend
-        self._tensors, self._qtypes = tensors, qtypes
+        self._tensors, self._qtypes, self._parts = tensors, qtypes, parts
         self._shape = (num_heads, num_kv_heads, head_dim)
         self._eps, self._scale = eps, scale
 
@@ -44,21 +45,24 @@ class GGUFLayerStack:
             return None
         tensors: list[torch.Tensor] = []
         qtypes: list[int] = []
+        parts: list[int] = []
         backends = set()
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(p.blocks, BlockWeight) for p in projections):
-                return None
-            blocks = [p.blocks for p in projections]
-            tensors += [layer.input_layernorm.weight, blocks[0].raw, blocks[1].raw,
-                        layer.post_attention_layernorm.weight, blocks[2].raw, blocks[3].raw]
-            qtypes += [b.qtype for b in blocks]
+            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for projection in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                blocks = projection.blocks
+                shards = blocks.parts if isinstance(blocks, BlockShards) else [blocks]
+                if not all(isinstance(b, BlockWeight) for b in shards):
+                    return None
+                tensors += [b.raw for b in shards]
+                qtypes += [b.qtype for b in shards]
+                parts.append(len(shards))
             backends.add(id(attn.backend))
         backend = model.model.layers[0].self_attn.backend if model.model.layers else None
         if len(backends) != 1 or not isinstance(backend, TorchAttentionBackend):
             return None
-        return cls(native, backend, tensors, qtypes, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        return cls(native, backend, tensors, qtypes, parts, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                    cfg.rms_norm_eps, cfg.head_dim**-0.5)
 
     def forward(self, h: torch.Tensor, rope: tuple, kv_caches: list[torch.Tensor],
@@ -71,7 +75,7 @@ class GGUFLayerStack:
         cos, sin, positions = rope
         num_heads, num_kv_heads, head_dim = self._shape
         hidden, residual = self._native.gguf_decoder_layers(
-            h, self._tensors, self._qtypes, kv_caches, cos, sin, positions, meta.slot_mapping, meta.block_tables,
-            meta.query_start_loc, meta.seq_lens, meta.num_decodes, num_heads, num_kv_heads, head_dim, self._eps,
-            self._scale)
+            h, self._tensors, self._qtypes, self._parts, kv_caches, cos, sin, positions, meta.slot_mapping,
+            meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.num_decodes, num_heads, num_kv_heads,
+            head_dim, self._eps, self._scale)
         return hidden, residual

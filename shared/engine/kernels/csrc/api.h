@@ -40,7 +40,7 @@ at::Tensor gguf_dequantize(TensorArg w, int64_t qtype, int64_t k);
 // Every decoder layer of a Llama-family model on GGUF blocks, as DecoderLayer.forward computes them (gguf_stack.cpp):
 // returns (hidden, residual) before the final norm.
 std::vector<at::Tensor> gguf_decoder_layers(TensorArg h, const std::vector<at::Tensor>& tensors,
-                                            const std::vector<int64_t>& qtypes,
+                                            const std::vector<int64_t>& qtypes, const std::vector<int64_t>& parts,
                                             const std::vector<at::Tensor>& kv_caches, TensorArg cos, TensorArg sin,
                                             TensorArg positions, TensorArg slot_mapping, TensorArg block_tables,
                                             TensorArg query_start_loc, TensorArg seq_lens, int64_t num_decodes,

@@ -14,47 +14,70 @@
 namespace kvrelay {
 
 namespace {
-// Per layer in `tensors`: input norm weight, q|k|v blocks, o blocks, post-attention norm weight, gate|up blocks,
-// down blocks. In `qtypes`: the four projections' ggml types.
-constexpr int64_t kTensorsPerLayer = 6, kTypesPerLayer = 4;
+// Per layer in `tensors`: the input norm's weight, the post-attention norm's weight, then the blocks of q|k|v, o,
+// gate|up and down, each projection as `parts` of them (more than one where its shards came in different types:
+// their outputs side by side), each part with its ggml type in `qtypes`.
+constexpr int64_t kProjections = 4;
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
-  return gguf_gemm(x, blocks, qtype, std::nullopt).to(x.scalar_type());
-}
+struct Cursor {  // walks `tensors` and `qtypes` in order
+  const std::vector<at::Tensor>& tensors;
+  const std::vector<int64_t>& qtypes;
+  const std::vector<int64_t>& parts;
+  size_t tensor = 0, qtype = 0, projection = 0;
+
+  const at::Tensor& next_tensor() {
+    TORCH_CHECK(tensor < tensors.size(), "gguf_decoder_layers: fewer tensors than the layers need");
+    return tensors[tensor++];
+  }
+
+  at::Tensor linear(const at::Tensor& x) {  // the next projection, y = x W^T in x's dtype
+    TORCH_CHECK(projection < parts.size() && parts[projection] >= 1, "gguf_decoder_layers: bad part counts");
+    const int64_t n = parts[projection++];
+    std::vector<at::Tensor> ys;
+    for (int64_t i = 0; i < n; ++i) {
+      const at::Tensor& blocks = next_tensor();
+      TORCH_CHECK(qtype < qtypes.size(), "gguf_decoder_layers: fewer types than parts");
+      ys.push_back(gguf_gemm(x, blocks, qtypes[qtype++], std::nullopt).to(x.scalar_type()));
+    }
+    return n == 1 ? ys[0] : at::cat(ys, 1);
+  }
+};
 }  // namespace
 
 std::vector<at::Tensor> gguf_decoder_layers(TensorArg h_in, const std::vector<at::Tensor>& tensors,
-                                            const std::vector<int64_t>& qtypes,
+                                            const std::vector<int64_t>& qtypes, const std::vector<int64_t>& parts,
                                             const std::vector<at::Tensor>& kv_caches, TensorArg cos, TensorArg sin,
                                             TensorArg positions, TensorArg slot_mapping, TensorArg block_tables,
                                             TensorArg query_start_loc, TensorArg seq_lens, int64_t num_decodes,
                                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                                             double scale) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * kTensorsPerLayer &&
-                  static_cast<int64_t>(qtypes.size()) == layers * kTypesPerLayer,
-              "gguf_decoder_layers: ", kTensorsPerLayer, " tensors and ", kTypesPerLayer, " types per layer");
+  TORCH_CHECK(static_cast<int64_t>(parts.size()) == layers * kProjections,
+              "gguf_decoder_layers: ", kProjections, " part counts per layer");
   TORCH_CHECK(h_in.dim() == 2, "gguf_decoder_layers: hidden states must be [T, hidden]");
   const int64_t t = h_in.size(0), nh = num_heads, nkv = num_kv_heads, d = head_dim;
+  Cursor next{tensors, qtypes, parts};
   at::Tensor h = h_in;
   std::optional<at::Tensor> residual;
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = tensors.data() + l * kTensorsPerLayer;
-    const int64_t* qt = qtypes.data() + l * kTypesPerLayer;
-    std::vector<at::Tensor> normed = add_rms_norm(h, residual, w[0], eps);
+    const at::Tensor& input_norm = next.next_tensor();
+    const at::Tensor& post_norm = next.next_tensor();
+    std::vector<at::Tensor> normed = add_rms_norm(h, residual, input_norm, eps);
     residual = normed[1];
-    const at::Tensor qkv = linear(normed[0], w[1], qt[0]);
+    const at::Tensor qkv = next.linear(normed[0]);
     const at::Tensor qk = qkv.narrow(1, 0, (nh + nkv) * d).view({t, nh + nkv, d});
     rope_write_kv(qk, qk.narrow(1, 0, 0), cos, sin, positions, std::nullopt, std::nullopt, nh + nkv);
     const at::Tensor v = qkv.narrow(1, (nh + nkv) * d, nkv * d).view({t, nkv, d});
     const at::Tensor attn = paged_attention(qk.narrow(1, 0, nh), qk.narrow(1, nh, nkv), v, kv_caches[l],
                                             slot_mapping, block_tables, query_start_loc, seq_lens, num_decodes,
                                             scale, 0);
-    const at::Tensor o = linear(attn.reshape({t, nh * d}), w[2], qt[1]);
-    normed = add_rms_norm(o, residual, w[3], eps);
+    const at::Tensor o = next.linear(attn.reshape({t, nh * d}));
+    normed = add_rms_norm(o, residual, post_norm, eps);
     residual = normed[1];
-    h = linear(silu_mul(linear(normed[0], w[4], qt[2])), w[5], qt[3]);
+    h = next.linear(silu_mul(next.linear(normed[0])));
   }
+  TORCH_CHECK(next.tensor == tensors.size() && next.qtype == qtypes.size(),
+              "gguf_decoder_layers: more tensors or types than the layers use");
   return {h, residual.value_or(h)};
 }
 
