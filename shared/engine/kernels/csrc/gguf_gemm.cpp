@@ -189,20 +189,66 @@ template <int MT>
 void kq_row_tile(const uint8_t* wrow, int64_t t, int64_t B, int64_t bsz, const int8_t* xq, const float* dx,
                  const float* sx, int64_t K, float* out) {
   (void)K;
-  float extra[MT] = {};
-#ifdef KVRELAY_AVX2
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-#else
-  float acc[MT] = {};
-#endif
   const bool q6 = t == kquants::kQ6_K;
+#ifdef KVRELAY_AVX2
+  // Per super-block, all 8 sub-blocks' factors at once: d sc_j (and -dmin m_j) as vectors, times the 8 activation
+  // scales of each row of x; the minimums' part of every sub-block in one FMA per row.
+  __m256 acc[MT], extra[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = extra[m] = _mm256_setzero_ps();
+  alignas(32) float scale[MT][8];
+  for (int64_t s = 0; s < B / 8; ++s) {
+    const uint8_t* sb = wrow + s * bsz;
+    __m256 dl, lo = _mm256_setzero_ps();
+    if (q6) {
+      dl = _mm256_set1_ps(half_to_float(sb + 208));
+    } else {
+      uint32_t u[4];  // ggml's unpacking of the 12 bytes: u[0..1] the 8 scales, u[2..3] the 8 mins
+      std::memcpy(u, sb + 4, 12);
+      const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+      u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+      const uint32_t mins_low = u[1] & m1;
+      u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+      u[2] = mins_low;
+      u[0] &= m1;
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
+      const __m256 mn =
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2))));
+      dl = _mm256_mul_ps(_mm256_set1_ps(half_to_float(sb)), sc);
+      lo = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(half_to_float(sb + 2)), mn));
+    }
+    for (int m = 0; m < MT; ++m) {
+      const int64_t i0 = m * B + s * 8;
+      _mm256_store_ps(scale[m], _mm256_mul_ps(dl, _mm256_loadu_ps(dx + i0)));
+      if (!q6) extra[m] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(sx + i0), extra[m]);
+    }
+    for (int j = 0; j < 8; ++j) {
+      const __m256i q = kq_sub(sb, t, j);
+      const __m256i scales = q6 ? _mm256_set_m128i(_mm_set1_epi16(static_cast<int8_t>(sb[192 + 2 * j + 1])),
+                                                   _mm_set1_epi16(static_cast<int8_t>(sb[192 + 2 * j])))
+                                : _mm256_setzero_si256();
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* xb = xq + (m * B + s * 8 + j) * kBlock;
+        __m256 p;
+        if (q6) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+          const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+          p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales));
+        } else {
+          p = dot_u8_i8(q, xb);
+        }
+        acc[m] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&scale[m][j]), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) out[m] = kvrelay::hsum8(acc[m]) + kvrelay::hsum8(extra[m]);
+#else
+  float acc[MT] = {}, extra[MT] = {};
   for (int64_t s = 0; s < B / 8; ++s) {
     const uint8_t* sb = wrow + s * bsz;
     const float d = half_to_float(q6 ? sb + 208 : sb), dmin = q6 ? 0.f : half_to_float(sb + 2);
     for (int j = 0; j < 8; ++j) {
       float dl = d, lo = 0.f;
-      int sc_a = 0, sc_b = 0;
+      int sc_a = 1, sc_b = 1;
       if (q6) {
         sc_a = static_cast<int8_t>(sb[192 + 2 * j]);
         sc_b = static_cast<int8_t>(sb[192 + 2 * j + 1]);
@@ -212,41 +258,18 @@ void kq_row_tile(const uint8_t* wrow, int64_t t, int64_t B, int64_t bsz, const i
         dl = d * static_cast<float>(sc);
         lo = -(dmin * static_cast<float>(mn));
       }
-#ifdef KVRELAY_AVX2
-      const __m256i q = kq_sub(sb, t, j);
-      const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(sc_b)),
-                                              _mm_set1_epi16(static_cast<int16_t>(sc_a)));
-#endif
       for (int m = 0; m < MT; ++m) {
         const int64_t i = m * B + s * 8 + j;
         const int8_t* xb = xq + i * kBlock;
-#ifdef KVRELAY_AVX2
-        __m256 p;
-        if (q6) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
-          const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-          p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales));
-        } else {
-          p = dot_u8_i8(q, xb);
-        }
-        acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(dl * dx[i]), acc[m]);
-#else
         int dot = 0;
-        for (int l = 0; l < 32; ++l)
-          dot += kquants::q_at(sb, t, j, l) * xb[l] * (q6 ? (l < 16 ? sc_a : sc_b) : 1);
+        for (int l = 0; l < 32; ++l) dot += kquants::q_at(sb, t, j, l) * xb[l] * (l < 16 ? sc_a : sc_b);
         acc[m] += static_cast<float>(dot) * (dl * dx[i]);
-#endif
         extra[m] += lo * sx[i];
       }
     }
   }
-  for (int m = 0; m < MT; ++m) {
-#ifdef KVRELAY_AVX2
-    out[m] = kvrelay::hsum8(acc[m]) + extra[m];
-#else
-    out[m] = acc[m] + extra[m];
+  for (int m = 0; m < MT; ++m) out[m] = acc[m] + extra[m];
 #endif
-  }
 }
 
 using RowTileFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
