@@ -91,9 +91,9 @@ def _place(module: Linear, parts: dict[str, BlockWeight], round_to: torch.dtype 
         if len(set(types)) == 1:
             first = parts[order[0]]
             module.use_blocks(BlockWeight(torch.cat([parts[s].raw for s in order]), first.qtype, first.cols))
-        else:
-            module.use_blocks(BlockShards([parts[s] for s in order]))
-        return Counter(TYPE_NAMES[t] for t in types) if len(set(types)) > 1 else Counter({TYPE_NAMES[types[0]]: 1})
+            return Counter({TYPE_NAMES[first.qtype]: 1})
+        module.use_blocks(BlockShards([parts[s] for s in order]))
+        return Counter(TYPE_NAMES[t] for t in types)
     for shard in parts:
         rows = module.shards[shard] if isinstance(module, FusedLinear) else None
         values = parts[shard].dequantize()
