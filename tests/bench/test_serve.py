@@ -192,7 +192,8 @@ def test_bounded_by_request_timeout_and_duration(fake, tmp_path):
     r = bench(fake, tmp_path, "--duration", "0.6", "--concurrency", "2", "--max-tokens", "4", label="b")
     assert time.monotonic() - t < 5
     assert r["completed"] >= 6 and r["load"]["num_requests"] is None
-    assert max(q["start_s"] for q in r["requests"]) < 0.6 <= r["duration_s"] < 1.0
+    # A request is handed out before the deadline and sent just after (15 us past it was seen on loaded cores).
+    assert max(q["start_s"] for q in r["requests"]) < 0.6 + 0.05 and 0.6 <= r["duration_s"] < 1.0
 
 
 def test_max_duration_stops_everything(fake, tmp_path):
