@@ -119,6 +119,8 @@ class BlockShards:
     def __post_init__(self) -> None:
         if not self.parts or len({p.cols for p in self.parts}) != 1:
             raise ValueError("gguf: a fused projection's shards must be one or more, of equal width")
+        starts = np.cumsum([0] + [p.rows for p in self.parts]).tolist()
+        self._ranges = list(zip(self.parts, starts[:-1], starts[1:], strict=True))  # (shard, first row, end)
 
     @property
     def rows(self) -> int:
@@ -134,9 +136,7 @@ class BlockShards:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T + bias in x's dtype, each shard on its own blocks."""
-        starts = np.cumsum([0] + [p.rows for p in self.parts])
-        return torch.cat([p.linear(x, None if bias is None else bias[a:b])
-                          for p, a, b in zip(self.parts, starts[:-1], starts[1:], strict=True)], dim=-1)
+        return torch.cat([p.linear(x, None if bias is None else bias[a:b]) for p, a, b in self._ranges], dim=-1)
 
 
 @contextmanager

@@ -39,31 +39,34 @@ class GGUFLayerStack:
         """The stack for `model` (a models.llama.LlamaForCausalLM, which this module may not import: it imports
         this one) once its weights are loaded, or None where it does not apply."""
         native = kernels.load()
-        cfg = model.arch
-        if (native is None or not hasattr(native, "gguf_decoder_layers") or not model.ops.native or cfg.qk_norm
-                or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or any(w is not None for w in cfg.sliding_windows)):
+        layers = list(model.model.layers)
+        if native is None or not hasattr(native, "gguf_decoder_layers") or not model.ops.native or not layers:
+            return None
+        # What the layers' own forwards use, read from them: the stack must compute exactly what they do.
+        first = layers[0]
+        backend, scale, eps = first.self_attn.backend, first.self_attn.scale, first.input_layernorm.eps
+        if not isinstance(backend, TorchAttentionBackend):
             return None
         tensors: list[torch.Tensor] = []
         qtypes: list[int] = []
         parts: list[int] = []
-        backends = set()
-        for layer in model.model.layers:
+        for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (attn.backend is not backend or attn.scale != scale or attn.q_norm is not None
+                    or attn.backend_kwargs or any(n.eps != eps for n in norms)):
+                return None  # another backend, scale or norm; q/k norms; a sliding window
+            tensors += [n.weight for n in norms]
             for projection in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 blocks = projection.blocks
                 shards = blocks.parts if isinstance(blocks, BlockShards) else [blocks]
-                if not all(isinstance(b, BlockWeight) for b in shards):
+                if projection.bias is not None or not all(isinstance(b, BlockWeight) for b in shards):
                     return None
                 tensors += [b.raw for b in shards]
                 qtypes += [b.qtype for b in shards]
                 parts.append(len(shards))
-            backends.add(id(attn.backend))
-        backend = model.model.layers[0].self_attn.backend if model.model.layers else None
-        if len(backends) != 1 or not isinstance(backend, TorchAttentionBackend):
-            return None
-        return cls(native, backend, tensors, qtypes, parts, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   cfg.rms_norm_eps, cfg.head_dim**-0.5)
+        cfg = model.arch
+        return cls(native, backend, tensors, qtypes, parts, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, scale)
 
     def forward(self, h: torch.Tensor, rope: tuple, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:

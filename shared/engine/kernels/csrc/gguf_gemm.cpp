@@ -202,17 +202,11 @@ void kq_row_tile(const uint8_t* wrow, int64_t t, int64_t B, int64_t bsz, const i
     if (q6) {
       dl = _mm256_set1_ps(half_to_float(sb + 208));
     } else {
-      uint32_t u[4];  // ggml's unpacking of the 12 bytes: u[0..1] the 8 scales, u[2..3] the 8 mins
-      std::memcpy(u, sb + 4, 12);
-      const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
-      u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
-      const uint32_t mins_low = u[1] & m1;
-      u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
-      u[2] = mins_low;
-      u[0] &= m1;
-      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
+      alignas(16) uint8_t sm[16];
+      kquants::scales_and_mins(sb + 4, sm);
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm))));
       const __m256 mn =
-          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2))));
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8))));
       dl = _mm256_mul_ps(_mm256_set1_ps(half_to_float(sb)), sc);
       lo = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(half_to_float(sb + 2)), mn));
     }
@@ -246,6 +240,8 @@ void kq_row_tile(const uint8_t* wrow, int64_t t, int64_t B, int64_t bsz, const i
   for (int64_t s = 0; s < B / 8; ++s) {
     const uint8_t* sb = wrow + s * bsz;
     const float d = half_to_float(q6 ? sb + 208 : sb), dmin = q6 ? 0.f : half_to_float(sb + 2);
+    uint8_t sm[16];
+    if (!q6) kquants::scales_and_mins(sb + 4, sm);
     for (int j = 0; j < 8; ++j) {
       float dl = d, lo = 0.f;
       int sc_a = 1, sc_b = 1;
@@ -253,10 +249,8 @@ void kq_row_tile(const uint8_t* wrow, int64_t t, int64_t B, int64_t bsz, const i
         sc_a = static_cast<int8_t>(sb[192 + 2 * j]);
         sc_b = static_cast<int8_t>(sb[192 + 2 * j + 1]);
       } else {
-        int sc, mn;
-        kquants::scale_min(j, sb + 4, sc, mn);
-        dl = d * static_cast<float>(sc);
-        lo = -(dmin * static_cast<float>(mn));
+        dl = d * static_cast<float>(sm[j]);
+        lo = -(dmin * static_cast<float>(sm[8 + j]));
       }
       for (int m = 0; m < MT; ++m) {
         const int64_t i = m * B + s * 8 + j;
@@ -347,10 +341,10 @@ at::Tensor gguf_dequantize(TensorArg w, int64_t qtype, int64_t K) {
             continue;
           }
           const float d = half_to_float(sb), dmin = half_to_float(sb + 2);
+          uint8_t sm[16];
+          kquants::scales_and_mins(sb + 4, sm);
           for (int j = 0; j < 8; ++j) {
-            int sc, mn;
-            kquants::scale_min(j, sb + 4, sc, mn);
-            const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
+            const float dl = d * static_cast<float>(sm[j]), ml = dmin * static_cast<float>(sm[8 + j]);
             for (int l = 0; l < 32; ++l) o[j * 32 + l] = dl * static_cast<float>(kquants::q_at(sb, qtype, j, l)) - ml;
           }
         }

@@ -23,15 +23,18 @@ inline bool is_kquant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K
 
 inline int64_t super_bytes(int64_t t) { return t == kQ4_K ? 144 : t == kQ5_K ? 176 : 210; }
 
-// Sub-block j's 6-bit scale and min (ggml's get_scale_min_k4).
-inline void scale_min(int j, const uint8_t* s, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
+// The 8 sub-blocks' 6-bit scales (bytes 0..7 of `out`) and mins (bytes 8..15) from a Q4_K/Q5_K super-block's 12
+// packed bytes `s`, all at once (ggml's unpacking: get_scale_min_k4 for every j).
+inline void scales_and_mins(const uint8_t* s, uint8_t out[16]) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+  const uint32_t mins_low = u[1] & m1;
+  u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+  u[2] = mins_low;
+  u[0] &= m1;
+  std::memcpy(out, u, 16);
 }
 
 // Element l (0..31) of 32-weight sub-block j of super-block `sb`, as an integer: 0..15 (Q4_K), 0..31 (Q5_K), or
