@@ -13,10 +13,15 @@ profile's start-up time; a removed one drains. The metrics are the nodes' own, r
 
 `use_queue_signal=False` drops the queue-time metric (a planner that sizes on throughput and utilisation only:
 the comparison of docs/fleet.md).
+
+A pool may also have a `Schedule`: replicas by time of day, as KEDA's cron triggers give them (the planner writes
+a KEDA ScaledObject then). The desired size is the larger of the schedule's and the metrics': the schedule holds
+the room for bursts that come faster than a node starts, the metrics answer what the schedule did not foresee.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,10 +30,29 @@ from kvrelay.sim.fleet import Fleet
 
 
 @dataclass(frozen=True)
+class Schedule:
+    """Replicas by time within a repeating period (a day): `steps` are (start offset, replicas), the first at 0."""
+
+    period_s: float
+    steps: tuple[tuple[float, int], ...]
+
+    def __post_init__(self) -> None:
+        if not self.steps or self.steps[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(self.steps, self.steps[1:])):
+            raise ValueError("schedule steps: increasing start offsets from 0")
+        if self.steps[-1][0] >= self.period_s:
+            raise ValueError("schedule steps: start offsets within the period")
+
+    def replicas_at(self, t: float) -> int:
+        i = bisect.bisect_right([start for start, _ in self.steps], t % self.period_s) - 1
+        return self.steps[i][1]
+
+
+@dataclass(frozen=True)
 class PoolPolicy:
     min_replicas: int
     max_replicas: int
     targets: dict[str, float]  # metric name -> target average per pod
+    schedule: Schedule | None = None
     up_pods: int = 4
     up_period_s: float = 60.0
     down_pods: int = 1
@@ -88,6 +112,8 @@ class Autoscaler:
                           for name, target in pool.targets.items()
                           if self.policy.use_queue_signal or name != "kvrelay:queued_prefill_tokens"]
                 desired = max(wanted, default=current)
+            if pool.schedule is not None:
+                desired = max(desired, pool.schedule.replicas_at(now))
             desired = max(pool.min_replicas, min(pool.max_replicas, desired))
             self._apply(fleet, role, pool, self.state[role], current, desired, now)
 

@@ -4,13 +4,16 @@
    prompt is computed in and the step's token budget). For each, the fewest nodes that meet both SLOs (TTFT p90,
    ITL p90, nothing failed) on the trace's busiest window (`--window` seconds: a fleet that holds the peak holds
    the rest). Prints the cheapest as JSON and a Pareto table (nodes against p90 TTFT) to stderr.
-2. `--autoscale`: the trace in full through the HPAs deploy/k8s would run (kvrelay.sim.autoscale), nodes
-   starting after the profile's start-up time, with targets derived from the profile and the SLOs: queued
-   prefill tokens per pod = prefill tokens/s x half the TTFT SLO (the queue-time signal), running requests per
-   decode pod = the batch at which a step reaches the ITL SLO. Reports node-hours against the static fleet sized
-   for the peak, the share of requests within both SLOs, and scale oscillations (up-down-up within 3 intervals).
+2. `--autoscale`: the trace in full (or `--autoscale-trace`, another day) through the autoscalers deploy/k8s
+   would run (kvrelay.sim.autoscale), nodes starting after the profile's start-up time: a schedule learned from
+   the trace (kvrelay.sim.policy), over per-pod targets derived from the profile and the SLOs: queued prefill
+   tokens per pod = prefill tokens/s x half the TTFT SLO (the queue-time signal), running requests per decode
+   pod = the batch at which a step reaches the ITL SLO. Reports node-hours against the static fleet sized for
+   the peak, the share of requests within both SLOs, and scale oscillations (up-down-up within 3 intervals),
+   and the same without the queue-time signal and for a reactive-only HPA.
 3. `--out DIR`: a kustomize overlay of deploy/k8s (on overlays/gpu for GPU profiles, overlays/cpu for a CPU one)
-   with those HPA bounds, targets and behaviour, and the engine budget, as KVRELAY_* environment variables.
+   with those bounds, targets and behaviour (a KEDA ScaledObject per pool: the schedule as cron triggers, the
+   targets as Prometheus triggers), and the engine budget, as KVRELAY_* environment variables.
 
     kvrelay sim trace day --out day.jsonl
     kvrelay plan --trace day.jsonl --slo-ttft-p90 2 --slo-itl-p90 0.05 --profile h100 --autoscale \\
@@ -26,14 +29,13 @@ import math
 import sys
 from dataclasses import dataclass
 
-import numpy as np
-
-from kvrelay.sim.autoscale import Autoscaler, HPAPolicy, PoolPolicy, oscillations
+from kvrelay.sim.autoscale import Autoscaler, HPAPolicy, oscillations
 from kvrelay.sim.fleet import FleetSpec
 from kvrelay.sim.overlay import write_overlay
+from kvrelay.sim.policy import hpa_policy
 from kvrelay.sim.results import Collector, RunResult
 from kvrelay.sim.run import simulate
-from kvrelay.sim.timemodel import Profile, StepShape, load_profile
+from kvrelay.sim.timemodel import Profile, load_profile
 from kvrelay.sim.trace import TraceRequest, read_trace
 from kvrelay.sim.workloads import Shape, llmd
 
@@ -53,7 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batched-tokens", default="2048,8192", help="engine token budgets to try")
     p.add_argument("--max-nodes", type=int, default=128)
     p.add_argument("--window", type=float, default=300.0, help="seconds of the busiest window searched (0: all)")
-    p.add_argument("--autoscale", action="store_true", help="simulate the HPAs through the whole trace")
+    p.add_argument("--autoscale", action="store_true",
+                   help="simulate the autoscalers (schedule and metrics) through the whole trace")
+    p.add_argument("--autoscale-trace", default=None,
+                   help="with --autoscale: run them through this trace instead (another day: the schedule is "
+                        "learned from --trace, so a held-out day shows it did not learn that day's bursts)")
+    p.add_argument("--namespace", default="default", help="the fleet's namespace, for the overlay's queries")
+    p.add_argument("--prometheus-url", default="http://prometheus-server.monitoring.svc:80",
+                   help="where KEDA's Prometheus triggers query (the overlay)")
     p.add_argument("--out", default=None, help="write a kustomize overlay here")
     p.add_argument("--plots", default=None, help="write the frontier and the autoscaled day (PNG) here")
     p.add_argument("--seed", type=int, default=0)
@@ -179,69 +188,16 @@ def pareto(candidates: list[Candidate]) -> list[Candidate]:
 # -- autoscaling ------------------------------------------------------------------------------------------
 
 
-def prefill_tokens_per_s(profile: Profile, budget: int, threads: int | None = None) -> float:
-    """What one node computes of prompts per second, chunk after chunk of `budget` tokens."""
-    step = profile.step_model(threads).time(StepShape.of([(budget, budget)]))
-    return budget / step
-
-
-def rows_for_itl(profile: Profile, itl_s: float, context: int, threads: int | None = None, limit: int = 1024) -> int:
-    """The largest decode batch whose step stays within itl_s at this context."""
-    model = profile.step_model(threads)
-    rows = 1
-    while rows < limit and model.time(StepShape.of([(1, context)] * (rows + 1))) <= itl_s:
-        rows += 1
-    return rows
-
-
-def burst_headroom(trace: list[TraceRequest], react_s: float, history_s: float = 300.0, q: float = 99.0) -> float:
-    """How much more than its recent average the load can get before new nodes serve: the q-th percentile over
-    the trace of (the busiest minute in the next `react_s`) / (the mean rate of the last `history_s`). An
-    autoscaler that cannot add nodes in time for a burst must hold this much room."""
-    if len(trace) < 2:
-        return 1.0
-    end = int(trace[-1].arrival_s) + 1
-    per_s = np.bincount(np.array([int(r.arrival_s) for r in trace]), minlength=end).astype(np.float64)
-    minute = np.convolve(per_s, np.ones(60) / 60, mode="full")[: end]  # rate over the minute ending at t
-    cum = np.concatenate([[0.0], np.cumsum(per_s)])
-    ratios = []
-    for t in range(int(history_s), end - 1):
-        past = (cum[t] - cum[t - int(history_s)]) / history_s
-        ahead = minute[t: min(end, t + int(react_s) + 60)].max()
-        if past > 0:
-            ratios.append(ahead / past)
-    return max(1.0, float(np.percentile(ratios, q))) if ratios else 1.0
-
-
-def hpa_policy(choice: Candidate, profile: Profile, slo: SLO, trace: list[TraceRequest], max_factor: float = 2.0,
-               use_queue_signal: bool = True, sync_s: float = 15.0) -> HPAPolicy:
-    """The HPAs for the chosen shape: per-pod targets at which a node still meets the SLOs, divided by the
-    trace's burst headroom (nodes take the profile's start-up time to serve); up to max_factor times the
-    static shape's pools."""
-    spec = choice.spec
-    headroom = burst_headroom(trace, profile.startup_s + 2 * sync_s)
-    budget = spec.scheduler.max_num_batched_tokens
-    queued = prefill_tokens_per_s(profile, budget, spec.threads) * slo.ttft_p90_s / 2
-    context = sum(r.prompt_len + r.output_len / 2 for r in trace) / max(len(trace), 1)
-    running = rows_for_itl(profile, 0.8 * slo.itl_p90_s, int(context), spec.threads)
-    prefill_targets = {"kvrelay:queued_prefill_tokens": max(1, round(queued / headroom))}
-    decode_targets = {"vllm:num_requests_running": max(1, math.floor(running / headroom)),
-                      "vllm:kv_cache_usage_perc": round(0.85 / headroom, 3)}
-    pools = {}
-    if spec.colocated:
-        pools["colocated"] = PoolPolicy(1, math.ceil(spec.colocated * max_factor), {**prefill_targets,
-                                                                                      **decode_targets})
-    else:
-        pools["prefill"] = PoolPolicy(1, math.ceil(spec.prefill * max_factor), prefill_targets)
-        pools["decode"] = PoolPolicy(1, math.ceil(spec.decode * max_factor), decode_targets)
-    return HPAPolicy(pools, sync_s=sync_s, use_queue_signal=use_queue_signal)
-
-
 def autoscaled_run(trace: list[TraceRequest], choice: Candidate, profile: Profile, slo: SLO, seed: int,
                    policy: HPAPolicy, start_fraction: float = 0.25) -> dict:
+    """The trace through the autoscaled fleet. It starts at its schedule's size for time 0, or without a
+    schedule at `start_fraction` of the static pools."""
     spec = choice.spec
-    start = {"prefill": spec.prefill, "decode": spec.decode, "colocated": spec.colocated}
-    begin = {role: max(1, math.ceil(n * start_fraction)) if n else 0 for role, n in start.items()}
+    begin = {"prefill": 0, "decode": 0, "colocated": 0}
+    for role, n in (("prefill", spec.prefill), ("decode", spec.decode), ("colocated", spec.colocated)):
+        pool = policy.pools.get(role)
+        if n and pool is not None:
+            begin[role] = pool.schedule.replicas_at(0.0) if pool.schedule else max(1, math.ceil(n * start_fraction))
     scaler = Autoscaler(policy)
     collector = Collector()
     fleets = []
@@ -254,6 +210,34 @@ def autoscaled_run(trace: list[TraceRequest], choice: Candidate, profile: Profil
     return {"result": result, "changes": scaler.changes, "collector": collector, "timeline": fleets[0].timeline.nodes,
             "within_slo": collector.within(slo.ttft_p90_s, slo.itl_p90_s, len(trace)),
             "oscillations": oscillations(scaler.changes, policy.sync_s)}
+
+
+def autoscale_report(trace: list[TraceRequest], day: list[TraceRequest], window: list[TraceRequest],
+                     best: Candidate, profile: Profile, slo: SLO, seed: int) -> tuple[dict, dict]:
+    """`day` through the static fleet and three autoscalers planned on `trace` (the same day, or yesterday's):
+    the schedule with the reactive metrics (what the overlay applies), the schedule without the queue-time
+    signal, and a reactive-only HPA that holds the burst headroom itself. Returns the report and the first run."""
+    static = simulate(day, best.spec, profile, seed, collector=(static_c := Collector()))
+    report = {"static_node_hours": static.config["node_hours"],
+              "static_within_slo": round(static_c.within(slo.ttft_p90_s, slo.itl_p90_s, len(day)), 5)}
+    first = None
+    for key, scheduled, queue in (("applied", True, True), ("without_queue_signal", True, False),
+                                  ("reactive_only", False, True)):
+        policy = hpa_policy(best, profile, slo, trace, scheduled=scheduled, use_queue_signal=queue, window=window)
+        run_ = autoscaled_run(day, best, profile, slo, seed, policy)
+        r = run_["result"]
+        figures = {"node_hours": r.config["node_hours"],
+                   "ratio_to_static": round(r.config["node_hours"] / static.config["node_hours"], 4),
+                   "within_slo": round(run_["within_slo"], 5), "oscillations": run_["oscillations"],
+                   "scale_events": len(run_["changes"]), "ttft_p90_s": r.ttft_p90_s, "itl_p90_s": r.itl_p90_s,
+                   "failed": r.failed}
+        print(json.dumps({"autoscaled": key, **figures}), file=sys.stderr, flush=True)
+        if first is None:  # what the overlay applies: at the top level
+            report.update(figures)
+            first = run_
+        else:
+            report[key] = figures
+    return report, first
 
 
 def _trace(args: argparse.Namespace) -> list[TraceRequest]:
@@ -288,28 +272,14 @@ def run(args: argparse.Namespace) -> int:
     out = {**{k: v for k, v in best.row(slo).items() if k != "meets_slo"},
            "node_hours": round(best.nodes * span_h, 4), "searched_window_s": args.window,
            "pareto": [c.row(slo) for c in pareto(list(search.tried.values()))], "profile": profile.name}
-    policy = hpa_policy(best, profile, slo, trace)
+    policy = hpa_policy(best, profile, slo, trace, scheduled=True, window=window)
+    out["schedule"] = {role: {"period_s": pool.schedule.period_s, "steps": [list(s) for s in pool.schedule.steps]}
+                       for role, pool in policy.pools.items() if pool.schedule is not None}
     auto = None
     if args.autoscale:
-        static = simulate(trace, best.spec, profile, args.seed, collector=(static_c := Collector()))
-        out["autoscale"] = {"static_node_hours": static.config["node_hours"],
-                            "static_within_slo": round(static_c.within(slo.ttft_p90_s, slo.itl_p90_s, len(trace)), 5)}
-        # With the queue-time signal (what the overlay applies), and without it (throughput and utilisation only).
-        for queue in (True, False):
-            hpa = dataclasses.replace(policy, use_queue_signal=queue)
-            run_ = autoscaled_run(trace, best, profile, slo, args.seed, hpa)
-            r = run_["result"]
-            figures = {
-                "node_hours": r.config["node_hours"],
-                "ratio_to_static": round(r.config["node_hours"] / static.config["node_hours"], 4),
-                "within_slo": round(run_["within_slo"], 5), "oscillations": run_["oscillations"],
-                "scale_events": len(run_["changes"]), "ttft_p90_s": r.ttft_p90_s, "itl_p90_s": r.itl_p90_s,
-                "failed": r.failed}
-            if queue:
-                out["autoscale"].update(figures)
-            else:
-                out["autoscale"]["without_queue_signal"] = figures
-            auto = auto or run_
+        day = read_trace(args.autoscale_trace) if args.autoscale_trace else trace
+        out["autoscale"], auto = autoscale_report(trace, day, window, best, profile, slo, args.seed)
+        out["autoscale"]["trace"] = args.autoscale_trace or args.trace
     if args.plots:
         from pathlib import Path
 
@@ -320,10 +290,11 @@ def run(args: argparse.Namespace) -> int:
         out["plots"] = [str(frontier([c.row(slo) for c in search.tried.values()], plots / "plan_frontier.png",
                                      slo.ttft_p90_s))]
         if auto is not None:
-            out["plots"].append(str(autoscaled_day(auto["timeline"], [r.arrival_s for r in trace],
+            out["plots"].append(str(autoscaled_day(auto["timeline"], [r.arrival_s for r in day],
                                                    plots / "plan_autoscaled_day.png")))
     if args.out:
-        out["overlay"] = [str(p) for p in write_overlay(args.out, best, policy, profile)]
+        out["overlay"] = [str(p) for p in write_overlay(args.out, best, policy, profile, namespace=args.namespace,
+                                                        prometheus_url=args.prometheus_url)]
     print(format_table(out["pareto"]), file=sys.stderr)
     print(json.dumps(out))
     return 0

@@ -42,8 +42,10 @@ POLICIES = ("precise", "approximate", "round_robin", "random", "least_load")
 class Plan:
     """How big each part is (the full study, or --quick)."""
 
-    sweep_qps: tuple[float, ...] = (4, 6, 8, 10, 12)
-    sweep_s: float = 60.0
+    sweep_qps: tuple[float, ...] = (4, 6, 8, 9, 10, 11, 12)
+    # A 1,000-token answer decodes for ~40 s, so a fleet's batches fill for the first minute: a 60 s run met 1 s
+    # at 12 QPS that a 180 s run shows it cannot hold (docs/fleet.md).
+    sweep_s: float = 180.0
     shape: Shape = LLMD
     node_counts: tuple[int, ...] = (8, 32, 64, 256)
     per_node_qps: float = 1.5
@@ -73,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="sweep,nodes,gateways,hot")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sweep-qps", default=None, help="sweep: comma-separated QPS (default: 4,6,8,10,12)")
+    p.add_argument("--sweep-qps", default=None, help="sweep: comma-separated QPS (default: 4,6,8,9,10,11,12)")
     p.add_argument("--node-counts", default=None, help="nodes: comma-separated fleet sizes (default: 8,32,64,256)")
     p.add_argument("--nodes-seconds", type=float, default=None, help="nodes: seconds of arrivals (default: 30)")
     p.add_argument("--merge", nargs="+", default=None, metavar="FILE",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from kvrelay.common.hashing import prompt_block_hashes
 from kvrelay.common.prometheus import Metrics
 from kvrelay.common.records import NodeLoad
@@ -54,6 +56,25 @@ def test_approximate_forgets_past_a_node_capacity_and_on_restart():
     router = Router(FakeDiscovery([node("d0", "decode", load)]), big, None, 16)
     decide(router, tokens)
     assert decide(router, tokens).decode_cached_tokens == 159  # the node's published capacity, not the default
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_cached_prefix_outweighs_a_queue_up_to_twice_the_tokens_it_saves(role):
+    """400 tokens, 320 of them cached on node 0: it saves 320 tokens of compute, which count twice (the request's
+    wait and that of whoever queues behind it at node 1), so node 0 keeps the request until its queue is 640
+    tokens longer than node 1's. On prefill nodes, and on decode nodes when no prefill node is up (colocated)."""
+    tokens = prompt(1, 400)
+    p0, p1 = f"{role[0]}0", f"{role[0]}1"
+
+    def first_choice(queued: int) -> str:
+        loads = {p0: NodeLoad(queued_prefill_tokens=queued), p1: NodeLoad()}
+        prefill, decode = (2, 1) if role == "prefill" else (0, 2)
+        nodes = fleet(prefill=prefill, decode=decode, loads=loads)
+        router = Router(FakeDiscovery(nodes), make_policy("cache_aware"), None, 16)
+        d = decide(router, tokens, {p0: 20})
+        return (d.prefill if role == "prefill" else d.decode).node_id
+
+    assert [first_choice(q) for q in (0, 400, 639, 641, 1000)] == [p0, p0, p0, p1, p1]
 
 
 def test_random_is_seeded_and_spreads():

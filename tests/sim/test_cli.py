@@ -6,7 +6,9 @@ import json
 
 from kvrelay.cli import main
 from kvrelay.sim import scale
+from kvrelay.sim.trace import write_trace
 from kvrelay.sim.validate import mape
+from kvrelay.sim.workloads import Shape, llmd
 from tests.sim.helpers import tiny_profile
 
 RUN_KEYS = {"ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s", "output_tok_s", "prefix_hit_ratio",
@@ -38,13 +40,19 @@ def test_trace_then_run(tmp_path, capsys):
 
 def test_plan_prints_its_choice_and_writes_the_overlay(tmp_path, capsys):
     profile = tiny_profile().save(tmp_path / "tiny.json")
+    held_out = write_trace(tmp_path / "other-day.jsonl", llmd(8.0, 12.0, seed=5, shape=Shape(
+        tenants=1_000_000, prefix_len=0, suffix_len=128, output_len=4, spread=0.5)))
     assert main(["plan", "--rate", "10", "--isl", "128", "--osl", "4", "--duration", "10", "--slo-ttft-p90", "0.5",
                  "--slo-itl-p90", "0.1", "--profile", str(profile), "--batched-tokens", "2048", "--max-nodes", "8",
-                 "--autoscale", "--out", str(tmp_path / "overlay")]) == 0
+                 "--autoscale", "--autoscale-trace", str(held_out), "--out", str(tmp_path / "overlay")]) == 0
     out = last_json(capsys)
-    assert {"prefill", "decode", "colocated", "ttft_p90_s", "itl_p90_s", "node_hours", "pareto", "overlay"} <= set(out)
+    assert {"prefill", "decode", "colocated", "ttft_p90_s", "itl_p90_s", "node_hours", "pareto", "overlay",
+            "schedule"} <= set(out)
     assert out["ttft_p90_s"] <= 0.5 and out["itl_p90_s"] <= 0.1 and out["pareto"]
-    assert {"node_hours", "static_node_hours", "within_slo", "oscillations"} <= set(out["autoscale"])
+    auto = out["autoscale"]
+    assert {"node_hours", "static_node_hours", "within_slo", "oscillations"} <= set(auto)
+    assert auto["trace"] == str(held_out)
+    assert {"node_hours", "within_slo"} <= set(auto["without_queue_signal"]) & set(auto["reactive_only"])
     assert (tmp_path / "overlay" / "kustomization.yaml").is_file()
 
 

@@ -10,25 +10,17 @@ import subprocess
 import pytest
 import yaml
 
-from kvrelay.sim.autoscale import Autoscaler, HPAPolicy, PoolPolicy, oscillations
+from kvrelay.sim.autoscale import Autoscaler, HPAPolicy, PoolPolicy, Schedule, oscillations
 from kvrelay.sim.fleet import FleetSpec
-from kvrelay.sim.overlay import write_overlay
-from kvrelay.sim.plan import (
-    SLO,
-    Candidate,
-    Search,
-    burst_headroom,
-    busiest_window,
-    hpa_policy,
-    pareto,
-    prefill_tokens_per_s,
-)
+from kvrelay.sim.overlay import cron_windows, write_overlay
+from kvrelay.sim.plan import SLO, Candidate, Search, busiest_window, pareto
+from kvrelay.sim.policy import burst_headroom, hpa_policy, learn_schedule, prefill_tokens_per_s
 from kvrelay.sim.results import Collector, RunResult
 from kvrelay.sim.run import simulate
 from kvrelay.sim.timemodel import load_profile
 from kvrelay.sim.trace import TraceRequest
 from kvrelay.sim.workloads import Shape, llmd
-from tests.deploy.test_deploy import adapter_rules, kustomize, promql_selectors, require
+from tests.deploy.test_deploy import adapter_rules, check_promql, kustomize, promql_selectors, require
 from tests.sim.helpers import tiny_profile
 
 SHAPE = Shape(tenants=4, prefix_len=64, suffix_len=64, output_len=4)
@@ -161,3 +153,90 @@ def test_burst_headroom_is_the_surge_nodes_cannot_start_in_time_for():
     surge = [TraceRequest(600 + i / 30, 1, prompt_tokens=(1,)) for i in range(30 * 60)]  # +30/s for a minute
     bursty = sorted(steady + surge, key=lambda r: r.arrival_s)
     assert burst_headroom(bursty, react_s=60, q=100) == pytest.approx(4.0, rel=0.05)
+
+
+def test_a_schedule_gives_replicas_by_time_of_day():
+    s = Schedule(60.0, ((0.0, 1), (20.0, 3), (40.0, 2)))
+    assert [s.replicas_at(t) for t in (0, 19.9, 20, 39, 40, 59.9, 60, 85)] == [1, 1, 3, 3, 2, 2, 1, 3]
+    for steps in (((5.0, 1),), ((0.0, 1), (0.0, 2)), ((0.0, 1), (60.0, 2))):
+        with pytest.raises(ValueError):
+            Schedule(60.0, steps)
+    # Its period taken as a day: cron windows, the last one ending at midnight.
+    day = Schedule(1800.0, ((0.0, 1), (75.0, 2), (1612.5, 1)))
+    assert cron_windows(day) == [("0 0 * * *", "0 1 * * *", 1), ("0 1 * * *", "30 21 * * *", 2),
+                                 ("30 21 * * *", "0 0 * * *", 1)]
+
+
+def test_the_learned_schedule_holds_the_bursts_room_ahead_of_the_day_and_ignores_the_bursts():
+    """5 req/s for 600 s, then 20 req/s; a 30 s burst of +10/s at 300 s. The burst factor (2: the burst's
+    minute over the base) applies to the base rate, which the burst does not move; the pool of 4 nodes was
+    shown to serve 20 req/s, so it needs 2 nodes in the morning, and all 4 from a start-up time before the rise."""
+    def even(rate: float, start: float, end: float) -> list[TraceRequest]:
+        n = round(rate * (end - start))
+        return [TraceRequest(start + (i + 0.5) / rate, 1, prompt_tokens=(1,)) for i in range(n)]
+
+    trace = sorted(even(5, 0, 600) + even(20, 600, 1200) + even(10, 300, 330), key=lambda r: r.arrival_s)
+    schedule = learn_schedule(trace, pool_size=4, served_rps=20.0, lead_s=105)
+    assert schedule.period_s == 1200.0
+    assert all(schedule.replicas_at(t) == 2 for t in range(0, 450, 5))  # through the burst at 300 s
+    assert all(schedule.replicas_at(t) == 4 for t in range(500, 1200, 5))  # ready 105 s before the rise
+
+
+def test_the_schedule_scales_the_simulated_pool_ahead_of_its_metrics():
+    """No load at all: the pool follows its schedule (nodes start when asked, serve after the start-up time)."""
+    profile = tiny_profile()
+    pool = PoolPolicy(1, 4, {"vllm:num_requests_running": 64}, schedule=Schedule(60.0, ((0.0, 1), (20.0, 3))),
+                      down_window_s=5.0)
+    scaler = Autoscaler(HPAPolicy({"colocated": pool}, sync_s=2.0))
+    calm = [TraceRequest(t, 2, prompt_tokens=(1, 2, 3)) for t in range(0, 90, 10)]
+    simulate(calm, FleetSpec(colocated=1), profile, setup=scaler.install)
+    # Up at the step; down (one pod at a time) at the first sync whose 5 s window holds no desire for 3: 64 s.
+    assert scaler.changes[:2] == [(20.0, "colocated", 1, 3), (64.0, "colocated", 3, 2)]
+
+
+def test_scheduled_targets_are_what_one_node_serves_and_the_schedule_stays_within_the_peak_pool():
+    profile = load_profile("h100")
+    choice = Candidate(FleetSpec(prefill=2, decode=3), result(0.5))
+    trace = llmd(5.0, 600.0, seed=0)
+    reactive = hpa_policy(choice, profile, SLO(2.0, 0.05), trace)
+    scheduled = hpa_policy(choice, profile, SLO(2.0, 0.05), trace, scheduled=True)
+    for role, size in (("prefill", 2), ("decode", 3)):
+        pool = scheduled.pools[role]
+        assert reactive.pools[role].schedule is None and pool.schedule is not None
+        assert {r for _, r in pool.schedule.steps} <= set(range(1, size + 1))
+        assert all(v >= reactive.pools[role].targets[k] for k, v in pool.targets.items())
+    assert scheduled.pools["prefill"].targets["kvrelay:queued_prefill_tokens"] == round(
+        prefill_tokens_per_s(profile, 2048) * 1.0)
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_a_scheduled_overlay_scales_with_keda_on_exported_metrics(tmp_path, colocated):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:  # the stand-in kustomize() has no `$patch: delete`
+        pytest.skip("kubectl is not installed")
+    profile = load_profile("h100")
+    spec = FleetSpec(colocated=4) if colocated else FleetSpec(prefill=2, decode=3)
+    choice = Candidate(spec, result(0.5))
+    trace = sorted(llmd(2.0, 900.0, seed=0) + [dataclasses.replace(r, arrival_s=r.arrival_s + 400)
+                                               for r in llmd(10.0, 300.0, seed=1)], key=lambda r: r.arrival_s)
+    policy = hpa_policy(choice, profile, SLO(2.0, 0.05), trace, scheduled=True)
+    write_overlay(tmp_path / "planned", choice, policy, profile, namespace="llm")
+    built = subprocess.run([kubectl, "kustomize", str(tmp_path / "planned")], capture_output=True, text=True,
+                           timeout=120, check=True).stdout
+    resources = [r for r in yaml.safe_load_all(built) if r]
+    assert not [r for r in resources if r["kind"] == "HorizontalPodAutoscaler"]  # KEDA makes them
+    scaled = {r["metadata"]["name"]: r for r in resources if r["kind"] == "ScaledObject"}
+    pools = {"decode": "colocated"} if colocated else {"prefill": "prefill", "decode": "decode"}
+    assert set(scaled) == {f"kvrelay-{p}" for p in pools}
+    for pool, role in pools.items():
+        spec_ = scaled[f"kvrelay-{pool}"]["spec"]
+        planned = policy.pools[role]
+        assert spec_["scaleTargetRef"]["name"] == f"kvrelay-{pool}" and spec_["minReplicaCount"] == 1
+        crons = [t["metadata"] for t in spec_["triggers"] if t["type"] == "cron"]
+        windows = [w for w in cron_windows(planned.schedule) if w[2] > 1]
+        assert windows and [(c["start"], c["end"], int(c["desiredReplicas"])) for c in crons] == windows
+        queries = [t["metadata"] for t in spec_["triggers"] if t["type"] == "prometheus"]
+        assert len(queries) == len(planned.targets)
+        for q in queries:
+            assert not check_promql(q["query"], "ScaledObject") and 'namespace="llm"' in q["query"]
+        assert spec_["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["policies"]
