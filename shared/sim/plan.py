@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from kvrelay.sim.autoscale import Autoscaler, HPAPolicy, oscillations
 from kvrelay.sim.fleet import FleetSpec
 from kvrelay.sim.overlay import write_overlay
-from kvrelay.sim.policy import hpa_policy
+from kvrelay.sim.policy import SLO, hpa_policy
 from kvrelay.sim.results import Collector, RunResult
 from kvrelay.sim.run import simulate
 from kvrelay.sim.timemodel import Profile, load_profile
@@ -66,16 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write a kustomize overlay here")
     p.add_argument("--plots", default=None, help="write the frontier and the autoscaled day (PNG) here")
     p.add_argument("--seed", type=int, default=0)
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_p90_s: float
-    itl_p90_s: float
-
-    def met(self, r: RunResult) -> bool:
-        return (r.failed == 0 and r.ttft_p90_s is not None and r.ttft_p90_s <= self.ttft_p90_s
-                and r.itl_p90_s is not None and r.itl_p90_s <= self.itl_p90_s)
 
 
 @dataclass
@@ -223,7 +213,7 @@ def autoscale_report(trace: list[TraceRequest], day: list[TraceRequest], window:
     first = None
     for key, scheduled, queue in (("applied", True, True), ("without_queue_signal", True, False),
                                   ("reactive_only", False, True)):
-        policy = hpa_policy(best, profile, slo, trace, scheduled=scheduled, use_queue_signal=queue, window=window)
+        policy = hpa_policy(best.spec, profile, slo, trace, scheduled=scheduled, use_queue_signal=queue, window=window)
         run_ = autoscaled_run(day, best, profile, slo, seed, policy)
         r = run_["result"]
         figures = {"node_hours": r.config["node_hours"],
@@ -272,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     out = {**{k: v for k, v in best.row(slo).items() if k != "meets_slo"},
            "node_hours": round(best.nodes * span_h, 4), "searched_window_s": args.window,
            "pareto": [c.row(slo) for c in pareto(list(search.tried.values()))], "profile": profile.name}
-    policy = hpa_policy(best, profile, slo, trace, scheduled=True, window=window)
+    policy = hpa_policy(best.spec, profile, slo, trace, scheduled=True, window=window)
     out["schedule"] = {role: {"period_s": pool.schedule.period_s, "steps": [list(s) for s in pool.schedule.steps]}
                        for role, pool in policy.pools.items() if pool.schedule is not None}
     auto = None

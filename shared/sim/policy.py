@@ -22,14 +22,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvrelay.sim.autoscale import HPAPolicy, PoolPolicy, Schedule
+from kvrelay.sim.fleet import FleetSpec
+from kvrelay.sim.results import RunResult
 from kvrelay.sim.timemodel import Profile, StepShape
 from kvrelay.sim.trace import TraceRequest
 
 SLOTS_PER_DAY = 48  # half-hour cron windows when the trace is taken as one day
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_p90_s: float
+    itl_p90_s: float
+
+    def met(self, r: RunResult) -> bool:
+        return (r.failed == 0 and r.ttft_p90_s is not None and r.ttft_p90_s <= self.ttft_p90_s
+                and r.itl_p90_s is not None and r.itl_p90_s <= self.itl_p90_s)
 
 
 def prefill_tokens_per_s(profile: Profile, budget: int, threads: int | None = None) -> float:
@@ -113,14 +126,13 @@ def learn_schedule(trace: Sequence[TraceRequest], pool_size: int, served_rps: fl
     return Schedule(float(period), tuple(steps))
 
 
-def hpa_policy(choice, profile: Profile, slo, trace: Sequence[TraceRequest], max_factor: float = 2.0,
+def hpa_policy(spec: FleetSpec, profile: Profile, slo: SLO, trace: Sequence[TraceRequest], max_factor: float = 2.0,
                use_queue_signal: bool = True, sync_s: float = 15.0, scheduled: bool = False,
                window: Sequence[TraceRequest] | None = None) -> HPAPolicy:
-    """The autoscalers for the chosen shape (a `plan.Candidate`): per-pod targets at which a node still meets
+    """The autoscalers for the chosen shape: per-pod targets at which a node still meets
     the SLOs, up to max_factor times the static shape's pools. `scheduled`: each pool also gets the schedule
     learned from `trace`, given that the static pools serve the busiest minute of `window` (the searched
     window); else the targets are divided by the trace's burst headroom."""
-    spec = choice.spec
     lead_s = profile.startup_s + 2 * sync_s
     headroom = 1.0 if scheduled else burst_headroom(trace, lead_s)
     budget = spec.scheduler.max_num_batched_tokens

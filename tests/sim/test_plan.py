@@ -88,7 +88,7 @@ def test_targets_come_from_the_profile_and_the_slos():
     profile = load_profile("h100")
     choice = Candidate(FleetSpec(prefill=2, decode=3), result(0.5))
     trace = llmd(5.0, 10.0, seed=0)
-    policy = hpa_policy(choice, profile, SLO(2.0, 0.05), trace)
+    policy = hpa_policy(choice.spec, profile, SLO(2.0, 0.05), trace)
     queued = policy.pools["prefill"].targets["kvrelay:queued_prefill_tokens"]
     assert queued == round(prefill_tokens_per_s(profile, 2048) * 1.0)
     assert policy.pools["decode"].max_replicas == 6 and policy.pools["prefill"].max_replicas == 4
@@ -102,7 +102,7 @@ def test_the_overlay_is_one_deploy_can_apply(tmp_path, colocated):
     choice = Candidate(dataclasses.replace(spec, scheduler=dataclasses.replace(spec.scheduler,
                                                                               max_num_batched_tokens=8192)),
                        result(0.5))
-    policy = hpa_policy(choice, profile, SLO(2.0, 0.05), llmd(5.0, 10.0, seed=0))
+    policy = hpa_policy(choice.spec, profile, SLO(2.0, 0.05), llmd(5.0, 10.0, seed=0))
     paths = write_overlay(tmp_path / "planned", choice, policy, profile)
     assert paths[0].name == "kustomization.yaml"
     for path in paths:  # JSON is YAML: the files parse either way
@@ -198,8 +198,8 @@ def test_scheduled_targets_are_what_one_node_serves_and_the_schedule_stays_withi
     profile = load_profile("h100")
     choice = Candidate(FleetSpec(prefill=2, decode=3), result(0.5))
     trace = llmd(5.0, 600.0, seed=0)
-    reactive = hpa_policy(choice, profile, SLO(2.0, 0.05), trace)
-    scheduled = hpa_policy(choice, profile, SLO(2.0, 0.05), trace, scheduled=True)
+    reactive = hpa_policy(choice.spec, profile, SLO(2.0, 0.05), trace)
+    scheduled = hpa_policy(choice.spec, profile, SLO(2.0, 0.05), trace, scheduled=True)
     for role, size in (("prefill", 2), ("decode", 3)):
         pool = scheduled.pools[role]
         assert reactive.pools[role].schedule is None and pool.schedule is not None
@@ -219,7 +219,7 @@ def test_a_scheduled_overlay_scales_with_keda_on_exported_metrics(tmp_path, colo
     choice = Candidate(spec, result(0.5))
     trace = sorted(llmd(2.0, 900.0, seed=0) + [dataclasses.replace(r, arrival_s=r.arrival_s + 400)
                                                for r in llmd(10.0, 300.0, seed=1)], key=lambda r: r.arrival_s)
-    policy = hpa_policy(choice, profile, SLO(2.0, 0.05), trace, scheduled=True)
+    policy = hpa_policy(choice.spec, profile, SLO(2.0, 0.05), trace, scheduled=True)
     write_overlay(tmp_path / "planned", choice, policy, profile, namespace="llm")
     built = subprocess.run([kubectl, "kustomize", str(tmp_path / "planned")], capture_output=True, text=True,
                            timeout=120, check=True).stdout
