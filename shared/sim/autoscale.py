@@ -43,8 +43,7 @@ class Schedule:
             raise ValueError("schedule steps: start offsets within the period")
 
     def replicas_at(self, t: float) -> int:
-        i = bisect.bisect_right([start for start, _ in self.steps], t % self.period_s) - 1
-        return self.steps[i][1]
+        return self.steps[bisect.bisect_right(self.steps, t % self.period_s, key=lambda step: step[0]) - 1][1]
 
 
 @dataclass(frozen=True)

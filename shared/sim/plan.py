@@ -202,18 +202,19 @@ def autoscaled_run(trace: list[TraceRequest], choice: Candidate, profile: Profil
             "oscillations": oscillations(scaler.changes, policy.sync_s)}
 
 
-def autoscale_report(trace: list[TraceRequest], day: list[TraceRequest], window: list[TraceRequest],
-                     best: Candidate, profile: Profile, slo: SLO, seed: int) -> tuple[dict, dict]:
+def autoscale_report(trace: list[TraceRequest], day: list[TraceRequest], applied: HPAPolicy, best: Candidate,
+                     profile: Profile, slo: SLO, seed: int) -> tuple[dict, dict]:
     """`day` through the static fleet and three autoscalers planned on `trace` (the same day, or yesterday's):
-    the schedule with the reactive metrics (what the overlay applies), the schedule without the queue-time
-    signal, and a reactive-only HPA that holds the burst headroom itself. Returns the report and the first run."""
+    `applied` (the schedule with the reactive metrics: what the overlay applies), the same without the
+    queue-time signal, and a reactive-only HPA that holds the burst headroom itself. Returns the report and the
+    first run."""
     static = simulate(day, best.spec, profile, seed, collector=(static_c := Collector()))
     report = {"static_node_hours": static.config["node_hours"],
               "static_within_slo": round(static_c.within(slo.ttft_p90_s, slo.itl_p90_s, len(day)), 5)}
     first = None
-    for key, scheduled, queue in (("applied", True, True), ("without_queue_signal", True, False),
-                                  ("reactive_only", False, True)):
-        policy = hpa_policy(best.spec, profile, slo, trace, scheduled=scheduled, use_queue_signal=queue, window=window)
+    for key, policy in (("applied", applied),
+                        ("without_queue_signal", dataclasses.replace(applied, use_queue_signal=False)),
+                        ("reactive_only", hpa_policy(best.spec, profile, slo, trace))):
         run_ = autoscaled_run(day, best, profile, slo, seed, policy)
         r = run_["result"]
         figures = {"node_hours": r.config["node_hours"],
@@ -268,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     auto = None
     if args.autoscale:
         day = read_trace(args.autoscale_trace) if args.autoscale_trace else trace
-        out["autoscale"], auto = autoscale_report(trace, day, window, best, profile, slo, args.seed)
+        out["autoscale"], auto = autoscale_report(trace, day, policy, best, profile, slo, args.seed)
         out["autoscale"]["trace"] = args.autoscale_trace or args.trace
     if args.plots:
         from pathlib import Path

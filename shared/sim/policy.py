@@ -104,18 +104,22 @@ def burst_headroom(trace: Sequence[TraceRequest], react_s: float, history_s: flo
     return max(1.0, float(np.percentile(ratios, q))) if ratios else 1.0
 
 
-def learn_schedule(trace: Sequence[TraceRequest], pool_size: int, served_rps: float, lead_s: float,
-                   smooth_s: int = 300, q: float = 99.0, slots: int = SLOTS_PER_DAY) -> Schedule:
-    """Replicas per slot of the trace's period for a pool whose `pool_size` nodes serve `served_rps` (see the
-    module's docstring). The period is the trace's span in whole minutes."""
+def needed_rps(trace: Sequence[TraceRequest], lead_s: float, smooth_s: int = 300, q: float = 99.0) -> np.ndarray:
+    """Per second of the trace's period (its span in whole minutes): the rate to hold room for, the base rate's
+    most over the next `lead_s` times the burst factor (see the module's docstring)."""
     period = max(60, math.ceil((trace[-1].arrival_s if trace else 0.0) / 60) * 60)
     minute = minute_rates(arrivals_per_s(trace, period))
     base = base_rates(minute, smooth_s)
     busy = base > 0
     factor = max(1.0, float(np.percentile(minute[busy] / base[busy], q))) if busy.any() else 1.0
-    ahead = np.concatenate([base, base])  # the period repeats: the next day's morning follows the evening
     lead = int(math.ceil(lead_s))
-    need_rps = np.array([ahead[t: t + lead + 1].max() for t in range(period)]) * factor
+    ahead = np.concatenate([base, base])[: period + lead]  # the period repeats: the next morning follows the evening
+    return np.lib.stride_tricks.sliding_window_view(ahead, lead + 1).max(axis=1) * factor
+
+
+def schedule_for(need_rps: np.ndarray, pool_size: int, served_rps: float, slots: int = SLOTS_PER_DAY) -> Schedule:
+    """Replicas per slot of the period for a pool whose `pool_size` nodes serve `served_rps`."""
+    period = len(need_rps)
     per_second = np.minimum(pool_size, np.maximum(1, np.ceil(pool_size * need_rps / max(served_rps, 1e-9) - 1e-9)))
     bounds = np.linspace(0, period, slots + 1)
     steps: list[tuple[float, int]] = []
@@ -142,14 +146,15 @@ def hpa_policy(spec: FleetSpec, profile: Profile, slo: SLO, trace: Sequence[Trac
     prefill_targets = {"kvrelay:queued_prefill_tokens": max(1, round(queued / headroom))}
     decode_targets = {"vllm:num_requests_running": max(1, math.floor(running / headroom)),
                       "vllm:kv_cache_usage_perc": round(0.85 / headroom, 3)}
-    served = busiest_minute(window if window is not None else trace)
+    if scheduled:  # one demand curve for every pool
+        need, served = needed_rps(trace, lead_s), busiest_minute(window if window is not None else trace)
 
     def pool(size: int, targets: dict[str, float]) -> PoolPolicy:
         if not scheduled:
             return PoolPolicy(1, math.ceil(size * max_factor), targets)
         # The schedule steps down when the day does; the window only damps the metrics' own noise.
-        return PoolPolicy(1, math.ceil(size * max_factor), targets,
-                          schedule=learn_schedule(trace, size, served, lead_s), down_window_s=4 * sync_s)
+        return PoolPolicy(1, math.ceil(size * max_factor), targets, schedule=schedule_for(need, size, served),
+                          down_window_s=4 * sync_s)
 
     if spec.colocated:
         pools = {"colocated": pool(spec.colocated, {**prefill_targets, **decode_targets})}

@@ -14,7 +14,7 @@ from kvrelay.sim.autoscale import Autoscaler, HPAPolicy, PoolPolicy, Schedule, o
 from kvrelay.sim.fleet import FleetSpec
 from kvrelay.sim.overlay import cron_windows, write_overlay
 from kvrelay.sim.plan import SLO, Candidate, Search, busiest_window, pareto
-from kvrelay.sim.policy import burst_headroom, hpa_policy, learn_schedule, prefill_tokens_per_s
+from kvrelay.sim.policy import burst_headroom, hpa_policy, needed_rps, prefill_tokens_per_s, schedule_for
 from kvrelay.sim.results import Collector, RunResult
 from kvrelay.sim.run import simulate
 from kvrelay.sim.timemodel import load_profile
@@ -176,7 +176,7 @@ def test_the_learned_schedule_holds_the_bursts_room_ahead_of_the_day_and_ignores
         return [TraceRequest(start + (i + 0.5) / rate, 1, prompt_tokens=(1,)) for i in range(n)]
 
     trace = sorted(even(5, 0, 600) + even(20, 600, 1200) + even(10, 300, 330), key=lambda r: r.arrival_s)
-    schedule = learn_schedule(trace, pool_size=4, served_rps=20.0, lead_s=105)
+    schedule = schedule_for(needed_rps(trace, lead_s=105), pool_size=4, served_rps=20.0)
     assert schedule.period_s == 1200.0
     assert all(schedule.replicas_at(t) == 2 for t in range(0, 450, 5))  # through the burst at 300 s
     assert all(schedule.replicas_at(t) == 4 for t in range(500, 1200, 5))  # ready 105 s before the rise
