@@ -28,6 +28,7 @@ import gc
 import json
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -226,16 +227,28 @@ def llamacpp_inputs(args) -> tuple[str, str]:
     return binary, gguf
 
 
-def single_stream_vs_llamacpp(engine, binary: str, gguf: str) -> dict:
-    """Ours and llama-bench, prefill and decode of one stream, on the GGUF the engine serves."""
+def single_stream_vs_llamacpp(engine, binary: str, gguf: str, rounds: int = 5) -> dict:
+    """Ours and llama-bench, prefill and decode of one stream, on the GGUF the engine serves: `rounds` rounds of one
+    run each, alternating, so that a shared machine whose speed drifts moves both alike; medians, and the median
+    of the rounds' own ratios."""
     from kvrelay.bench.llamacpp_baseline import run_llama_bench, run_ours_single_stream
 
-    ours = run_ours_single_stream(engine, engine.vocab_size)
-    logger.info("running llama-bench on %s (%d threads)", gguf, torch.get_num_threads())
-    theirs = run_llama_bench(binary, gguf, torch.get_num_threads())
-    return {"ours": ours, "llamacpp": theirs, "ours_over_llamacpp": {
+    logger.info("ours and llama-bench on %s (%d threads), %d rounds", gguf, torch.get_num_threads(), rounds)
+    ours_runs, their_runs = [], []
+    for r in range(rounds):  # a new seed a round: no prompt is a prefix-cache hit
+        ours_runs.append(run_ours_single_stream(engine, engine.vocab_size, reps=1, seed=r))
+        their_runs.append(run_llama_bench(binary, gguf, torch.get_num_threads(), reps=1))
+    keys = ("prefill_tokens_per_s", "decode_tokens_per_s", "time_per_output_token_ms")
+    ours = {k: statistics.median(run[k] for run in ours_runs) for k in keys}
+    theirs = {**{k: their_runs[0][k] for k in ("binary", "threads", "build")},
+              **{k: statistics.median(run[k] for run in their_runs) for k in keys}}
+    return {"ours": ours, "llamacpp": theirs, "rounds": [
+        {"ours_ms": o["time_per_output_token_ms"], "llamacpp_ms": t["time_per_output_token_ms"]}
+        for o, t in zip(ours_runs, their_runs)], "ours_over_llamacpp": {
         "decode_tokens_per_s": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
         "time_per_output_token": ours["time_per_output_token_ms"] / theirs["time_per_output_token_ms"],
+        "time_per_output_token_median_of_rounds": statistics.median(
+            o["time_per_output_token_ms"] / t["time_per_output_token_ms"] for o, t in zip(ours_runs, their_runs)),
         "prefill_tokens_per_s": ours["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"]}}
 
 

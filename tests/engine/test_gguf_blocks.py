@@ -54,6 +54,9 @@ def test_kernel_is_the_int8_dot_product_and_rows_are_independent(qtype):
     blocks, w = _blocks(qtype)
     x = np.random.default_rng(1).standard_normal((5, blocks.cols)).astype(np.float32)
     x[2, :32] = 0.0  # an all-zero block: scale 0
+    # A block whose scale is exactly 1, with values halfway between integers: each rounds away from zero (lround),
+    # not to even as a vector round instruction does by itself.
+    x[3, :32] = [127.0] + [v * s for v in (0.5, 1.5, 2.5, 3.5, 4.5, 63.5, 126.5, 0.25) for s in (1, -1)] + [0.0] * 15
     bias = torch.arange(48, dtype=torch.float32)
     y = blocks.linear(torch.from_numpy(x), bias)
     np.testing.assert_allclose(y.numpy(), _int8_reference(x, w) + bias.numpy(), rtol=2e-5, atol=2e-4)

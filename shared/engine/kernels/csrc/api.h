@@ -33,8 +33,8 @@ bool small_gemm_available();
 // Whether bf16 kernels run on AMX tiles here (built for them, the OS lets this process use them, not switched off).
 bool amx_tiles();
 at::Tensor skinny_linear(TensorArg x, TensorArg w, OptTensorArg bias);
-// y = x W^T + b, W [N, row bytes] in a GGUF block format (ggml type 2 Q4_0, 3 Q4_1, 8 Q8_0; gguf_gemm.cpp), and
-// those rows back as fp32 [R, K].
+// y = x W^T + b, W [N, row bytes] in a GGUF block format (ggml type 2 Q4_0, 3 Q4_1, 8 Q8_0, 12-14 the K-quants;
+// gguf_gemm.cpp), y in bf16 for bf16 x and in fp32 otherwise; and those rows back as fp32 [R, K].
 at::Tensor gguf_gemm(TensorArg x, TensorArg w, int64_t qtype, OptTensorArg bias);
 at::Tensor gguf_dequantize(TensorArg w, int64_t qtype, int64_t k);
 // Every decoder layer of a Llama-family model on GGUF blocks, as DecoderLayer.forward computes them (gguf_stack.cpp):

@@ -9,7 +9,11 @@
 //   Q8_0  w = d q        ->  d dx sum(q xq)
 // Each thread takes a range of W's rows; every row's blocks are unpacked once for up to 4 rows of x. A row's
 // result depends on its own x row only (no reduction across rows), so a decode gets the same logits alone or
-// batched. gguf_dequantize turns blocks back into fp32 rows (an embedding's looked-up rows, a prefill's tile).
+// batched. A block's integer sum is one vpdpbusd where the CPU has AVX512-VNNI, else maddubs + madd (the same
+// exact int32s). Each type has its own row tile (no branch on the type per block), and bf16 x is read and y written
+// in bf16 here (no conversion op on each side of each projection in a bf16 model; what these bought a single-stream
+// decode is in docs/benchmarks.md). gguf_dequantize turns blocks back into fp32 rows (an embedding's looked-up
+// rows, a prefill's tile).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -22,6 +26,7 @@
 #include "api.h"
 #include "common.h"
 #include "gguf_kquants.h"
+#include "gguf_xquant.h"
 
 namespace {
 
@@ -71,24 +76,6 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-// One row of x quantized per block: xq[K] int8, dx[B] (its scale), sx[B] (dx * sum of the block's xq).
-void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    int sum = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      const int q = static_cast<int>(std::lround(xb[i] * id));
-      xq[b * kBlock + i] = static_cast<int8_t>(q);
-      sum += q;
-    }
-    dx[b] = d;
-    sx[b] = d * static_cast<float>(sum);
-  }
-}
-
 // sum_i q_i * xq_i over one block, q the weight's 32 values.
 #ifdef KVRELAY_AVX2
 inline __m256i unpack_q4(const uint8_t* qs) {  // byte j: q[j] in the low nibble, q[j + 16] in the high one
@@ -96,15 +83,21 @@ inline __m256i unpack_q4(const uint8_t* qs) {  // byte j: q[j] in the low nibble
   const __m128i low = _mm_set1_epi8(0x0f);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
 }
+// The exact int32 sums of 4 byte products per lane: one vpdpbusd with AVX512-VNNI (VL), else maddubs + madd
+// (no pair of products reaches int16's limit: |q| <= 128, |x| <= 127).
+inline __m256i sum_u8_i8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
 inline __m256 dot_u8_i8(__m256i q, const int8_t* xq) {  // q unsigned (0..15)
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  const __m256i pairs = _mm256_maddubs_epi16(q, x);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_cvtepi32_ps(sum_u8_i8(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))));
 }
 inline __m256 dot_i8_i8(__m256i q, const int8_t* xq) {  // both signed: |q| times x with q's sign
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_cvtepi32_ps(sum_u8_i8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)));
 }
 #endif
 
@@ -120,10 +113,11 @@ inline int dot_scalar(const uint8_t* block, int64_t t, const int8_t* xq) {
   return s;
 }
 
-// Rows [m0, m0 + MT) of x against weight row n.
-template <int MT>
-void row_tile(const uint8_t* wrow, int64_t t, int64_t B, int64_t bsz, const int8_t* xq, const float* dx,
+// Rows [m0, m0 + MT) of x against weight row n, of type T (a template parameter: no branch on it per block).
+template <int64_t T, int MT>
+void row_tile(const uint8_t* wrow, int64_t /*t*/, int64_t B, int64_t bsz, const int8_t* xq, const float* dx,
               const float* sx, int64_t K, float* out) {
+  constexpr int64_t t = T;
   float extra[MT] = {};
 #ifdef KVRELAY_AVX2
   __m256 acc[MT];
@@ -269,8 +263,19 @@ void kq_row_tile(const uint8_t* wrow, int64_t t, int64_t B, int64_t bsz, const i
 using RowTileFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
                            int64_t, float*);
 constexpr int kTileRows = 4;
-constexpr RowTileFn kRowTiles[kTileRows] = {row_tile<1>, row_tile<2>, row_tile<3>, row_tile<4>};
+template <int64_t T>
+constexpr RowTileFn kTiles[kTileRows] = {row_tile<T, 1>, row_tile<T, 2>, row_tile<T, 3>, row_tile<T, 4>};
 constexpr RowTileFn kKQuantTiles[kTileRows] = {kq_row_tile<1>, kq_row_tile<2>, kq_row_tile<3>, kq_row_tile<4>};
+
+// A decode's one row of x against weight rows [n0, n1), into y[n0, n1): the tile called directly, not through the
+// table once per weight row (that call and its loop were ~8% of a single-stream decode step).
+template <RowTileFn Tile>
+void one_row_span(const uint8_t* wp, int64_t row_bytes, int64_t n0, int64_t n1, int64_t t, int64_t B, int64_t bsz,
+                  const int8_t* xq, const float* dx, const float* sx, int64_t K, float* y) {
+  for (int64_t n = n0; n < n1; ++n) Tile(wp + n * row_bytes, t, B, bsz, xq, dx, sx, K, y + n);
+}
+using SpanFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int8_t*,
+                        const float*, const float*, int64_t, float*);
 
 void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
@@ -287,18 +292,24 @@ namespace kvrelay {
 
 at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bias) {
   TORCH_CHECK(x_in.dim() == 2, "gguf_gemm: x must be [M, K]");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  // bf16 x is read and y written in bf16 here (rounded as torch rounds), so the model's dtype costs no extra ops.
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  const at::Tensor x = bf16 ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_weight(w, qtype, K);
   const int64_t B = K / kBlock, bsz = block_bytes(qtype), row_bytes = w.size(1);
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * B), sx(M * B);
-  const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t a, int64_t e) {
-    for (int64_t m = a; m < e; ++m) quantize_row(xp + m * K, K, xq.data() + m * K, dx.data() + m * B, sx.data() + m * B);
+    std::vector<float> buf(bf16 ? K : 0);
+    for (int64_t m = a; m < e; ++m) {
+      const float* row = bf16 ? as_f32(x.data_ptr<at::BFloat16>() + m * K, buf.data(), K) : x.data_ptr<float>() + m * K;
+      gguf_x::quantize_row(row, K, xq.data() + m * K, dx.data() + m * B, sx.data() + m * B);
+    }
   });
   at::Tensor y = at::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
+  float* yf = bf16 ? nullptr : y.data_ptr<float>();
+  uint16_t* yh = bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr;
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "gguf_gemm: bias must have N values");
@@ -306,7 +317,26 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
   }
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const RowTileFn* tiles = kquants::is_kquant(qtype) ? kKQuantTiles : kRowTiles;
+  const RowTileFn* tiles = kquants::is_kquant(qtype) ? kKQuantTiles
+                           : qtype == kQ4_0           ? kTiles<kQ4_0>
+                           : qtype == kQ4_1           ? kTiles<kQ4_1>
+                                                      : kTiles<kQ8_0>;
+  if (M == 1) {
+    const SpanFn span = kquants::is_kquant(qtype) ? one_row_span<kq_row_tile<1>>
+                        : qtype == kQ4_0          ? one_row_span<row_tile<kQ4_0, 1>>
+                        : qtype == kQ4_1          ? one_row_span<row_tile<kQ4_1, 1>>
+                                                  : one_row_span<row_tile<kQ8_0, 1>>;
+    std::vector<float> acc(yh ? N : 0);
+    float* dst = yh ? acc.data() : yf;
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      span(wp, row_bytes, n0, n1, qtype, B, bsz, xq.data(), dx.data(), sx.data(), K, dst);
+      for (int64_t n = n0; n < n1; ++n) {
+        const float v = bp ? dst[n] + bp[n] : dst[n];
+        if (yh) yh[n] = f32_to_bf16(v); else yf[n] = v;
+      }
+    });
+    return y;
+  }
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     float out[kTileRows];
     for (int64_t n = n0; n < n1; ++n) {
@@ -314,7 +344,10 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int64_t mt = std::min<int64_t>(kTileRows, M - m0);
         tiles[mt - 1](wrow, qtype, B, bsz, xq.data() + m0 * K, dx.data() + m0 * B, sx.data() + m0 * B, K, out);
-        for (int64_t m = 0; m < mt; ++m) yp[(m0 + m) * N + n] = bp ? out[m] + bp[n] : out[m];
+        for (int64_t m = 0; m < mt; ++m) {
+          const float v = bp ? out[m] + bp[n] : out[m];
+          if (yh) yh[(m0 + m) * N + n] = f32_to_bf16(v); else yf[(m0 + m) * N + n] = v;
+        }
       }
     }
   });

@@ -37,7 +37,7 @@ struct Cursor {  // walks `tensors` and `qtypes` in order
     for (int64_t i = 0; i < n; ++i) {
       const at::Tensor& blocks = next_tensor();
       TORCH_CHECK(qtype < qtypes.size(), "gguf_decoder_layers: fewer types than parts");
-      ys.push_back(gguf_gemm(x, blocks, qtypes[qtype++], std::nullopt).to(x.scalar_type()));
+      ys.push_back(gguf_gemm(x, blocks, qtypes[qtype++], std::nullopt).to(x.scalar_type()));  // a no-op for fp32, bf16
     }
     return n == 1 ? ys[0] : at::cat(ys, 1);
   }
