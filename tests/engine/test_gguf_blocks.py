@@ -64,6 +64,17 @@ def test_kernel_is_the_int8_dot_product_and_rows_are_independent(qtype):
         assert torch.equal(blocks.linear(torch.from_numpy(x[row : row + 1]), bias)[0], y[row])
 
 
+@pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bf16_in_and_out_is_the_fp32_result_rounded(rows):
+    blocks, _ = _blocks(Q.Q4_1)
+    x = torch.randn(rows, blocks.cols).to(torch.bfloat16)
+    bias = torch.randn(48)
+    y = kernels.load().gguf_gemm(x, blocks.raw, blocks.qtype, bias)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, kernels.load().gguf_gemm(x.float(), blocks.raw, blocks.qtype, bias).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_many_rows_run_on_dequantized_tiles(qtype, monkeypatch):
     monkeypatch.setattr(gguf_blocks, "_TILE_ROWS", 16)  # 48 output rows: three tiles
