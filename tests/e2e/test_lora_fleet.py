@@ -192,12 +192,11 @@ def test_lora_metrics_reach_the_gateway(fleet):
 
 def test_a_request_keeps_its_adapter_when_its_node_dies_mid_stream(fleet):
     p, n = prompt(7, 40), 200
-    # Where the prompt's prefix is cached (two blocks), the stream goes too: that node dies after the first chunk.
-    warm = fleet.post("/completions", {"model": "a16", "prompt": p, "max_tokens": 1, "temperature": 0})
-    victim = warm.headers["x-kvrelay-decode-node"]
-    stream = fleet.client.completions.create(model="a16", prompt=p, max_tokens=n, temperature=0, stream=True,
-                                             extra_body=IGNORE_EOS)
-    chunks = iter(stream)
+    # The node the stream runs on (its response headers say which) dies after the first chunk.
+    raw = fleet.client.completions.with_raw_response.create(model="a16", prompt=p, max_tokens=n, temperature=0,
+                                                            stream=True, extra_body=IGNORE_EOS)
+    victim = raw.headers["x-kvrelay-decode-node"]
+    chunks = iter(raw.parse())
     text = next(chunks).choices[0].text
     os.kill(_node_pid(fleet.up.pid, victim), signal.SIGKILL)
     text += "".join(c.choices[0].text for c in chunks if c.choices)
