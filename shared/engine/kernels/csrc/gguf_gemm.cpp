@@ -179,11 +179,12 @@ inline __m256i kq_sub(const uint8_t* sb, int64_t t, int j) {  // sub-block j's 3
 }
 #endif
 
-template <int MT>
-void kq_row_tile(const uint8_t* wrow, int64_t t, int64_t B, int64_t bsz, const int8_t* xq, const float* dx,
+template <int64_t T, int MT>
+void kq_row_tile(const uint8_t* wrow, int64_t /*t*/, int64_t B, int64_t bsz, const int8_t* xq, const float* dx,
                  const float* sx, int64_t K, float* out) {
   (void)K;
-  const bool q6 = t == kquants::kQ6_K;
+  constexpr int64_t t = T;  // a template parameter, as in row_tile
+  constexpr bool q6 = T == kquants::kQ6_K;
 #ifdef KVRELAY_AVX2
   // Per super-block, all 8 sub-blocks' factors at once: d sc_j (and -dmin m_j) as vectors, times the 8 activation
   // scales of each row of x; the minimums' part of every sub-block in one FMA per row.
@@ -265,7 +266,8 @@ using RowTileFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const int8
 constexpr int kTileRows = 4;
 template <int64_t T>
 constexpr RowTileFn kTiles[kTileRows] = {row_tile<T, 1>, row_tile<T, 2>, row_tile<T, 3>, row_tile<T, 4>};
-constexpr RowTileFn kKQuantTiles[kTileRows] = {kq_row_tile<1>, kq_row_tile<2>, kq_row_tile<3>, kq_row_tile<4>};
+template <int64_t T>
+constexpr RowTileFn kKTiles[kTileRows] = {kq_row_tile<T, 1>, kq_row_tile<T, 2>, kq_row_tile<T, 3>, kq_row_tile<T, 4>};
 
 // A decode's one row of x against weight rows [n0, n1), into y[n0, n1): the tile called directly, not through the
 // table once per weight row (that call and its loop were ~8% of a single-stream decode step).
@@ -317,12 +319,16 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
   }
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const RowTileFn* tiles = kquants::is_kquant(qtype) ? kKQuantTiles
+  const RowTileFn* tiles = qtype == kquants::kQ4_K ? kKTiles<kquants::kQ4_K>
+                           : qtype == kquants::kQ5_K ? kKTiles<kquants::kQ5_K>
+                           : qtype == kquants::kQ6_K ? kKTiles<kquants::kQ6_K>
                            : qtype == kQ4_0           ? kTiles<kQ4_0>
                            : qtype == kQ4_1           ? kTiles<kQ4_1>
                                                       : kTiles<kQ8_0>;
   if (M == 1) {
-    const SpanFn span = kquants::is_kquant(qtype) ? one_row_span<kq_row_tile<1>>
+    const SpanFn span = qtype == kquants::kQ4_K ? one_row_span<kq_row_tile<kquants::kQ4_K, 1>>
+                        : qtype == kquants::kQ5_K ? one_row_span<kq_row_tile<kquants::kQ5_K, 1>>
+                        : qtype == kquants::kQ6_K ? one_row_span<kq_row_tile<kquants::kQ6_K, 1>>
                         : qtype == kQ4_0          ? one_row_span<row_tile<kQ4_0, 1>>
                         : qtype == kQ4_1          ? one_row_span<row_tile<kQ4_1, 1>>
                                                   : one_row_span<row_tile<kQ8_0, 1>>;
