@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "routing": "kvrelay.bench.routing",
     "index-lookup": "kvrelay.bench.index_lookup",
     "decode-attention": "kvrelay.bench.decode_attention",
+    "decode-step": "kvrelay.bench.decode_step",
     "structured": "kvrelay.bench.structured",
     "spec-decode": "kvrelay.bench.spec_decode",
     "soak": "kvrelay.bench.soak",

@@ -29,7 +29,8 @@ _ENGINE_FLAGS = ("device", "quantization", "max_model_len", "block_size", "kv_ca
                  "gpu_memory_utilization", *OFFLOAD_FIELDS,
                  "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests", "admission_headroom",
                  "max_pooling_tokens_per_step",
-                 "enable_prefix_caching", "scheduling_policy", "attention_backend", "structured_outputs_backend",
+                 "enable_prefix_caching", "scheduling_policy", "attention_backend", "enforce_eager",
+                 "structured_outputs_backend",
                  "speculative_config", "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
 _KEYWORDS = {"scheduling_policy": "policy"}
 
@@ -85,8 +86,13 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig | None = 
                         f"prompt first, each second waited worth {s.sjf_tokens_per_s:g} prompt tokens, so a burst's "
                         "short prompts start decoding while long ones compute); with priority, the lowest priority "
                         "is preempted first when KV blocks run out")
-    g.add_argument("--attention-backend", choices=["auto", "torch", "flash_attn"], default=m.attention_backend,
-                   help="auto: flash-attn on CUDA when installed, else the portable torch backend")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flash_attn"],
+                   default=m.attention_backend,
+                   help="auto: on CUDA triton (paged attention read in place; CUDA graphs for decode), else "
+                        "flash-attn when installed; on CPU the torch backend with the native kernels")
+    g.add_argument("--enforce-eager", action="store_true", default=m.enforce_eager,
+                   help="CUDA: run every step eagerly (default: decode steps replay CUDA graphs captured at start for "
+                        "batches of 1, 2, 4, 8, 16, ... up to --max-num-seqs rows, when the attention backend allows)")
     g.add_argument("--structured-outputs-backend", choices=["xgrammar"],
                    default=d.structured.structured_outputs_backend,
                    help="grammar engine of response_format / structured_outputs / tool_choice constraints")

@@ -70,7 +70,8 @@ class ModelConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
-    attention_backend: str = "auto"  # auto | torch | flash_attn
+    attention_backend: str = "auto"  # auto | torch | triton | flash_attn
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (kvrelay.engine.cuda_graphs)
     quantization: str | None = None  # gguf: keep a GGUF's quantized tensors in their blocks (models/gguf_blocks.py)
 
 

@@ -96,6 +96,7 @@ class EngineCore:
         block_size = config.cache.block_size
         capacity = self.num_blocks * block_size
         self.max_model_len = self._max_model_len(capacity)
+        self.runner.capture_graphs(self.max_model_len)
         weights = [self.info.path, *([self.info.gguf_path] if self.info.gguf_path else [])]
         if config.speculative is not None and config.speculative.model:  # its KV travels with the target's
             weights.append(config.speculative.model)

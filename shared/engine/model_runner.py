@@ -40,6 +40,7 @@ from kvrelay.engine import host_memory
 from kvrelay.engine.attention import get_attention_backend
 from kvrelay.engine.attention.base import AttentionMetadata, cache_row
 from kvrelay.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, kv_cache_torch_dtype
+from kvrelay.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from kvrelay.engine.image_inputs import ImageEncoder, ImageStats
 from kvrelay.engine.lora.layers import LoRABatch
 from kvrelay.engine.model_info import ModelInfo
@@ -141,6 +142,7 @@ class ModelRunner:
         self.grammars = grammars
         self._bitmask: torch.Tensor | None = None  # int32 [rows, words], reused every step
         self.kv_allocator = kv_allocator
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps (capture_graphs)
 
     def image_stats(self) -> ImageStats | None:
         """Images encoded here and the time it took (None: the model takes no images)."""
@@ -181,6 +183,20 @@ class ModelRunner:
             self.kv_caches = [host_memory.zeros(shape, self.kv_dtype, self.device) for _ in range(m.num_layers)]
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
+
+    def capture_graphs(self, max_model_len: int) -> None:
+        """On CUDA, capture decode steps of up to max_num_seqs rows and max_model_len tokens (kvrelay.engine.
+        cuda_graphs), unless the config says enforce_eager or the attention backend cannot be captured."""
+        if self.device.type != "cuda" or self.config.model.enforce_eager:
+            return
+        if not self.attn.graph_safe(self.dtype, self.kv_dtype):
+            logger.info("no CUDA graphs: the %s attention backend runs %s over a %s cache eagerly", self.attn.name,
+                        self.dtype, self.kv_dtype)
+            return
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, capture_sizes(self.config.scheduler.max_num_seqs),
+                                   max_blocks, self.block_size)
+        self.graphs.capture()
 
     def _copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
         src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
@@ -233,9 +249,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch = self._prepare(sched)
         on_layer_done = self._layer_sender(sched.kv_sends) if sched.kv_sends else None
-        args = (batch.input_ids, batch.positions, self.kv_caches, batch.meta, on_layer_done, batch.lora)
-        # Image features only where a step holds image positions (the other models take no such argument).
-        hidden = self.model(*args) if batch.embeds_at is None else self.model(*args, embeds_at=batch.embeds_at)
+        hidden = self._forward(batch, on_layer_done)
         self._prompt_logprobs(batch, hidden)
         pooled = self._pool(batch, hidden)
         if not batch.sample_req_ids:
@@ -263,6 +277,16 @@ class ModelRunner:
         drafts = self._propose(sched, sampled)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, spec_token_ids=drafts,
                                  prompt_logprobs=prompt_logprobs, pooled=pooled)
+
+    def _forward(self, batch: _Batch, on_layer_done) -> torch.Tensor:
+        """The step's hidden states: a captured graph's replay for a decode-only step that has one, else eager."""
+        if self.graphs is not None and on_layer_done is None and batch.lora is None and batch.embeds_at is None:
+            size = self.graphs.size_for(len(batch.req_ids), batch.meta)
+            if size is not None:
+                return self.graphs.replay(size, batch.input_ids, batch.positions, batch.meta)
+        args = (batch.input_ids, batch.positions, self.kv_caches, batch.meta, on_layer_done, batch.lora)
+        # Image features only where a step holds image positions (the other models take no such argument).
+        return self.model(*args) if batch.embeds_at is None else self.model(*args, embeds_at=batch.embeds_at)
 
     def _verify(self, sched: SchedulerOutput, hidden: torch.Tensor, req_ids: list[str]) -> dict[str, Verified]:
         """A step with drafts: every row's logits (a draft's row scores the position after it); rows of

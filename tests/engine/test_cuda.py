@@ -74,3 +74,17 @@ def test_seeded_sampling_on_cuda_is_reproducible(cuda_llm):
     a, b, c = (_tokens(cuda_llm, [p], SamplingParams(temperature=1.0, seed=s, max_tokens=16))[0] for s in (7, 7, 8))
     assert a == b
     assert a != c
+
+
+def test_cuda_graphs_give_the_eager_tokens(default_model_dir, cuda_llm):
+    # cuda_llm replays CUDA graphs for its decode steps (the default on CUDA); the eager engine launches every
+    # kernel. Batches of 1 to 7 rows replay graphs of 1, 2, 4 and 8 (padded) rows.
+    assert cuda_llm.engine.runner.graphs is not None
+    eager = LLM(model=default_model_dir, dtype="float32", device="cuda", kv_cache_memory=256 * 2**20,
+                max_num_batched_tokens=512, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    prompts = [f"Tell me fact number {i} about the moon." for i in range(7)]
+    for n in (1, 3, 7):
+        params = SamplingParams(temperature=0.0, max_tokens=24 + n, ignore_eos=True)
+        assert _tokens(cuda_llm, prompts[:n], params) == _tokens(eager, prompts[:n], params)
+    _assert_all_free(cuda_llm)

@@ -42,6 +42,11 @@ class AttentionBackend(ABC):
 
     name: str = "base"
 
+    def graph_safe(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        """Whether a CUDA graph may capture its decode steps (queries of `dtype`, a cache of `kv_dtype`): they must
+        read nothing from the host and take padded rows (slot -1, a one-token context). None does by default."""
+        return False
+
     @abstractmethod
     def forward(
         self,

@@ -123,7 +123,7 @@ class LMHead(Linear):
     whose greedy variant keeps a running argmax per row (no logits written at all). More rows go one fixed tile of the
     vocabulary at a time: the logits of a batch over a 49k vocabulary are tens of MB, tile by tile they stay in
     cache. Full logits and the greedy argmax come from the same kernel at a given row count, so they agree
-    exactly.
+    exactly. On a GPU: one GEMM over the whole vocabulary (no tiles: each would be a kernel launch).
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, dtype: torch.dtype) -> None:
@@ -131,7 +131,7 @@ class LMHead(Linear):
         self.tiles: list[tuple[int, torch.Tensor, cpu_linear.PackedWeight | None]] = []  # (first token, weight, packed)
 
     def after_load(self, arena: cpu_linear.PackArena | None = None, tile: int = 2048) -> None:
-        if self.blocks is not None:
+        if self.blocks is not None or self.weight.device.type != "cpu":  # a GPU: one GEMM over the whole vocabulary
             return
         # Large enough for huge pages of its own: no arena.
         self.packed = cpu_linear.pack(self.weight, onednn=False)  # whole, for the small GEMM only
