@@ -1,5 +1,5 @@
-"""The pieces of the same-host connector (shm.py): the shared KV segment, the control channel, the host id,
-the stale-socket sweep, and the block copy.
+"""The pieces of the same-host connector (shm.py): the shared KV segment in host memory (CUDA's: _cuda_ipc.py),
+the control channel, the host id, the stale-socket sweep, and the block copy.
 
 The segment is a memfd: it never has a name in a file system, so nothing can leak. It reaches a peer as a
 file descriptor over the control socket (SCM_RIGHTS), and the kernel frees it once the last process that
@@ -8,6 +8,7 @@ maps it lets go (its owner's exit, a crash included, and the peers' unmaps).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -156,6 +157,10 @@ class PeerMapping:
         self.base = self.bytes.ctypes.data
         self.nbytes = nbytes
 
+    def copying(self) -> contextlib.AbstractContextManager[None]:
+        """What a receiver copies out of this segment inside is done when each copy returns: nothing to wait for."""
+        return contextlib.nullcontext()
+
     def close(self) -> None:
         self.bytes = None  # the array holds an export of the map: drop it first
         self._map.close()
@@ -187,12 +192,9 @@ class Channel:
         """The next message and the descriptors that came with it; EOFError once the peer has gone."""
         fds: list[int] = []
         while True:
-            if len(self._buf) >= _LEN.size:
-                (size,) = _LEN.unpack_from(self._buf)
-                if len(self._buf) >= _LEN.size + size:
-                    msg = self._decode(bytes(self._buf[_LEN.size : _LEN.size + size]))
-                    del self._buf[: _LEN.size + size]
-                    return msg, fds
+            msg = self._pop()
+            if msg is not None:
+                return msg, fds
             try:
                 data, new_fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 4)
             except OSError as e:
@@ -203,6 +205,22 @@ class Channel:
                     os.close(fd)
                 raise EOFError("peer closed the control socket")
             self._buf += data
+
+    def buffered(self, limit: int) -> list[dict]:
+        """Up to `limit` messages that were received in full already (no wait; they carry no descriptors)."""
+        msgs = []
+        while len(msgs) < limit and (msg := self._pop()) is not None:
+            msgs.append(msg)
+        return msgs
+
+    def _pop(self) -> dict | None:
+        if len(self._buf) >= _LEN.size:
+            (size,) = _LEN.unpack_from(self._buf)
+            if len(self._buf) >= _LEN.size + size:
+                msg = self._decode(bytes(self._buf[_LEN.size : _LEN.size + size]))
+                del self._buf[: _LEN.size + size]
+                return msg
+        return None
 
     def close(self) -> None:
         try:

@@ -1,14 +1,21 @@
 """The two ends of one shm connection (kv_transfer/shm.py): the sender's Outbound (a writer thread posts the
 queued messages in order, an ack reader books the layers) and the receiver's Inbound (a thread that checks,
-copies and acks each layer).
+copies and acks the layers).
 
 A link gets what it works with at construction: an Outbound its connector's introduction (SegmentIntro),
 its book of sent transfers and a callback for when it breaks; an Inbound the receiving connector as a
 ShmReceiver, whose public methods copy a layer and let go of the link. Neither knows the connector's class.
+
+The sender's segment is a memfd (host caches), whose descriptor goes with the hello, or a CUDA allocation,
+exported anew for each connection (_cuda_ipc.py). On CUDA a layer is posted only once the kernels that wrote it
+are done (the event send_blocks recorded on the engine's stream): the receiver reads memory, not streams. The
+receiver takes the layer messages that have arrived together as one batch: on CUDA it enqueues their copies one
+after another and waits once, so the GPU is not idle between layers while the thread acks and reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -19,31 +26,40 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from kvrelay.common.records import KVLayout
-from kvrelay.kv_transfer import _handshake
+from kvrelay.kv_transfer import _cuda_ipc, _handshake
 from kvrelay.kv_transfer._book import TransferBook, TransferBooks
+from kvrelay.kv_transfer._cuda_ipc import CudaExport, CudaSegment, PeerCudaMemory
 from kvrelay.kv_transfer._shm_io import Channel, PeerMapping, parse_address
 from kvrelay.kv_transfer.types import ConnectorConfig, TransferError
 
 logger = logging.getLogger(__name__)
 
 _MAX_SEEN = 4096  # transfer ids a connection remembers, to fail the unfinished ones if it breaks
+_MAX_BATCH = 64  # layer messages a receiver copies before it acks them
 
 
 @dataclass(frozen=True)
 class SegmentIntro:
-    """What a sender shows a receiver when it connects: its layout, and where each layer's cache lies in its
-    shared segment, whose descriptor goes along with the message."""
+    """What a sender shows a receiver when it connects: its layout, where each layer's cache lies in its
+    segment, and the segment: a memfd's descriptor goes along with the message, a CUDA allocation is exported
+    for each connection."""
 
     layout: KVLayout
     offsets: list[int]
     size: int
-    fd: int
+    fd: int | None = None
+    cuda: CudaSegment | None = None
 
-    def message(self, transfer_id: str | None) -> dict:
-        return {"k": "hello", "layout": self.layout.to_dict(), "offsets": self.offsets, "size": self.size,
-                "t": transfer_id}
+    def message(self, transfer_id: str | None) -> tuple[dict, tuple[int, ...]]:
+        """The hello, and the descriptors to send with it."""
+        msg = {"k": "hello", "layout": self.layout.to_dict(), "offsets": self.offsets, "size": self.size,
+               "t": transfer_id}
+        if self.cuda is not None:
+            msg["cuda"] = self.cuda.export().to_msg()
+        return msg, (() if self.fd is None else (self.fd,))
 
 
 class ShmReceiver(Protocol):
@@ -55,9 +71,15 @@ class ShmReceiver(Protocol):
     @property
     def registered_layout(self) -> KVLayout | None: ...
 
-    def copy_layer(self, layer: int, src: np.ndarray, src_blocks: list[int], dst_blocks: list[int],
+    @property
+    def kv_device(self) -> torch.device | None:
+        """Where this node's caches are, once registered."""
+        ...
+
+    def copy_layer(self, layer: int, src: np.ndarray | torch.Tensor, src_blocks: list[int], dst_blocks: list[int],
                    src_layout: KVLayout) -> int:
-        """Copy blocks of one layer from a sender's cache (flat bytes) into this node's cache; bytes copied."""
+        """Copy blocks of one layer from a sender's cache (flat bytes) into this node's cache; bytes copied. On
+        CUDA the copy is only enqueued, on the current stream."""
         ...
 
     def forget_inbound(self, inbound: Inbound) -> None: ...
@@ -79,8 +101,9 @@ class Outbound:
                                           name="kvrelay-shm-send")]
         self._threads[0].start()
 
-    def post(self, msg: dict) -> None:
-        self._queue.put(msg)
+    def post(self, msg: dict, ready: torch.cuda.Event | None = None) -> None:
+        """Queue a message; the writer sends it once `ready` (the layer's kernels, on CUDA) has completed."""
+        self._queue.put((msg, ready))
 
     def wait_connected(self, timeout: float) -> None:
         if not self._connected.wait(timeout):
@@ -100,12 +123,17 @@ class Outbound:
         self._connected.set()
         try:
             while True:
-                msg = self._queue.get()
-                if msg is None:
+                item = self._queue.get()
+                if item is None:
                     return
+                msg, ready = item
+                if ready is not None:
+                    ready.synchronize()
                 self._channel.send(msg)
         except OSError as e:
             self._break(TransferError(f"connection to shm peer {self.peer} lost: {e!r}"))
+        except RuntimeError as e:  # a CUDA error while waiting for a layer's kernels
+            self._break(TransferError(f"shm transfer to {self.peer} failed: {e}"))
 
     def _handshake(self, transfer_id: str | None) -> None:
         _, path = parse_address(self.peer)
@@ -115,12 +143,16 @@ class Outbound:
             sock.settimeout(timeout)
             sock.connect(path)
             self._channel = Channel(sock)
-            self._channel.send(self._intro.message(transfer_id), fds=(self._intro.fd,))
+            hello, fds = self._intro.message(transfer_id)
+            self._channel.send(hello, fds=fds)
             reply, _ = self._channel.recv()
             sock.settimeout(None)  # from now on a dead peer shows as EOF, an idle one is fine
         except (OSError, EOFError) as e:
             sock.close()
             raise TransferError(f"cannot connect to shm peer {self.peer} within {timeout:.1f}s: {e!r}") from None
+        except RuntimeError as e:  # exporting CUDA memory failed
+            sock.close()
+            raise TransferError(f"cannot export the KV caches to shm peer {self.peer}: {e}") from None
         _handshake.check_reply(reply, self._intro.layout, self.peer)
 
     def _read_acks(self) -> None:
@@ -149,7 +181,7 @@ class Outbound:
 
     def close(self) -> None:
         if self._channel is not None and self.error is None:
-            self._queue.put({"k": "bye"})
+            self._queue.put(({"k": "bye"}, None))
         self._queue.put(None)
         self._threads[0].join(timeout=2)
         self.error = self.error or TransferError("shm connector closed")
@@ -169,7 +201,7 @@ class Inbound:
         self._book = receiver.books.received
         self._timeout = receiver.config.connect_timeout
         self._layout: KVLayout | None = None  # the sender's
-        self._mapping: PeerMapping | None = None
+        self._mapping: PeerMapping | PeerCudaMemory | None = None
         self._offsets: list[int] = []
         self._layer_bytes = 0
         self._seen: dict[str, None] = {}  # transfer ids that came this way, oldest first (bounded)
@@ -213,7 +245,7 @@ class Inbound:
             refusal = _handshake.judge(ours, theirs)
             if refusal is not None:
                 raise refusal
-            self._mapping = _map_segment(theirs, hello, fds)
+            self._mapping = _open_segment(theirs, hello, fds, self._receiver.kv_device)
         except TransferError as e:
             for fd in fds:
                 os.close(fd)
@@ -234,45 +266,83 @@ class Inbound:
 
     def _serve(self) -> None:
         while True:
-            msg, _ = self._channel.recv()
-            kind = msg["k"]
-            if kind == "layer":
-                self._seen[msg["t"]] = None
-                if len(self._seen) > _MAX_SEEN:
-                    del self._seen[next(iter(self._seen))]
-                refusal, nbytes = self._receive_layer(msg["t"], msg["l"], msg["s"], msg["d"])
-                self._channel.send({"k": "ack", "t": msg["t"], "l": msg["l"], "n": nbytes, "e": refusal})
-            elif kind == "abort":
-                self._book.fail(msg["t"], TransferError(f"sender aborted: {msg['e']}"))
-            elif kind == "bye":
-                return
+            first, _ = self._channel.recv()
+            layers: list[dict] = []
+            for msg in [first, *self._channel.buffered(_MAX_BATCH - 1)]:  # in order: a batch ends at any other kind
+                if msg["k"] == "layer":
+                    layers.append(msg)
+                    continue
+                self._receive_layers(layers)
+                layers = []
+                if msg["k"] == "abort":
+                    self._book.fail(msg["t"], TransferError(f"sender aborted: {msg['e']}"))
+                elif msg["k"] == "bye":
+                    return
+            self._receive_layers(layers)
 
-    def _receive_layer(self, transfer_id: str, layer: int, src: list[int], dst: list[int]) -> tuple[str | None, int]:
-        """Check and copy one layer; (why it was refused or None, bytes copied)."""
-        theirs = self._layout
-        if len(src) != len(dst) or any(not 0 <= b < theirs.num_blocks for b in src):
+    def _receive_layers(self, msgs: list[dict]) -> None:
+        """Check and copy a batch of layers, then ack each. A layer let in counts as landing until its copy is
+        done (on CUDA: its connection's stream synchronized), whatever becomes of the rest of the batch."""
+        if not msgs:
+            return
+        acks = []
+        with contextlib.ExitStack() as landing:
+            with self._mapping.copying():
+                for msg in msgs:
+                    refusal = self._check(msg, landing)
+                    nbytes = 0 if refusal is not None else self._copy(msg)
+                    acks.append({"k": "ack", "t": msg["t"], "l": msg["l"], "n": nbytes, "e": refusal})
+            for ack in acks:
+                if ack["e"] is None:
+                    self._book.layer_done(ack["t"], ack["l"], ack["n"])
+        for ack in acks:
+            self._channel.send(ack)
+
+    def _check(self, msg: dict, landing: contextlib.ExitStack) -> str | None:
+        """Why a layer is refused (its transfer fails), or None: then it is admitted until `landing` closes."""
+        transfer_id, src, dst = msg["t"], msg["s"], msg["d"]
+        self._seen[transfer_id] = None
+        if len(self._seen) > _MAX_SEEN:
+            del self._seen[next(iter(self._seen))]
+        if len(src) != len(dst) or (src and (min(src) < 0 or max(src) >= self._layout.num_blocks)):
             refusal = f"transfer {transfer_id!r}: src blocks outside the sender's cache"
         else:
-            with self._book.admitting(transfer_id, layer, dst) as refusal:
-                if refusal is None:
-                    start = self._offsets[layer]
-                    src_bytes = self._mapping.bytes[start : start + self._layer_bytes]
-                    nbytes = self._receiver.copy_layer(layer, src_bytes, src, dst, theirs)
-                    self._book.layer_done(transfer_id, layer, nbytes)
-                    return None, nbytes
-        self._book.fail(transfer_id, TransferError(refusal))
-        return refusal, 0
+            refusal = landing.enter_context(self._book.admitting(transfer_id, msg["l"], dst))
+        if refusal is not None:
+            self._book.fail(transfer_id, TransferError(refusal))
+        return refusal
+
+    def _copy(self, msg: dict) -> int:
+        start = self._offsets[msg["l"]]
+        src_bytes = self._mapping.bytes[start : start + self._layer_bytes]
+        return self._receiver.copy_layer(msg["l"], src_bytes, msg["s"], msg["d"], self._layout)
 
 
-def _map_segment(theirs: KVLayout, hello: dict, fds: list[int]) -> PeerMapping:
-    """The sender's segment, mapped read-only, once it is seen to hold every layer's cache where it says."""
+def _open_segment(
+    theirs: KVLayout, hello: dict, fds: list[int], ours: torch.device | None
+) -> PeerMapping | PeerCudaMemory:
+    """The sender's segment, once it is seen to hold every layer's cache where it says: a memfd mapped
+    read-only, or CUDA memory opened on this node's GPU, the same as the sender's (`ours`: this node's caches'
+    device)."""
     layer_bytes = theirs.num_blocks * 2 * theirs.block_nbytes
-    offsets, size = hello["offsets"], hello["size"]
-    if len(fds) != 1 or len(offsets) != theirs.num_layers or any(
+    offsets, size, cuda = hello["offsets"], hello["size"], hello.get("cuda")
+    if len(fds) != (0 if cuda is not None else 1) or len(offsets) != theirs.num_layers or any(
         not 0 <= o <= size - layer_bytes for o in offsets
     ):
         raise TransferError("sender's shared segment does not hold its caches")
-    try:
-        return PeerMapping(fds.pop(), size)
-    except (ValueError, OSError) as e:
-        raise TransferError(f"cannot map the sender's shared segment: {e}") from None
+    on_gpu = ours is not None and ours.type == "cuda"
+    if cuda is None:
+        if on_gpu:
+            raise TransferError(f"the sender's KV caches are in host memory, this receiver's on {ours} (use ucx, "
+                                "or auto)")
+        try:
+            return PeerMapping(fds.pop(), size)
+        except (ValueError, OSError) as e:
+            raise TransferError(f"cannot map the sender's shared segment: {e}") from None
+    export = CudaExport.from_msg(cuda)
+    if export.size != size:
+        raise TransferError("sender's shared segment does not hold its caches")
+    why = _cuda_ipc.refusal(export, _cuda_ipc.device_uuid(ours) if on_gpu else None)
+    if why is not None:
+        raise TransferError(why)
+    return PeerCudaMemory(export, ours)

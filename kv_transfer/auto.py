@@ -2,9 +2,11 @@
 
 It is made of an shm connector and a remote one that share its bookkeeping (TransferBooks): a receiver
 expects a transfer once and it may arrive through either. The address names both, `auto://<shm
-address>|<remote address>`; a sender picks shm when the peer's shm address carries its own host id (same
-boot, same /dev/shm) and its own caches are in shared memory, else the remote connector. The KV caches are
-allocated in shared memory (CPU); on CUDA they are plain device tensors and every peer goes remote.
+address>|<remote address>`; a sender picks shm when the peer's shm address carries its own place (host id:
+same boot, same /dev/shm; and for CUDA caches the same GPU) and its own caches are in the shm segment, else the
+remote connector. The KV caches are allocated by the shm connector: a memfd in host memory, one device
+allocation on CUDA, whose IPC handle a same-GPU receiver opens (CUDA IPC: a device-to-device copy, no network
+stack); peers on other GPUs or hosts go remote.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvrelay.kv_transfer.types import ConnectorConfig, TransferResult
 logger = logging.getLogger(__name__)
 
 SCHEME = "auto://"
+_SHM_DEVICES = ("cpu", "cuda")  # where the shm connector can hold the caches
 
 
 def split_address(peer: str) -> dict[str, str]:
@@ -59,7 +62,7 @@ class AutoConnector(KVConnector):
 
     @property
     def address(self) -> str:
-        if self._layout is not None and not self._shm_receives:  # CUDA caches: shm cannot take transfers
+        if self._layout is not None and not self._shm_receives:  # caches on neither CPU nor CUDA: no shm
             return f"{SCHEME}{self._remote.address}"
         return f"{SCHEME}{self._shm.address}|{self._remote.address}"
 
@@ -69,14 +72,14 @@ class AutoConnector(KVConnector):
     def allocate_kv_caches(
         self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> list[torch.Tensor]:
-        if torch.device(device).type != "cpu":  # CUDA IPC is not implemented: peers go remote
+        if torch.device(device).type not in _SHM_DEVICES:  # no shm segment there: every peer goes remote
             return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         return self._shm.allocate_kv_caches(num_layers, shape, dtype, device)
 
     def register_kv_caches(self, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
         super().register_kv_caches(layout, kv_caches)
         self._remote.register_kv_caches(layout, kv_caches)
-        if kv_caches[0].device.type == "cpu":
+        if kv_caches[0].device.type in _SHM_DEVICES:
             self._shm.register_kv_caches(layout, kv_caches)
             self._shm_receives = True
 
@@ -86,7 +89,7 @@ class AutoConnector(KVConnector):
         if found is None:
             parts = split_address(peer)
             shm = parts.get(SHM_SCHEME.removesuffix("://"))
-            if shm is not None and self._shm.can_send and parse_address(shm)[0] == self._shm.host:
+            if shm is not None and self._shm.can_send and parse_address(shm)[0] == self._shm.place:
                 found = (self._shm, shm)
             elif self.config.remote in parts:
                 found = (self._remote, parts[self.config.remote])

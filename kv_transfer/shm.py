@@ -1,10 +1,20 @@
 """Same-host connector: KV moves through shared memory, one copy per layer, at memory speed.
 
-Every node's KV caches live in one memfd segment: the engine allocates them through `kv_allocator()`. A
-sender connects once per peer to the receiver's unix socket and hands over the segment's file descriptor
-(SCM_RIGHTS); the receiver maps the sender's caches read-only. Per layer the sender posts one small message
-(transfer id, layer, src and dst blocks); the receiver checks it against what it expects, copies the src
-blocks straight from the sender's cache into its reserved blocks (one pass, no staging) and acks.
+Every node's KV caches live in one segment: the engine allocates them through `kv_allocator()`. In host
+memory the segment is a memfd: a sender connects once per peer to the receiver's unix socket and hands over
+the segment's file descriptor (SCM_RIGHTS); the receiver maps the sender's caches read-only. Per layer the
+sender posts one small message (transfer id, layer, src and dst blocks); the receiver checks it against what
+it expects, copies the src blocks straight from the sender's cache into its reserved blocks (one pass, no
+staging) and acks.
+
+CUDA caches work the same way between processes on one GPU (CUDA IPC, _cuda_ipc.py). The segment is one
+device allocation holding every layer, so one IPC handle covers them all: the hello carries it (exported anew
+for each connection, so that torch counts every receiver that maps it) instead of a descriptor, with the GPU's
+UUID; the receiver opens it once per connection and copies each layer with device memcpys or a gather/scatter
+kernel (_device_copy.py) on a stream of its own, synchronized before it acks. A layer's KV is only enqueued
+on the engine's stream when send_blocks is called: send_blocks records an event there and the writer thread
+posts the layer once the event has completed, so the engine thread never blocks. Peers on other GPUs are
+refused (the auto connector sends to them over ucx): this node's address names its GPU along with its host.
 
 The receiver copies (pull), not the sender, because only the receiver knows when a reservation ends (lease,
 abort): it checks before each copy, and `wait_received` returns only once no copy for that transfer is in
@@ -15,20 +25,22 @@ Lifecycle:
 1. Start: sweep control sockets that nobody accepts on any more (left by a SIGKILL), bind
    kvrelay-kv-<pid>-<random>.sock in /dev/shm (or shm_dir), accept on a thread.
 2. A sender's first transfer to a peer: connect, hello {layout, layer offsets, segment size, transfer id}
-   with the segment's descriptor; the receiver refuses a layout mismatch (naming both sides' values) or
-   maps the segment and says ok.
-3. Per layer: the sender's writer thread posts the message; the receiver's connection thread checks,
-   copies and acks; the sender's ack reader books the layer.
+   with the segment's descriptor (CUDA: with its export); the receiver refuses a layout mismatch (naming both
+   sides' values), or a sender whose memory it cannot copy from (another GPU, host memory against CUDA), or
+   maps (opens) the segment and says ok.
+3. Per layer: the sender's writer thread posts the message (on CUDA once the layer's event has completed);
+   the receiver's connection thread checks, copies and acks the layers that have arrived (waiting for its
+   stream once for all of them, on CUDA); the sender's ack reader books the layers.
 4. A peer that dies: its socket ends, the survivor fails that connection's unfinished transfers, and a
-   receiver unmaps the dead sender's segment (the kernel frees a segment with its last mapping). Leases
-   free the reserved and held blocks, as with any connector.
+   receiver unmaps the dead sender's segment (the kernel frees a segment with its last mapping) or lets go
+   of its CUDA memory. Leases free the reserved and held blocks, as with any connector.
 5. close(): stop accepting, end every connection, unlink the socket.
 
 Only fleet members of the same user: the control socket is its owner's alone (mode 0600, so another user cannot
 even connect), and the receiver also checks each connecting process's uid (SO_PEERCRED) and refuses any other.
-The segment has no name anyone could open: only a process handed its descriptor can map it.
-
-CPU caches only: CUDA IPC between processes on one device is not implemented (use ucx with CUDA memory).
+The segment has no name anyone could open: only a process handed its descriptor can map it. CUDA memory
+can be opened by any process of the GPU that holds its handle, which only goes to a receiver that passed
+those checks.
 """
 
 from __future__ import annotations
@@ -46,7 +58,10 @@ import numpy as np
 import torch
 
 from kvrelay.common.records import KVLayout
+from kvrelay.kv_transfer import _blocks, _cuda_ipc, _device_copy
 from kvrelay.kv_transfer._book import TransferBooks
+from kvrelay.kv_transfer._cuda_ipc import CudaSegment
+from kvrelay.kv_transfer._device_copy import RowIndices
 from kvrelay.kv_transfer._shm_io import (
     SCHEME,  # noqa: F401 - re-exported: the auto connector and callers name shm addresses by it
     Channel,
@@ -68,6 +83,7 @@ logger = logging.getLogger(__name__)
 
 _PARALLEL_COPY_BYTES = 1 << 20  # a layer at least this large is copied by copy_threads threads
 _NOT_SHARED = "this node's KV caches are not in shared memory (allocate them through kv_allocator())"
+_DEVICES = ("cpu", "cuda")
 
 
 class ShmConnector(KVConnector):
@@ -84,8 +100,12 @@ class ShmConnector(KVConnector):
         self._listener.bind(str(self._path))
         os.chmod(self._path, 0o600)
         self._listener.listen(64)
-        self._segment: Segment | None = None
-        self._dst: list[np.ndarray] = []  # own caches as flat bytes: what received layers are copied into
+        self._segment: Segment | CudaSegment | None = None
+        # Own caches as flat bytes (numpy in host memory, tensors on CUDA): what received layers are copied into.
+        self._dst: list[np.ndarray] | list[torch.Tensor] = []
+        self._gpu: str | None = None  # the UUID of the GPU that holds this node's caches, if one does
+        self._indices = RowIndices()
+        self._fused = False  # CUDA: whether received layers are copied by the fused kernel (_device_copy.py)
         self._intro: SegmentIntro | None = None  # set once the registered caches are in the segment
         self._peers: dict[str, Outbound] = {}
         self._inbound: set[Inbound] = set()
@@ -98,7 +118,17 @@ class ShmConnector(KVConnector):
 
     @property
     def address(self) -> str:
-        return f"{SCHEME}{self.host}{self._path}"
+        return f"{SCHEME}{self.place}{self._path}"
+
+    @property
+    def place(self) -> str:
+        """Where a peer must be for the two to move KV over shm, as the address names it: this host (the host
+        id), and for CUDA caches their GPU too."""
+        return self.host if self._gpu is None else f"{self.host}.gpu-{self._gpu}"
+
+    @property
+    def kv_device(self) -> torch.device | None:
+        return self._caches[0].device if self._caches else None
 
     @property
     def can_send(self) -> bool:
@@ -112,26 +142,33 @@ class ShmConnector(KVConnector):
     def allocate_kv_caches(
         self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> list[torch.Tensor]:
-        if torch.device(device).type != "cpu":
-            raise ValueError(
-                f"shm connector: KV caches on {device} (CUDA IPC between processes is not implemented); "
-                "use --connector ucx"
-            )
+        """All layers in one segment: a memfd in host memory, one allocation on a CUDA device."""
+        device = torch.device(device)
+        if device.type not in _DEVICES:
+            raise ValueError(f"shm connector: KV caches on {device}; host memory or CUDA only (use --connector ucx)")
         if self._segment is not None:
             raise RuntimeError("shm connector: KV caches were allocated already")
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        self._segment = Segment(nbytes, num_layers)
+        cuda = device.type == "cuda"
+        self._segment = CudaSegment(nbytes, num_layers, device) if cuda else Segment(nbytes, num_layers)
         return [self._segment.layer(i, nbytes).view(dtype).view(shape) for i in range(num_layers)]
 
     def register_kv_caches(self, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
-        if kv_caches and kv_caches[0].device.type != "cpu":
-            raise ValueError("shm connector: CPU caches only (CUDA IPC is not implemented); use ucx")
+        device = kv_caches[0].device if kv_caches else torch.device("cpu")
+        if device.type not in _DEVICES:
+            raise ValueError(f"shm connector: KV caches on {device}; host memory or CUDA only (use ucx)")
         super().register_kv_caches(layout, kv_caches)
-        self._dst = [c.view(torch.uint8).reshape(-1).numpy() for c in kv_caches]
+        flat = [c.view(torch.uint8).reshape(-1) for c in kv_caches]
+        self._dst = flat if device.type == "cuda" else [f.numpy() for f in flat]
+        if device.type == "cuda":
+            self._gpu = _cuda_ipc.device_uuid(device)
+            self._fused = self.config.fused_copy and _device_copy.warm_up(device, layout.block_nbytes)
         segment = self._segment
         if segment is not None and all(segment.contains(c) for c in kv_caches):
             offsets = [c.data_ptr() - segment.base for c in kv_caches]
-            self._intro = SegmentIntro(layout, offsets, segment.nbytes, segment.fd)
+            self._intro = (SegmentIntro(layout, offsets, segment.nbytes, cuda=segment)
+                           if isinstance(segment, CudaSegment) else
+                           SegmentIntro(layout, offsets, segment.nbytes, fd=segment.fd))
 
     # -- sender side -----------------------------------------------------------------------------------
     def connect(self, peer: str, timeout: float | None = None) -> None:
@@ -149,13 +186,20 @@ class ShmConnector(KVConnector):
             raise TransferError("shm connector is closed")
         if not self._sent.enqueue_layer(transfer_id, self.layout.num_layers, layer, peer):
             return
-        if host != self.host or self._intro is None:
-            why = (f"peer {peer} is on another host or sees another {self._path.parent} (use ucx, or auto)"
-                   if host != self.host else _NOT_SHARED)
+        why = self._cannot_send(peer, host)
+        if why is not None:
             self._sent.fail(transfer_id, TransferError(f"shm transfer {transfer_id!r} impossible: {why}"))
             return
         msg = {"k": "layer", "t": transfer_id, "l": layer, "s": list(src_block_ids), "d": list(dst_block_ids)}
-        self._outbound(peer, transfer_id).post(msg)
+        self._outbound(peer, transfer_id).post(msg, _blocks.ready_event(self._caches[layer]))
+
+    def _cannot_send(self, peer: str, place: str) -> str | None:
+        """Why this node cannot send to a peer at `place` (its address's), or None."""
+        if place.partition(".gpu-")[0] != self.host:
+            return f"peer {peer} is on another host or sees another {self._path.parent} (use ucx, or auto)"
+        if place != self.place:
+            return f"peer {peer} keeps its KV caches on another device than this node ({self.place}; use ucx, or auto)"
+        return _NOT_SHARED if self._intro is None else None
 
     def _abort_remote(self, peer: str, transfer_id: str, reason: str) -> None:
         with self._lock:
@@ -199,10 +243,17 @@ class ShmConnector(KVConnector):
                 self._inbound.add(inbound)
             inbound.start()
 
-    def copy_layer(self, layer: int, src: np.ndarray, src_blocks: list[int], dst_blocks: list[int],
+    def copy_layer(self, layer: int, src: np.ndarray | torch.Tensor, src_blocks: list[int], dst_blocks: list[int],
                    src_layout: KVLayout) -> int:
-        """Copy blocks of one layer from a sender's mapped cache (flat bytes) into this node's; bytes copied.
-        Its Inbound has checked the blocks against the sender's layout and the transfer's reservation."""
+        """Copy blocks of one layer from a sender's cache (flat bytes, mapped or opened) into this node's; bytes
+        copied. Its Inbound has checked the blocks against the sender's layout and the transfer's reservation,
+        and on CUDA waits for the copy (enqueued here on its stream)."""
+        if isinstance(src, torch.Tensor):
+            return _device_copy.copy_blocks(
+                self._dst[layer], src, src_blocks, dst_blocks, src_layout.num_blocks, self.layout.num_blocks,
+                src_layout.block_nbytes, max_direct_runs=self.config.max_direct_runs, indices=self._indices,
+                fused=self._fused,
+            )
         # Every layer of a transfer moves the same blocks: plan once.
         plan = _plan(tuple(src_blocks), tuple(dst_blocks), src_layout.num_blocks, self.layout.num_blocks,
                      src_layout.block_nbytes)

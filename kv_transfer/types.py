@@ -104,6 +104,9 @@ class ConnectorConfig:
     # shm: threads that copy one received layer of 1 MiB or more (its pieces split between them). More than
     # one helps only with idle cores: on busy cores two threads copy slower than one.
     copy_threads: int = 1
+    # shm with CUDA caches: copy a received layer's scattered blocks with one fused Triton kernel (each byte read
+    # and written once) where it compiles and checks out, else (or when off) with torch's gather and scatter.
+    fused_copy: bool = True
 
     def max_message_blocks(self, layout: KVLayout) -> int:
         return max(1, self.max_message_bytes // layout.block_nbytes)

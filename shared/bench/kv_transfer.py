@@ -6,6 +6,12 @@ send_blocks() to the acknowledged wait(). Each connector allocates its caches wh
 (kv_allocator(): shared memory for shm and auto), as a node's engine does. Prints JSON, each connector's
 ratio to a memcpy of the same bytes timed in the same invocation, and writes it to --output.
 
+`--device cuda` puts both sides' caches on the GPU (the two processes share it, as two nodes on one GPU do):
+shm and auto then move KV by CUDA IPC, and the memcpy is a device-to-device copy of the same bytes (timed
+between torch.cuda.synchronize() calls); shm-index copies with torch's gather/scatter kernels instead of the
+fused one, and auto-nccl is auto without ucxx (which GPU images may lack). Cases that move host memory only
+(ucx over tcp or shared memory, gloo, shm-2threads) are refused there.
+
 The two sides of a wire transfer are two peer processes (`python -m kvrelay.bench.kv_transfer <folder>`,
 started with ChildProcess) that share nothing but the machine, as two nodes would. Each hosts connectors and
 answers calls (`PeerHost.op_<name>`) from this process over a unix socket in its private folder.
@@ -36,7 +42,7 @@ from kvrelay.bench.report import emit
 from kvrelay.common.kv_allocator import KVAllocator
 from kvrelay.common.process import ChildProcess
 from kvrelay.common.records import KVLayout
-from kvrelay.kv_transfer import KVConnector, create_connector
+from kvrelay.kv_transfer import KVConnector, _device_copy, create_connector
 from kvrelay.kv_transfer.types import ConnectorConfig, TransferResult, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -46,7 +52,9 @@ CASES: dict[str, tuple[str, dict]] = {
     "local": ("local", {}),
     "shm": ("shm", {}),
     "shm-2threads": ("shm", {"copy_threads": 2}),
+    "shm-index": ("shm", {"fused_copy": False}),  # CUDA: torch's gather/scatter kernels, not the fused one
     "auto": ("auto", {}),
+    "auto-nccl": ("auto", {"remote": "nccl"}),  # its remote part needs no ucxx (on one GPU it goes unused)
     "ucx-tcp": ("ucx", {"transport": "tcp"}),
     "ucx-shm": ("ucx", {"transport": "shm"}),
     "gloo": ("nccl", {"backend": "gloo"}),
@@ -54,14 +62,21 @@ CASES: dict[str, tuple[str, dict]] = {
 
 
 _TRANSPORTS = {"local": "in-process", "shm": "shared memory", "auto": "shared memory (same host)"}
+_CUDA_CASES = ("local", "shm", "shm-index", "auto", "auto-nccl")  # what runs with --device cuda
+_CUDA_DEFAULT = ("local", "shm", "shm-index", "auto-nccl")
+_CPU_DEFAULT = tuple(c for c in CASES if c not in ("shm-2threads", "shm-index", "auto-nccl"))
+_CUDA_TRANSPORTS = {"local": "in-process", "shm": "CUDA IPC", "auto": "CUDA IPC (same GPU)"}
 
 HELP = "KV transfer GB/s per connector between two processes, and each one's ratio to memcpy"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = "GB/s are 1e9 bytes of KV payload per second; ratio_to_memcpy = best GB/s / memcpy best GB/s."
-    default = ",".join(c for c in CASES if c != "shm-2threads")
-    p.add_argument("--connectors", default=default, help=f"comma-separated, from {', '.join(CASES)}")
+    p.add_argument("--connectors", default=None,
+                   help=f"comma-separated, from {', '.join(CASES)} (default: {','.join(_CPU_DEFAULT)}; with "
+                        f"--device cuda: {','.join(_CUDA_DEFAULT)}; {','.join(_CUDA_CASES)} run there)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where both sides' KV caches live; cuda: on this machine's GPU (shm and auto: CUDA IPC)")
     p.add_argument("--layers", type=int, default=30, help="model layers (SmolLM2-135M has 30)")
     p.add_argument("--blocks", type=int, default=180, help="blocks per transfer (180 x 30 layers ~ 66 MB)")
     p.add_argument("--cache-blocks", type=int, default=400, help="blocks per layer cache on each side")
@@ -276,14 +291,18 @@ def pick_blocks(pattern: str, blocks: int, cache_blocks: int, seed: int = 0) -> 
     return rng.sample(range(cache_blocks), blocks), rng.sample(range(cache_blocks), blocks)
 
 
-def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+def memcpy_seconds(nbytes: int, repeats: int, device: str = "cpu") -> list[float]:
+    """Seconds of one copy of nbytes within `device`'s memory (on CUDA: device to device, synchronized)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in before timing
+    dst.copy_(src)  # fault the pages in (CPU), load the copy kernel (CUDA) before timing
     seconds = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         dst.copy_(src)
+        sync()
         seconds.append(time.perf_counter() - start)
     return seconds
 
@@ -292,8 +311,8 @@ def local_seconds(
     layout: KVLayout, src: list[int], dst: list[int], args: argparse.Namespace, bar
 ) -> list[float]:
     sender, receiver = create_connector("local"), create_connector("local")
-    sender.register_kv_caches(layout, make_caches(layout, 1))
-    receiver.register_kv_caches(layout, make_caches(layout, None))
+    sender.register_kv_caches(layout, make_caches(layout, 1, args.device))
+    receiver.register_kv_caches(layout, make_caches(layout, None, args.device))
     seconds = []
     for i in range(args.repeats + 1):
         receiver.expect(f"t{i}", dst)
@@ -317,8 +336,8 @@ def wire_seconds(
     config = ConnectorConfig(name=name, transfer_timeout=args.timeout, **overrides)
     if args.max_message_kib:
         config.max_message_bytes = args.max_message_kib << 10
-    address = receiver_host.create("rx", name, config, layout, None)
-    sender_host.create("tx", name, config, layout, 1)
+    address = receiver_host.create("rx", name, config, layout, None, args.device)
+    sender_host.create("tx", name, config, layout, 1, args.device)
     seconds = []
     try:
         for i in range(args.repeats + 1):  # the first one also pays for connecting
@@ -333,13 +352,16 @@ def wire_seconds(
     return seconds[1:]
 
 
-def summarize(case: str, pattern: str, nbytes: int, seconds: list[float], memcpy_best: float) -> dict:
+def summarize(
+    case: str, pattern: str, nbytes: int, seconds: list[float], memcpy_best: float, device: str = "cpu"
+) -> dict:
     best, median = nbytes / min(seconds) / 1e9, nbytes / statistics.median(seconds) / 1e9
     name, overrides = CASES.get(case, (case, {}))
+    transports = _CUDA_TRANSPORTS if device == "cuda" else _TRANSPORTS
     return {
         "case": case,
         "connector": name,
-        "transport": overrides.get("transport") or overrides.get("backend") or _TRANSPORTS.get(name, name),
+        "transport": overrides.get("transport") or overrides.get("backend") or transports.get(name, name),
         "pattern": pattern,
         "gbps_best": round(best, 3),
         "gbps_median": round(median, 3),
@@ -348,15 +370,43 @@ def summarize(case: str, pattern: str, nbytes: int, seconds: list[float], memcpy
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    cases = [c.strip() for c in args.connectors.split(",") if c.strip()]
+def pick_cases(connectors: str | None, device: str) -> list[str]:
+    """The cases to run, in order; SystemExit naming the choices for one unknown or unable to run on device."""
+    if connectors is None:
+        return list(_CUDA_DEFAULT if device == "cuda" else _CPU_DEFAULT)
+    cases = [c.strip() for c in connectors.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise SystemExit(f"unknown connectors {unknown}; choose from {', '.join(CASES)}")
+    host_only = [c for c in cases if device == "cuda" and c not in _CUDA_CASES]
+    if host_only:
+        raise SystemExit(f"{', '.join(host_only)}: host memory only; with --device cuda choose from "
+                         f"{', '.join(_CUDA_CASES)}")
+    return cases
+
+
+def device_info(device: str, layout: KVLayout) -> dict:
+    """What the caches live on; on CUDA also whether shm's receivers can use the fused copy kernel here (they
+    check as this does, when their caches are registered; shm-index never uses it)."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device here")
+        props = torch.cuda.get_device_properties(0)
+        fused = _device_copy.warm_up(torch.device("cuda", 0), layout.block_nbytes)
+        return {"type": "cuda", "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+                "cuda": torch.version.cuda, "fused_copy": fused}
+    return {"type": "cpu", "name": platform.processor() or platform.machine()}
+
+
+def run(args: argparse.Namespace) -> int:
+    cases = pick_cases(args.connectors, args.device)
     patterns = ["scattered", "contiguous"] if args.pattern == "both" else [args.pattern]
     layout = KVLayout("smollm2-shaped", "bfloat16", 16, args.layers, 3, 64, args.cache_blocks)
+    device = device_info(args.device, layout)
     nbytes = layout.transfer_nbytes(args.blocks)
-    memcpy = memcpy_seconds(nbytes, max(args.repeats, 5))
+    memcpy = memcpy_seconds(nbytes, max(args.repeats, 5), args.device)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the copy's buffers go back to the GPU, for the peers' caches
     memcpy_best = nbytes / min(memcpy) / 1e9
     rows = []
     total = len(cases) * len(patterns) * args.repeats
@@ -369,11 +419,13 @@ def run(args: argparse.Namespace) -> int:
                     src, dst = pick_blocks(pattern, args.blocks, args.cache_blocks)
                     if case == "local":
                         seconds = local_seconds(layout, src, dst, args, bar)
+                        if args.device == "cuda":
+                            torch.cuda.empty_cache()  # its caches' memory back to the GPU, for the peers'
                     else:
                         # Started on first use: two processes importing torch would skew the local case.
                         hosts = hosts or (Peer(), Peer())
                         seconds = wire_seconds(hosts, case, layout, src, dst, args, bar)
-                    rows.append(summarize(case, pattern, nbytes, seconds, memcpy_best))
+                    rows.append(summarize(case, pattern, nbytes, seconds, memcpy_best, args.device))
         finally:
             for host in hosts or ():
                 host.close()
@@ -384,7 +436,9 @@ def run(args: argparse.Namespace) -> int:
         "bytes_per_transfer": nbytes,
         "repeats": args.repeats,
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "torch": torch.__version__},
-        "memcpy": {"gbps_best": round(memcpy_best, 3), "seconds": [round(s, 5) for s in memcpy]},
+        "device": device,
+        "memcpy": {"kind": "device-to-device" if args.device == "cuda" else "host", "gbps_best": round(memcpy_best, 3),
+                   "seconds": [round(s, 5) for s in memcpy]},
         "results": rows,
     }
     emit(report, args.output)

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from kvrelay.common.process import freeze
 from kvrelay.common.records import KVLayout
 from kvrelay.common.system import free_port
 from kvrelay.kv_transfer import (
@@ -264,7 +265,11 @@ WIRE = {
     "ucx-shm": ("ucx", ConnectorConfig(name="ucx", transport="shm", connect_timeout=3, transfer_timeout=20)),
     "gloo": ("nccl", ConnectorConfig(name="nccl", connect_timeout=3, transfer_timeout=20)),
     "shm": ("shm", ConnectorConfig(name="shm", connect_timeout=3, transfer_timeout=20)),
+    # CUDA caches: torch's gather/scatter kernels rather than the fused one (the same on host caches)
+    "shm-index": ("shm", ConnectorConfig(name="shm", connect_timeout=3, transfer_timeout=20, fused_copy=False)),
     "auto": ("auto", ConnectorConfig(name="auto", connect_timeout=3, transfer_timeout=20)),
+    # auto without ucxx (GPU images may lack it): on one GPU its remote part goes unused
+    "auto-nccl": ("auto", ConnectorConfig(name="auto", remote="nccl", connect_timeout=3, transfer_timeout=20)),
 }
 
 
@@ -284,13 +289,19 @@ def peers():
     [("ucx-tcp", "bfloat16"), ("ucx-shm", "float32"), ("gloo", "bfloat16"), ("shm", "bfloat16"), ("auto", "float32")],
 )
 def test_wire_transfer_between_processes(peers, wire: str, dtype: str) -> None:
+    run_wire_transfers(peers, wire, dtype, "cpu", [SCATTERED, RUNS])
+
+
+def run_wire_transfers(peers, wire: str, dtype: str, device: str, transfers: list) -> None:
+    """One transfer after another, each checked by its byte counts on both sides; then every dst block holds
+    exactly its src bytes, and no other block changed."""
     sender_host, receiver_host = peers
     name, config = WIRE[wire]
     kv_layout = layout(dtype)
-    address = receiver_host.create("rx", name, config, kv_layout, RECEIVER_SEED)
-    sender_host.create("tx", name, config, kv_layout, SENDER_SEED)
+    address = receiver_host.create("rx", name, config, kv_layout, RECEIVER_SEED, device)
+    sender_host.create("tx", name, config, kv_layout, SENDER_SEED, device)
     try:
-        for i, (src_ids, dst_ids) in enumerate([SCATTERED, RUNS]):
+        for i, (src_ids, dst_ids) in enumerate(transfers):
             receiver_host.call("expect", "rx", f"t{i}", dst_ids)
             sender_host.call("send", "tx", address, f"t{i}", src_ids, dst_ids)
             sent = sender_host.call("wait", "tx", f"t{i}", 30)
@@ -298,8 +309,8 @@ def test_wire_transfer_between_processes(peers, wire: str, dtype: str) -> None:
             assert sent.nbytes == received.nbytes == expected_nbytes(dtype, len(src_ids))
         after = receiver_host.call("caches", "rx")
         src, before = make_caches(kv_layout, SENDER_SEED), make_caches(kv_layout, RECEIVER_SEED)
-        assert_blocks_moved(src, before, after, [SCATTERED, RUNS])
-        total = expected_nbytes(dtype, len(SCATTERED[0]) + len(RUNS[0]))
+        assert_blocks_moved(src, before, after, transfers)
+        total = expected_nbytes(dtype, sum(len(src_ids) for src_ids, _ in transfers))
         assert sender_host.call("metrics", "tx")["bytes_sent"] == total
         assert receiver_host.call("metrics", "rx")["bytes_received"] == total
     finally:
@@ -407,3 +418,61 @@ def test_gpu_transfers(peers) -> None:
     finally:
         sender_host.call("close", "tx")
         receiver_host.call("close", "rx")
+
+
+# Every shape of block list the CUDA IPC copy has a path for: many runs (gather, then scatter), one run on both
+# sides (a memcpy per run), one run on the dst side only (gathered straight into it), on the src side only
+# (scattered straight out of it). The dst blocks of the four are disjoint.
+GPU_TRANSFERS = [SCATTERED, RUNS, ([5, 30, 17], [40, 41, 42]), ([20, 21, 22], [1, 45, 9])]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("wire", "dtype"), [
+    ("shm", "bfloat16"), ("shm", "float8_e4m3fn"), ("shm-index", "bfloat16"), ("shm-index", "float8_e4m3fn"),
+    ("auto-nccl", "bfloat16"),
+])
+def test_gpu_ipc_transfer_between_processes(peers, wire: str, dtype: str) -> None:
+    """Two processes on one GPU: shm, and auto, which picks shm there, move the blocks by CUDA IPC, byte-exact,
+    by either means of copying scattered blocks, fp8 (which has no index kernels of its own: its bytes move)
+    too."""
+    run_wire_transfers(peers, wire, dtype, "cuda", GPU_TRANSFERS)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_ipc_receiver_killed_mid_transfer_fails_the_sender_at_once(peers) -> None:
+    """SIGSTOP a receiver that has the sender's CUDA memory open, so a transfer's layers wait in its socket,
+    then SIGKILL it: the sender's wait fails at once (not at its timeout), and the sender goes on sending to
+    another receiver."""
+    sender_host, receiver_host = peers
+    name, config = WIRE["shm"]
+    kv_layout = layout("bfloat16")
+    sender_host.create("tx", name, config, kv_layout, SENDER_SEED, "cuda")
+    try:
+        with PeerProcess() as doomed:
+            address = doomed.create("rx", name, config, kv_layout, RECEIVER_SEED, "cuda")
+            doomed.call("expect", "rx", "t0", SCATTERED[1])
+            sender_host.call("send", "tx", address, "t0", *SCATTERED)
+            sender_host.call("wait", "tx", "t0", 30)  # connected: the receiver has opened the sender's memory
+            doomed.call("expect", "rx", "t1", SCATTERED[1])
+            freeze(doomed.pid)  # every thread stopped: no layer of t1 is taken in
+            sender_host.call("send", "tx", address, "t1", *SCATTERED)
+            time.sleep(0.2)
+            doomed.kill()
+            start = time.monotonic()
+            with pytest.raises(TransferError, match="lost"):
+                sender_host.call("wait", "tx", "t1", 15)
+            assert time.monotonic() - start < 5
+        address = receiver_host.create("rx", name, config, kv_layout, RECEIVER_SEED, "cuda")
+        try:
+            receiver_host.call("expect", "rx", "t2", RUNS[1])
+            sender_host.call("send", "tx", address, "t2", *RUNS)
+            assert sender_host.call("wait", "tx", "t2", 30).nbytes == expected_nbytes("bfloat16", len(RUNS[0]))
+            receiver_host.call("wait_received", "rx", "t2", 30)
+        finally:
+            receiver_host.call("close", "rx")
+    finally:
+        sender_host.call("close", "tx")
