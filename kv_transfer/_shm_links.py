@@ -38,6 +38,18 @@ from kvrelay.kv_transfer.types import ConnectorConfig, TransferError
 logger = logging.getLogger(__name__)
 
 _MAX_SEEN = 4096  # transfer ids a connection remembers, to fail the unfinished ones if it breaks
+# Transfers whose block lists both ends of a connection remember: a layer of one of them goes without its lists
+# (the same for every layer of a transfer), so neither end encodes, decodes nor checks them again.
+_LISTS_KEPT = 64
+
+
+def _remember(kept: dict, key: str, value: object) -> None:
+    """The same bounded memory on both ends (inserted in the order of the connection's messages, the oldest
+    forgotten first), so that a receiver still has the lists a sender leaves out."""
+    kept.pop(key, None)
+    kept[key] = value
+    if len(kept) > _LISTS_KEPT:
+        del kept[next(iter(kept))]
 _MAX_BATCH = 64  # layer messages a receiver copies before it acks them
 
 
@@ -94,6 +106,7 @@ class Outbound:
         self.peer = peer
         self._intro, self._book, self._connect_timeout, self._on_broken = intro, book, connect_timeout, on_broken
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lists: dict[str, tuple[list[int], list[int]]] = {}  # the receiver has these (_remember)
         self._connected = threading.Event()
         self.error: TransferError | None = None
         self._channel: Channel | None = None
@@ -129,11 +142,21 @@ class Outbound:
                 msg, ready = item
                 if ready is not None:
                     ready.synchronize()
-                self._channel.send(msg)
+                self._channel.send(self._without_known_lists(msg))
         except OSError as e:
             self._break(TransferError(f"connection to shm peer {self.peer} lost: {e!r}"))
         except RuntimeError as e:  # a CUDA error while waiting for a layer's kernels
             self._break(TransferError(f"shm transfer to {self.peer} failed: {e}"))
+
+    def _without_known_lists(self, msg: dict) -> dict:
+        """A layer message without its block lists when the receiver has them from an earlier layer."""
+        if msg["k"] != "layer":
+            return msg
+        lists = (msg["s"], msg["d"])
+        if self._lists.get(msg["t"]) == lists:
+            return {"k": "layer", "t": msg["t"], "l": msg["l"]}
+        _remember(self._lists, msg["t"], lists)
+        return msg
 
     def _handshake(self, transfer_id: str | None) -> None:
         _, path = parse_address(self.peer)
@@ -158,12 +181,13 @@ class Outbound:
     def _read_acks(self) -> None:
         try:
             while True:
-                ack, _ = self._channel.recv()
-                if ack["e"]:
-                    self._book.fail(ack["t"], TransferError(f"receiver {self.peer} refused layer {ack['l']}: "
-                                                            f"{ack['e']}"))
-                else:
-                    self._book.layer_done(ack["t"], ack["l"], ack["n"])
+                msg, _ = self._channel.recv()
+                for transfer_id, layer, nbytes, refusal in msg["a"]:  # a batch of layers, in order
+                    if refusal:
+                        self._book.fail(transfer_id, TransferError(f"receiver {self.peer} refused layer {layer}: "
+                                                                   f"{refusal}"))
+                    else:
+                        self._book.layer_done(transfer_id, layer, nbytes)
         except EOFError as e:
             self._break(TransferError(f"connection to shm peer {self.peer} lost: {e}"))
 
@@ -205,6 +229,7 @@ class Inbound:
         self._offsets: list[int] = []
         self._layer_bytes = 0
         self._seen: dict[str, None] = {}  # transfer ids that came this way, oldest first (bounded)
+        self._lists: dict[str, tuple[list[int], list[int]] | None] = {}  # as the sender's (None: refused)
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvrelay-shm-recv")
 
     def start(self) -> None:
@@ -289,33 +314,39 @@ class Inbound:
         with contextlib.ExitStack() as landing:
             with self._mapping.copying():
                 for msg in msgs:
-                    refusal = self._check(msg, landing)
-                    nbytes = 0 if refusal is not None else self._copy(msg)
-                    acks.append({"k": "ack", "t": msg["t"], "l": msg["l"], "n": nbytes, "e": refusal})
-            for ack in acks:
-                if ack["e"] is None:
-                    self._book.layer_done(ack["t"], ack["l"], ack["n"])
-        for ack in acks:
-            self._channel.send(ack)
+                    refusal, lists = self._check(msg, landing)
+                    nbytes = 0 if lists is None else self._copy(msg["l"], *lists)
+                    acks.append((msg["t"], msg["l"], nbytes, refusal))
+            for transfer_id, layer, nbytes, refusal in acks:
+                if refusal is None:
+                    self._book.layer_done(transfer_id, layer, nbytes)
+        self._channel.send({"k": "acks", "a": acks})
 
-    def _check(self, msg: dict, landing: contextlib.ExitStack) -> str | None:
-        """Why a layer is refused (its transfer fails), or None: then it is admitted until `landing` closes."""
-        transfer_id, src, dst = msg["t"], msg["s"], msg["d"]
+    def _check(self, msg: dict, landing: contextlib.ExitStack) -> tuple[str | None, tuple | None]:
+        """(why a layer is refused (its transfer fails), or None, and its block lists): a layer let in is
+        admitted until `landing` closes. A transfer's lists are checked against the sender's cache once."""
+        transfer_id = msg["t"]
         self._seen[transfer_id] = None
         if len(self._seen) > _MAX_SEEN:
             del self._seen[next(iter(self._seen))]
-        if len(src) != len(dst) or (src and (min(src) < 0 or max(src) >= self._layout.num_blocks)):
-            refusal = f"transfer {transfer_id!r}: src blocks outside the sender's cache"
+        if "s" in msg:
+            src, dst = msg["s"], msg["d"]
+            inside = len(src) == len(dst) and not (src and (min(src) < 0 or max(src) >= self._layout.num_blocks))
+            _remember(self._lists, transfer_id, (src, dst) if inside else None)
+        lists = self._lists.get(transfer_id)
+        if lists is None:
+            refusal = f"transfer {transfer_id!r}: src blocks outside the sender's cache, or none named"
         else:
-            refusal = landing.enter_context(self._book.admitting(transfer_id, msg["l"], dst))
+            refusal = landing.enter_context(self._book.admitting(transfer_id, msg["l"], lists[1]))
         if refusal is not None:
             self._book.fail(transfer_id, TransferError(refusal))
-        return refusal
+            return refusal, None
+        return None, lists
 
-    def _copy(self, msg: dict) -> int:
-        start = self._offsets[msg["l"]]
+    def _copy(self, layer: int, src: list[int], dst: list[int]) -> int:
+        start = self._offsets[layer]
         src_bytes = self._mapping.bytes[start : start + self._layer_bytes]
-        return self._receiver.copy_layer(msg["l"], src_bytes, msg["s"], msg["d"], self._layout)
+        return self._receiver.copy_layer(layer, src_bytes, src, dst, self._layout)
 
 
 def _open_segment(

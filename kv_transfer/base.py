@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 # How long past transfer_timeout a freed transfer waits for a layer still being written into its blocks.
 _SETTLE_GRACE_S = 5.0
+_CHECKED_TRANSFERS = 64  # transfers whose block lists a sender remembers as checked
 
 
 class KVConnector(ABC):
@@ -40,6 +41,7 @@ class KVConnector(ABC):
         self._caches: list[torch.Tensor] = []
         self._sent = self.books.sent
         self._received = self.books.received
+        self._checked: dict[str, tuple[list[int], list[int]]] = {}  # the blocks of the last transfers sent
 
     # -- set-up ----------------------------------------------------------------------------------------
     def kv_allocator(self) -> KVAllocator | None:
@@ -141,7 +143,7 @@ class KVConnector(ABC):
 
     def _check_block_ids(self, block_ids: list[int]) -> None:
         n = self.layout.num_blocks
-        if any(not 0 <= b < n for b in block_ids):
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= n):
             raise ValueError(f"block ids out of range [0, {n}): {block_ids}")
         if len(set(block_ids)) != len(block_ids):
             raise ValueError(f"duplicate block ids: {block_ids}")
@@ -149,11 +151,17 @@ class KVConnector(ABC):
     def _check_send_args(self, transfer_id: str, layer: int, src: list[int], dst: list[int]) -> None:
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        # Every layer of a transfer names the same blocks: checked once (a comparison costs far less than a check).
+        if self._checked.get(transfer_id) == (src, dst):
+            return
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} src blocks but {len(dst)} dst blocks")
         self._check_block_ids(src)
         if len(set(dst)) != len(dst):
             raise ValueError(f"duplicate dst block ids: {dst}")
+        self._checked[transfer_id] = (list(src), list(dst))
+        while len(self._checked) > _CHECKED_TRANSFERS:
+            del self._checked[next(iter(self._checked))]
 
 
 def _validate_caches(layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:

@@ -105,6 +105,7 @@ class ShmConnector(KVConnector):
         self._dst: list[np.ndarray] | list[torch.Tensor] = []
         self._gpu: str | None = None  # the UUID of the GPU that holds this node's caches, if one does
         self._indices = RowIndices()
+        self._last_plan: tuple | None = None  # (src list, dst list, sender's layout, plan) of the last host copy
         self._fused = False  # CUDA: whether received layers are copied by the fused kernel (_device_copy.py)
         self._intro: SegmentIntro | None = None  # set once the registered caches are in the segment
         self._peers: dict[str, Outbound] = {}
@@ -254,9 +255,15 @@ class ShmConnector(KVConnector):
                 src_layout.block_nbytes, max_direct_runs=self.config.max_direct_runs, indices=self._indices,
                 fused=self._fused,
             )
-        # Every layer of a transfer moves the same blocks: plan once.
-        plan = _plan(tuple(src_blocks), tuple(dst_blocks), src_layout.num_blocks, self.layout.num_blocks,
-                     src_layout.block_nbytes)
+        # Every layer of a transfer moves the same blocks: plan once. A connection hands every layer of a transfer
+        # the same lists, so the last plan is found by identity (no tuple built and hashed per layer).
+        last = self._last_plan
+        if last is not None and last[0] is src_blocks and last[1] is dst_blocks and last[2] is src_layout:
+            plan = last[3]
+        else:
+            plan = _plan(tuple(src_blocks), tuple(dst_blocks), src_layout.num_blocks, self.layout.num_blocks,
+                         src_layout.block_nbytes)
+            self._last_plan = (src_blocks, dst_blocks, src_layout, plan)  # one assignment: threads see all or none
         return self._copy(self._dst[layer], src, plan)
 
     def _copy(self, dst: np.ndarray, src: np.ndarray, plan: tuple) -> int:

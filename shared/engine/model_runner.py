@@ -401,11 +401,12 @@ class ModelRunner:
         if self.kv_sender is None:
             raise RuntimeError("kv_sends scheduled but the engine was built without a KV sender")
         sender = self.kv_sender
+        blocks = [(s, list(s.src_block_ids), list(s.dst_block_ids)) for s in sends]  # every layer's, made once
 
         def send_layer(layer: int) -> None:
             # send_blocks only enqueues: the connector's thread moves the bytes while later layers compute.
-            for s in sends:
-                sender.send_blocks(s.peer, s.transfer_id, layer, list(s.src_block_ids), list(s.dst_block_ids))
+            for s, src, dst in blocks:
+                sender.send_blocks(s.peer, s.transfer_id, layer, src, dst)
 
         return send_layer
 

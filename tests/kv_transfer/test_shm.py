@@ -291,3 +291,41 @@ def test_another_user_cannot_reach_the_kv_control_socket(tmp_path):
     finally:
         connector.close()
         folder.rmdir()
+
+
+def test_a_transfer_names_its_blocks_once_on_a_connection(tmp_path):
+    """Every layer of a transfer moves the same blocks: the first layer's message names them, the later ones only
+    the layer (the receiver checks the lists once); a layer of a transfer whose blocks were never named is
+    refused, and acks come in one message per batch of layers."""
+    import socket
+
+    from kvrelay.kv_transfer._shm_io import Channel
+
+    receiver, sender = ShmConnector(config(tmp_path)), ShmConnector(config(tmp_path))
+    try:
+        for c in (receiver, sender):
+            c.register_kv_caches(LAYOUT, make_caches(LAYOUT, None, allocator=c.kv_allocator()))
+        receiver.expect("t", DST)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(parse_address(receiver.address)[1])
+        channel = Channel(sock)
+        hello, fds = sender._intro.message(None)
+        channel.send(hello, fds=fds)
+        assert channel.recv()[0]["ok"]
+        channel.send({"k": "layer", "t": "t", "l": 0, "s": SRC, "d": DST})
+        acks = channel.recv()[0]["a"]
+        for layer in range(1, LAYOUT.num_layers):
+            channel.send({"k": "layer", "t": "t", "l": layer})
+            acks += channel.recv()[0]["a"]
+        assert acks == [["t", layer, 2 * len(SRC) * LAYOUT.block_nbytes, None] for layer in range(4)]
+        assert receiver.wait_received("t", 5).nbytes == 4 * 2 * len(SRC) * LAYOUT.block_nbytes
+        receiver.expect("u", DST)
+        channel.send({"k": "layer", "t": "u", "l": 0})
+        (_, _, nbytes, refusal), = channel.recv()[0]["a"]
+        assert nbytes == 0 and "none named" in refusal
+        with pytest.raises(TransferError, match="none named"):
+            receiver.wait_received("u", 5)
+        channel.close()
+    finally:
+        sender.close()
+        receiver.close()
