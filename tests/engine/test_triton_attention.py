@@ -103,3 +103,43 @@ def test_a_narrow_cache_goes_through_the_torch_backend():
     assert not backend.graph_safe(torch.float32, torch.bfloat16)
     out = backend.forward(q, k, v, cache, meta, SCALE)
     assert (out.cpu() - case.reference()).abs().max().item() < 3e-2
+
+
+_AOT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvrelay.engine.attention import triton_kernels as tk
+
+target = GPUTarget("cuda", 90, 32)  # Hopper: the H100 and H200
+for dt, ieee in (("bf16", False), ("fp16", False), ("fp32", True)):
+    for block_q in (4, 16):  # a decode's tile (GQA group of 4), a chunk's
+        sig = {"q_ptr": f"*{dt}", "out_ptr": f"*{dt}", "cache_ptr": f"*{dt}", "tables_ptr": "*i32",
+               "qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32",
+               "stride_oh": "i32", "stride_table": "i32", "value_offset": "i64", "num_kv_heads": "i32",
+               "scale": "fp32", "window": "i32"}
+        consts = {"GROUP": 4, "GROUP_PAD": 4, "BLOCK_Q": block_q, "HEAD": 64, "HEAD_PAD": 64, "BLOCK_SIZE": 16,
+                  "BLOCK_N": 64, "IEEE": ieee}
+        sig.update({name: "constexpr" for name in consts})
+        triton.compile(ASTSource(fn=tk._paged_attention_kernel, signature=sig, constexprs=consts), target=target,
+                       options={"num_warps": 4, "num_stages": 2})
+    sig = {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "cache_ptr": f"*{dt}", "slot_ptr": "*i64", "stride_kt": "i32",
+           "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32", "value_offset": "i64", "num_kv_heads": "i32",
+           "HEAD": "constexpr", "HEAD_PAD": "constexpr"}
+    triton.compile(ASTSource(fn=tk._write_kv_kernel, signature=sig, constexprs={"HEAD": 64, "HEAD_PAD": 64}),
+                   target=target)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the other tests compile and run them")
+def test_the_kernels_compile_for_hopper_without_a_gpu():
+    # The interpreter runs the kernels' logic but checks nothing a compiler would (types, tl.dot's shapes): the
+    # kernels are compiled here for sm_90 with the ptxas that triton's wheel carries, in a process of their own
+    # (this one interprets them).
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

@@ -243,3 +243,29 @@ def test_the_receiver_opens_an_export_as_torch_itself_does():
                           "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required"]
     ours = call_args(inspect.getsource(_cuda_ipc.PeerCudaMemory.__init__))
     assert ours == ["device.index", *(f"export.{f.name}" for f in dataclasses.fields(CudaExport)[1:])]
+
+
+def test_the_fused_copy_compiles_for_hopper_without_a_gpu():
+    # The interpreter runs the kernel's logic but checks nothing a compiler would: here it is compiled for sm_90
+    # (the H100 and H200) with the ptxas that triton's wheel carries, in a process of its own.
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvrelay.kv_transfer import _device_copy
+
+for word in ("i64", "u8"):
+    sig = {"src": f"*{word}", "dst": f"*{word}", "src_rows": "*i64", "dst_rows": "*i64", "row_words": "i32",
+           "BLOCK": "constexpr"}
+    triton.compile(ASTSource(fn=_device_copy._kernel(), signature=sig, constexprs={"BLOCK": 128}),
+                   target=GPUTarget("cuda", 90, 32))
+print("compiled")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
