@@ -50,7 +50,8 @@ def _remember(kept: dict, key: str, value: object) -> None:
     kept[key] = value
     if len(kept) > _LISTS_KEPT:
         del kept[next(iter(kept))]
-_MAX_BATCH = 64  # layer messages a receiver copies before it acks them
+_MAX_BATCH = 64  # layers a sender puts in one message, and messages a receiver takes before it acks
+_NOTHING = object()
 
 
 @dataclass(frozen=True)
@@ -135,26 +136,38 @@ class Outbound:
         reader.start()
         self._connected.set()
         try:
+            held = _NOTHING  # an item taken from the queue whose layer was not ready: the next batch's first
             while True:
-                item = self._queue.get()
+                item = self._queue.get() if held is _NOTHING else held
+                held = _NOTHING
                 if item is None:
                     return
-                msg, ready = item
-                if ready is not None:
-                    ready.synchronize()
-                self._channel.send(self._without_known_lists(msg))
+                if item[1] is not None:
+                    item[1].synchronize()
+                batch = [item[0]]
+                while len(batch) < _MAX_BATCH:  # and whatever else is queued and ready, in order
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None or (item[1] is not None and not item[1].query()):
+                        held = item
+                        break
+                    batch.append(item[0])
+                for msg in _coalesced(batch):
+                    self._channel.send(self._without_known_lists(msg))
         except OSError as e:
             self._break(TransferError(f"connection to shm peer {self.peer} lost: {e!r}"))
         except RuntimeError as e:  # a CUDA error while waiting for a layer's kernels
             self._break(TransferError(f"shm transfer to {self.peer} failed: {e}"))
 
     def _without_known_lists(self, msg: dict) -> dict:
-        """A layer message without its block lists when the receiver has them from an earlier layer."""
-        if msg["k"] != "layer":
+        """A layers message without its block lists when the receiver has them from an earlier one."""
+        if msg["k"] != "layers":
             return msg
         lists = (msg["s"], msg["d"])
         if self._lists.get(msg["t"]) == lists:
-            return {"k": "layer", "t": msg["t"], "l": msg["l"]}
+            return {"k": "layers", "t": msg["t"], "ls": msg["ls"]}
         _remember(self._lists, msg["t"], lists)
         return msg
 
@@ -294,8 +307,8 @@ class Inbound:
             first, _ = self._channel.recv()
             layers: list[dict] = []
             for msg in [first, *self._channel.buffered(_MAX_BATCH - 1)]:  # in order: a batch ends at any other kind
-                if msg["k"] == "layer":
-                    layers.append(msg)
+                if msg["k"] == "layers":
+                    layers.extend(_layer_messages(msg))
                     continue
                 self._receive_layers(layers)
                 layers = []
@@ -347,6 +360,31 @@ class Inbound:
         start = self._offsets[layer]
         src_bytes = self._mapping.bytes[start : start + self._layer_bytes]
         return self._receiver.copy_layer(layer, src_bytes, src, dst, self._layout)
+
+
+def _coalesced(msgs: list[dict]) -> list[dict]:
+    """Layer messages as layers messages: a run of layers of one transfer (the same blocks) becomes one message
+    naming them all, so that a batch costs one send and one receive however many layers it holds."""
+    out: list[dict] = []
+    for msg in msgs:
+        last = out[-1] if out else None
+        if msg["k"] != "layer":
+            out.append(msg)
+        elif (last is not None and last["k"] == "layers" and last["t"] == msg["t"] and last["s"] == msg["s"]
+              and last["d"] == msg["d"]):
+            last["ls"].append(msg["l"])
+        else:
+            out.append({"k": "layers", "t": msg["t"], "ls": [msg["l"]], "s": msg["s"], "d": msg["d"]})
+    return out
+
+
+def _layer_messages(msg: dict) -> list[dict]:
+    """A layers message as one message per layer, the first with the block lists when it names them."""
+    first = {"k": "layer", "t": msg["t"], "l": msg["ls"][0]} if msg["ls"] else None
+    if first is not None and "s" in msg:
+        first["s"], first["d"] = msg["s"], msg["d"]
+    rest = [{"k": "layer", "t": msg["t"], "l": layer} for layer in msg["ls"][1:]]
+    return ([first] if first is not None else []) + rest
 
 
 def _open_segment(

@@ -294,9 +294,9 @@ def test_another_user_cannot_reach_the_kv_control_socket(tmp_path):
 
 
 def test_a_transfer_names_its_blocks_once_on_a_connection(tmp_path):
-    """Every layer of a transfer moves the same blocks: the first layer's message names them, the later ones only
-    the layer (the receiver checks the lists once); a layer of a transfer whose blocks were never named is
-    refused, and acks come in one message per batch of layers."""
+    """Every layer of a transfer moves the same blocks: the first message names them, the later ones only their
+    layers (the receiver checks the lists once), several to a message; a layer of a transfer whose blocks were
+    never named is refused, and acks come in one message per batch of layers."""
     import socket
 
     from kvrelay.kv_transfer._shm_io import Channel
@@ -312,15 +312,14 @@ def test_a_transfer_names_its_blocks_once_on_a_connection(tmp_path):
         hello, fds = sender._intro.message(None)
         channel.send(hello, fds=fds)
         assert channel.recv()[0]["ok"]
-        channel.send({"k": "layer", "t": "t", "l": 0, "s": SRC, "d": DST})
+        channel.send({"k": "layers", "t": "t", "ls": [0], "s": SRC, "d": DST})
         acks = channel.recv()[0]["a"]
-        for layer in range(1, LAYOUT.num_layers):
-            channel.send({"k": "layer", "t": "t", "l": layer})
-            acks += channel.recv()[0]["a"]
+        channel.send({"k": "layers", "t": "t", "ls": [1, 2, 3]})  # several layers in one message
+        acks += channel.recv()[0]["a"]
         assert acks == [["t", layer, 2 * len(SRC) * LAYOUT.block_nbytes, None] for layer in range(4)]
         assert receiver.wait_received("t", 5).nbytes == 4 * 2 * len(SRC) * LAYOUT.block_nbytes
         receiver.expect("u", DST)
-        channel.send({"k": "layer", "t": "u", "l": 0})
+        channel.send({"k": "layers", "t": "u", "ls": [0]})
         (_, _, nbytes, refusal), = channel.recv()[0]["a"]
         assert nbytes == 0 and "none named" in refusal
         with pytest.raises(TransferError, match="none named"):
