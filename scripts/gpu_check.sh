@@ -74,6 +74,9 @@ if has bench; then
   log "bench: CUDA IPC KV transfer against a device memcpy"
   $PY -m kvrelay bench kv-transfer --device cuda --output "$OUT/kv_transfer.json" 2>&1 | tail -40 \
     | tee -a "$LOG" || status=1
+  log "bench: a long prompt's KV (4,000 blocks x 30 layers, 1.5 GB) over CUDA IPC against a device memcpy"
+  $PY -m kvrelay bench kv-transfer --device cuda --connectors shm,shm-index --blocks 4000 --cache-blocks 5000 \
+    --repeats 3 --output "$OUT/kv_large.json" 2>&1 | tail -40 | tee -a "$LOG" || status=1
 fi
 
 if has model; then
