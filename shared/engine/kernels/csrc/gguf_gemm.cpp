@@ -115,8 +115,8 @@ inline int dot_scalar(const uint8_t* block, int64_t t, const int8_t* xq) {
 
 // Rows [m0, m0 + MT) of x against weight row n, of type T (a template parameter: no branch on it per block).
 template <int64_t T, int MT>
-void row_tile(const uint8_t* wrow, int64_t /*t*/, int64_t B, int64_t bsz, const int8_t* xq, const float* dx,
-              const float* sx, int64_t K, float* out) {
+void row_tile(const uint8_t* wrow, int64_t B, int64_t bsz, const int8_t* xq, const float* dx, const float* sx,
+              int64_t K, float* out) {
   constexpr int64_t t = T;
   float extra[MT] = {};
 #ifdef KVRELAY_AVX2
@@ -180,8 +180,8 @@ inline __m256i kq_sub(const uint8_t* sb, int64_t t, int j) {  // sub-block j's 3
 #endif
 
 template <int64_t T, int MT>
-void kq_row_tile(const uint8_t* wrow, int64_t /*t*/, int64_t B, int64_t bsz, const int8_t* xq, const float* dx,
-                 const float* sx, int64_t K, float* out) {
+void kq_row_tile(const uint8_t* wrow, int64_t B, int64_t bsz, const int8_t* xq, const float* dx, const float* sx,
+                 int64_t K, float* out) {
   (void)K;
   constexpr int64_t t = T;  // a template parameter, as in row_tile
   constexpr bool q6 = T == kquants::kQ6_K;
@@ -261,23 +261,50 @@ void kq_row_tile(const uint8_t* wrow, int64_t /*t*/, int64_t B, int64_t bsz, con
 #endif
 }
 
-using RowTileFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, const float*, const float*,
-                           int64_t, float*);
+// Rows [m0, m0 + MT) of x against weight row n, of type T: the K-quants' tile or the 32-value blocks' one.
+template <int64_t T, int MT>
+void tile(const uint8_t* wrow, int64_t B, int64_t bsz, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+          float* out) {
+  if constexpr (kquants::is_kquant(T)) {
+    kq_row_tile<T, MT>(wrow, B, bsz, xq, dx, sx, K, out);
+  } else {
+    row_tile<T, MT>(wrow, B, bsz, xq, dx, sx, K, out);
+  }
+}
+using RowTileFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t,
+                           float*);
 constexpr int kTileRows = 4;
-template <int64_t T>
-constexpr RowTileFn kTiles[kTileRows] = {row_tile<T, 1>, row_tile<T, 2>, row_tile<T, 3>, row_tile<T, 4>};
-template <int64_t T>
-constexpr RowTileFn kKTiles[kTileRows] = {kq_row_tile<T, 1>, kq_row_tile<T, 2>, kq_row_tile<T, 3>, kq_row_tile<T, 4>};
 
 // A decode's one row of x against weight rows [n0, n1), into y[n0, n1): the tile called directly, not through the
 // table once per weight row (that call and its loop were ~8% of a single-stream decode step).
 template <RowTileFn Tile>
-void one_row_span(const uint8_t* wp, int64_t row_bytes, int64_t n0, int64_t n1, int64_t t, int64_t B, int64_t bsz,
+void one_row_span(const uint8_t* wp, int64_t row_bytes, int64_t n0, int64_t n1, int64_t B, int64_t bsz,
                   const int8_t* xq, const float* dx, const float* sx, int64_t K, float* y) {
-  for (int64_t n = n0; n < n1; ++n) Tile(wp + n * row_bytes, t, B, bsz, xq, dx, sx, K, y + n);
+  for (int64_t n = n0; n < n1; ++n) Tile(wp + n * row_bytes, B, bsz, xq, dx, sx, K, y + n);
 }
-using SpanFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int8_t*,
-                        const float*, const float*, int64_t, float*);
+using SpanFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const int8_t*, const float*,
+                        const float*, int64_t, float*);
+
+// Everything gguf_gemm runs for one type, picked once: the tiles of 1 to 4 rows of x, and the one-row span.
+struct TypeKernels {
+  const RowTileFn* tiles;
+  SpanFn span;
+};
+template <int64_t T>
+constexpr RowTileFn kTiles[kTileRows] = {tile<T, 1>, tile<T, 2>, tile<T, 3>, tile<T, 4>};
+template <int64_t T>
+constexpr TypeKernels kKernels = {kTiles<T>, one_row_span<tile<T, 1>>};
+
+TypeKernels kernels_for(int64_t qtype) {
+  switch (qtype) {
+    case kquants::kQ4_K: return kKernels<kquants::kQ4_K>;
+    case kquants::kQ5_K: return kKernels<kquants::kQ5_K>;
+    case kquants::kQ6_K: return kKernels<kquants::kQ6_K>;
+    case kQ4_0: return kKernels<kQ4_0>;
+    case kQ4_1: return kKernels<kQ4_1>;
+    default: return kKernels<kQ8_0>;  // check_weight has refused any other type
+  }
+}
 
 void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
@@ -319,27 +346,16 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
   }
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const RowTileFn* tiles = qtype == kquants::kQ4_K ? kKTiles<kquants::kQ4_K>
-                           : qtype == kquants::kQ5_K ? kKTiles<kquants::kQ5_K>
-                           : qtype == kquants::kQ6_K ? kKTiles<kquants::kQ6_K>
-                           : qtype == kQ4_0           ? kTiles<kQ4_0>
-                           : qtype == kQ4_1           ? kTiles<kQ4_1>
-                                                      : kTiles<kQ8_0>;
+  const TypeKernels kernels = kernels_for(qtype);
+  auto store = [&](int64_t at, int64_t n, float v) {  // y[at] (row-major [M, N]) = v + bias[n], in y's dtype
+    v = bp ? v + bp[n] : v;
+    if (yh) yh[at] = f32_to_bf16(v); else yf[at] = v;
+  };
   if (M == 1) {
-    const SpanFn span = qtype == kquants::kQ4_K ? one_row_span<kq_row_tile<kquants::kQ4_K, 1>>
-                        : qtype == kquants::kQ5_K ? one_row_span<kq_row_tile<kquants::kQ5_K, 1>>
-                        : qtype == kquants::kQ6_K ? one_row_span<kq_row_tile<kquants::kQ6_K, 1>>
-                        : qtype == kQ4_0          ? one_row_span<row_tile<kQ4_0, 1>>
-                        : qtype == kQ4_1          ? one_row_span<row_tile<kQ4_1, 1>>
-                                                  : one_row_span<row_tile<kQ8_0, 1>>;
-    std::vector<float> acc(yh ? N : 0);
-    float* dst = yh ? acc.data() : yf;
+    std::vector<float> acc(N);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      span(wp, row_bytes, n0, n1, qtype, B, bsz, xq.data(), dx.data(), sx.data(), K, dst);
-      for (int64_t n = n0; n < n1; ++n) {
-        const float v = bp ? dst[n] + bp[n] : dst[n];
-        if (yh) yh[n] = f32_to_bf16(v); else yf[n] = v;
-      }
+      kernels.span(wp, row_bytes, n0, n1, B, bsz, xq.data(), dx.data(), sx.data(), K, acc.data());
+      for (int64_t n = n0; n < n1; ++n) store(n, n, acc[n]);
     });
     return y;
   }
@@ -349,11 +365,8 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
       const uint8_t* wrow = wp + n * row_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int64_t mt = std::min<int64_t>(kTileRows, M - m0);
-        tiles[mt - 1](wrow, qtype, B, bsz, xq.data() + m0 * K, dx.data() + m0 * B, sx.data() + m0 * B, K, out);
-        for (int64_t m = 0; m < mt; ++m) {
-          const float v = bp ? out[m] + bp[n] : out[m];
-          if (yh) yh[(m0 + m) * N + n] = f32_to_bf16(v); else yf[(m0 + m) * N + n] = v;
-        }
+        kernels.tiles[mt - 1](wrow, B, bsz, xq.data() + m0 * K, dx.data() + m0 * B, sx.data() + m0 * B, K, out);
+        for (int64_t m = 0; m < mt; ++m) store((m0 + m) * N + n, n, out[m]);
       }
     }
   });

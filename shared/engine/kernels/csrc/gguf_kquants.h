@@ -19,7 +19,7 @@ namespace kquants {
 constexpr int kSuper = 256;
 enum KType : int64_t { kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };  // ggml's type numbers
 
-inline bool is_kquant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
+constexpr bool is_kquant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
 
 inline int64_t super_bytes(int64_t t) { return t == kQ4_K ? 144 : t == kQ5_K ? 176 : 210; }
 
