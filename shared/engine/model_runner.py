@@ -25,6 +25,7 @@ model's forward; rows of the base model and of different adapters run in the sam
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from kvrelay.engine.lora.layers import LoRABatch
 from kvrelay.engine.model_info import ModelInfo
 from kvrelay.engine.models.loader import load_model
 from kvrelay.engine.pooling import Pooler
-from kvrelay.engine.sampler import Sampler, SamplerOutput, SamplingRow, TokenBitmask
+from kvrelay.engine.sampler import Sampler, SamplerOutput, SamplingRow, TokenBitmask, TokenSpan
 from kvrelay.engine.scheduler_output import KVSend, ModelRunnerOutput, SchedulerOutput
 from kvrelay.engine.spec_decode import Draft, ProposeRequest, Verified, Verifier, VerifyGroup, create_proposer
 from kvrelay.engine.structured import GrammarCompiler, GrammarMatcher, bitmask_words
@@ -439,8 +440,8 @@ class ModelRunner:
         params = st.params
         # A resumed request's last prompt tokens are its earlier output: penalties and min_tokens see them so.
         split = st.num_prompt_tokens - params.num_resumed_tokens
-        prompt = st.token_ids[:split]
-        outputs = st.token_ids[split:]
+        prompt = TokenSpan(st.token_ids, 0, split)
+        outputs = TokenSpan(st.token_ids, split, len(st.token_ids))
         eos = () if params.ignore_eos or self.info.eos_token_id is None else (self.info.eos_token_id,)
         rows = []
         for j in range(len(drafts) + 1):
@@ -471,21 +472,16 @@ class ModelRunner:
         q_lens = [r[2] for r in attn_rows]
         starts = [r[1] for r in attn_rows]
         seq_lens = [s + q for s, q in zip(starts, q_lens)]
-        ids_parts, pos_parts, slot_parts = [], [], []
-        max_blocks = max(len(self.states[r].block_ids) for r in req_ids)
-        tables = np.zeros((len(req_ids), max_blocks), dtype=np.int32)
+        ids: list[int] = []
+        block_lists = []
         sample_ids, sample_rows, offsets, pooling, pool_rows = [], [], [], [], {}
         offset = 0
         for i, rid in enumerate(req_ids):
             offsets.append(offset)
             st = self.states[rid]
             drafts = specs.get(rid, ())
-            table = np.asarray(st.block_ids, dtype=np.int64)
-            tables[i, : len(table)] = table
-            pos = np.arange(starts[i], seq_lens[i], dtype=np.int64)
-            ids_parts.append(_tokens(st.token_ids, drafts, starts[i], seq_lens[i]))
-            pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            block_lists.append(st.block_ids)
+            ids.extend(_tokens(st.token_ids, drafts, starts[i], seq_lens[i]))
             offset += q_lens[i]
             if st.params.pooling is not None:
                 pooling.append(i)
@@ -497,6 +493,11 @@ class ModelRunner:
         dev = self.device
         qsl = np.zeros(len(req_ids) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=qsl[1:])
+        # Every token's position and slot at once (no numpy call per request: at 256 decodes those were ~1.5 ms).
+        tables = _block_tables(block_lists)
+        row_of = np.repeat(np.arange(len(req_ids)), q_lens)
+        positions = np.asarray(starts, dtype=np.int64)[row_of] + np.arange(offset) - qsl[:-1][row_of]
+        slots = tables[row_of, positions // bs].astype(np.int64) * bs + positions % bs
         meta = AttentionMetadata(
             num_reqs=len(req_ids),
             num_decodes=num_decodes,
@@ -508,10 +509,10 @@ class ModelRunner:
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
             block_tables=torch.from_numpy(tables).to(dev),
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
             block_size=bs,
         )
-        input_ids = torch.tensor([t for part in ids_parts for t in part], dtype=torch.int64, device=dev)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         lora = None if self.lora is None else self.lora.batch([self.states[r].lora_name for r in req_ids], q_lens)
         embeds_at = None
         if self.images is not None:
@@ -520,7 +521,7 @@ class ModelRunner:
         return _Batch(
             req_ids=req_ids,
             input_ids=input_ids,
-            positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
             meta=meta,
             sample_req_ids=sample_ids,
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
@@ -546,6 +547,15 @@ def _token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[To
     packed = torch.cat(cols, dim=1).cpu().tolist()
     return [TokenLogprobs(int(v[0]), v[1], int(v[2]), tuple((int(t), p) for t, p in zip(v[3 : 3 + k], v[3 + k :])))
             for v in packed]
+def _block_tables(block_lists: list[list[int]]) -> np.ndarray:
+    """int32 [rows, longest]: each row's block ids, then zeros."""
+    lens = np.fromiter(map(len, block_lists), dtype=np.int64, count=len(block_lists))
+    tables = np.zeros((len(block_lists), max(int(lens.max()), 1)), dtype=np.int32)
+    tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_lists), dtype=np.int32, count=int(lens.sum()))
+    return tables
+
+
 def _tokens(known: list[int], drafts: tuple[int, ...], start: int, end: int) -> list[int]:
     """Positions [start, end) of the known tokens followed by the drafts."""
     n = len(known)

@@ -19,6 +19,7 @@ unconstrained rows are never touched, so their tokens do not depend on their nei
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,8 +38,42 @@ _NEG_INF = float("-inf")
 _WINDOWS = (64, 2048, 16384)
 
 
-@dataclass(frozen=True)
+class TokenSpan(Sequence[int]):
+    """tokens[start:stop] of a request's token list without copying it: a decode step makes a SamplingRow per request,
+    and copying 1k-token prompts for each was ~1 ms a step at 256 rows, for rows that mostly read none of it. The
+    list may grow past stop afterwards; the span does not."""
+
+    __slots__ = ("_tokens", "_start", "_stop")
+
+    def __init__(self, tokens: list[int], start: int, stop: int) -> None:
+        self._tokens, self._start, self._stop = tokens, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._tokens[self._start:self._stop][i]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("token index out of range")
+        return self._tokens[self._start + (i % n)]
+
+    def __iter__(self):
+        return itertools.islice(self._tokens, self._start, self._stop)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"TokenSpan({list(self)!r})"
+
+
+@dataclass(slots=True)
 class SamplingRow:
+    """One token to sample. Not frozen, by measurement: the runner makes one per request per step, and a frozen
+    dataclass's __init__ costs ~2.4 us against ~0.4 us. Nothing changes one once made."""
+
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]

@@ -357,3 +357,17 @@ def test_empirical_distribution_matches_the_renormalised_softmax(params, seeded)
     assert set(tokens) == allowed
     # At most 7 degrees of freedom: P(chi2 > 30) ~ 1e-4; the draws are fixed, so this is deterministic.
     assert _chi_square(tokens, probs[probs > 0], sorted(allowed)) < 30.0
+
+
+def test_a_token_span_reads_its_window_of_the_list_without_copying_it():
+    from kvrelay.engine.sampler import TokenSpan
+
+    tokens = [5, 6, 7, 8, 9]
+    span = TokenSpan(tokens, 1, 4)
+    assert len(span) == 3 and list(span) == [6, 7, 8] and span == [6, 7, 8]
+    assert (span[0], span[-1], span[1:]) == (6, 8, [7, 8])
+    with pytest.raises(IndexError):
+        span[3]
+    tokens.append(10)  # the request's list grows after the row was made: the span still ends where it did
+    assert list(span) == [6, 7, 8] and [*span, 99] == [6, 7, 8, 99]
+    assert len(TokenSpan(tokens, 2, 2)) == 0
