@@ -87,6 +87,7 @@ class _ReqState:
     prompt_logprobs: list[TokenLogprobs] | None = None  # computed so far (none while it has outputs)
     lora_name: str = ""  # its LoRA adapter ("": the base model)
     images: tuple[ImageInput, ...] = ()  # its prompt's images
+    plain: bool = False  # Sampler.plain_params(params): its tokens are the argmax once min_tokens is reached
 
 
 @dataclass(frozen=True)
@@ -258,8 +259,7 @@ class ModelRunner:
         if any(sched.scheduled_spec_tokens.get(rid) for rid in batch.sample_req_ids):
             verified = self._verify(sched, hidden[batch.logits_indices], batch.sample_req_ids)
         else:
-            rows = [self._sampling_rows(rid)[0] for rid in batch.sample_req_ids]
-            out = self._sample(hidden[batch.logits_indices], batch.sample_req_ids, rows)
+            out = self._sample(hidden[batch.logits_indices], batch.sample_req_ids)
             verified = {rid: Verified((token,), () if lp is None else (lp,))
                         for rid, token, lp in zip(batch.sample_req_ids, out.token_ids, out.logprobs)}
         sampled, logprobs, prompt_logprobs = {}, {}, {}
@@ -380,11 +380,13 @@ class ModelRunner:
             out[rid] = self.pooler.finish(rid, st.params.pooling, last, st.num_prompt_tokens)
         return out
 
-    def _sample(self, hidden: torch.Tensor, req_ids: list[str], rows: list[SamplingRow]) -> SamplerOutput:
-        """Rows the sampler needs only the argmax of skip their logits (the sampler says which)."""
+    def _sample(self, hidden: torch.Tensor, req_ids: list[str]) -> SamplerOutput:
+        """Rows the sampler needs only the argmax of skip their logits (the sampler says which); a step of only
+        such rows makes no SamplingRow at all."""
+        if all(self._argmax_only(rid) for rid in req_ids):
+            return SamplerOutput(self.model.greedy_tokens(hidden).tolist(), [None] * len(req_ids))
+        rows = [self._sampling_rows(rid)[0] for rid in req_ids]
         plain = [self.sampler.argmax_only(r) for r in rows]
-        if all(plain):
-            return SamplerOutput(self.model.greedy_tokens(hidden).tolist(), [None] * len(rows))
         if not any(plain):
             return self.sampler(self.model.compute_logits(hidden), rows, self._grammar_bitmask(req_ids))
         fancy = [i for i, p in enumerate(plain) if not p]
@@ -429,10 +431,23 @@ class ModelRunner:
                 list(new.token_ids), new.num_prompt_tokens, params, list(new.block_ids),
                 matcher=self._new_matcher(new.req_id, params, replay),
                 prompt_logprobs=[] if params.prompt_logprobs is not None and not outputs else None,
-                lora_name=new.lora_name, images=new.images,
+                lora_name=new.lora_name, images=new.images, plain=Sampler.plain_params(params),
             )
         for cached in sched.cached_reqs:
             self.states[cached.req_id].block_ids.extend(cached.new_block_ids)
+
+    def _argmax_only(self, rid: str) -> bool:
+        """Sampler.argmax_only of the request's next row, without making it."""
+        st = self.states[rid]
+        if not st.plain:
+            return False
+        split = st.num_prompt_tokens - st.params.num_resumed_tokens
+        return len(st.token_ids) - split >= st.params.min_tokens or not self._suppressible(st.params)
+
+    def _suppressible(self, params: SamplingParams) -> tuple[int, ...]:
+        """What a row of the request suppresses while its output is shorter than min_tokens: eos and stop ids."""
+        eos = () if params.ignore_eos or self.info.eos_token_id is None else (self.info.eos_token_id,)
+        return eos + params.stop_token_ids
 
     def _sampling_rows(self, rid: str, drafts: tuple[int, ...] = ()) -> list[SamplingRow]:
         """The row at the request's next position, then one after each draft (which counts as output)."""
@@ -442,11 +457,10 @@ class ModelRunner:
         split = st.num_prompt_tokens - params.num_resumed_tokens
         prompt = TokenSpan(st.token_ids, 0, split)
         outputs = TokenSpan(st.token_ids, split, len(st.token_ids))
-        eos = () if params.ignore_eos or self.info.eos_token_id is None else (self.info.eos_token_id,)
         rows = []
         for j in range(len(drafts) + 1):
             out = outputs if j == 0 else [*outputs, *drafts[:j]]
-            suppress = eos + params.stop_token_ids if len(out) < params.min_tokens else ()
+            suppress = self._suppressible(params) if len(out) < params.min_tokens else ()
             rows.append(SamplingRow(params=params, prompt_token_ids=prompt, output_token_ids=out,
                                     position=len(st.token_ids) + j, suppress_token_ids=suppress))
         return rows

@@ -123,9 +123,14 @@ class Sampler:
         """Whether the row's token is just the argmax of its raw logits (greedy; nothing suppressed, biased or
         masked by a grammar; no penalty, no logprobs): the runner may then skip materialising its logits
         (Model.greedy_tokens)."""
-        p = row.params
-        return (p.greedy and p.logprobs is None and not row.suppress_token_ids and not _has_penalty(p)
-                and not p.logit_bias and p.structured_outputs is None)
+        return not row.suppress_token_ids and Sampler.plain_params(row.params)
+
+    @staticmethod
+    def plain_params(p: SamplingParams) -> bool:
+        """argmax_only as far as the request's parameters decide it (greedy; no penalty, bias, grammar or
+        logprobs): all of it for a row that suppresses nothing."""
+        return (p.greedy and p.logprobs is None and not _has_penalty(p) and not p.logit_bias
+                and p.structured_outputs is None)
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: TokenBitmask | None = None,
