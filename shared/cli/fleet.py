@@ -73,7 +73,7 @@ class Child:
 
     @property
     def is_gateway(self) -> bool:
-        """The gateway ("gateway", or "gateway-rN" once a rolling restart replaced it), not a node."""
+        """A gateway ("gateway", "gateway-N" of several, "...-rN" once a rolling restart replaced it), not a node."""
         return self.name == "gateway" or self.name.startswith("gateway-")
 
 
@@ -170,7 +170,8 @@ def plan_children(config: UpConfig, redis_url: str, where: Placement, ports: Fle
                               str(config.shutdown_grace), *gateway_flags(config))
     if api_key:
         env["KVRELAY_API_KEY"] = api_key
-    children.append(Child("gateway", gateway, env=env))
+    names = ["gateway"] if config.gateways == 1 else [f"gateway-{i}" for i in range(config.gateways)]
+    children += [Child(name, list(gateway), env=dict(env)) for name in names]
     return children
 
 
@@ -186,6 +187,7 @@ class Fleet:
         self.stop_requested = False
         self.roll_requested = False  # SIGHUP: a rolling restart (set by the handler, run by supervise())
         self._generation = 0  # of the nodes' successors' names: decode-0 -> decode-0-r1 -> ...
+        self._ready_streak = 0  # answers in a row that said the fleet is ready (_ready)
         # With a keys file only, the launcher's own admin key (its readiness checks), known to nobody else.
         self.api_key = config.api_key or (secrets.token_urlsafe(32) if config.api_keys_file else None)
 
@@ -199,6 +201,9 @@ class Fleet:
 
     def nodes(self) -> list[Child]:
         return [c for c in self.children if not c.is_gateway]
+
+    def gateways(self) -> list[Child]:
+        return [c for c in self.children if c.is_gateway]
 
     def start(self) -> None:
         redis_url = self.config.redis_url or self._start_redis()
@@ -285,14 +290,19 @@ class Fleet:
             return None
 
     def _ready(self) -> bool:
+        """Whether the gateway answers and routes to every node; with several, whether that many answers in a row
+        said so (each request is a new connection, which the kernel gives to any of them)."""
         self._check_children(restart=False)
         try:
             health = httpx.get(f"{self.url}/health", timeout=2)
             models = httpx.get(f"{self.url}/v1/models", timeout=2, headers=self.headers)
-            return (health.status_code == 200 and models.status_code == 200 and bool(models.json().get("data"))
-                    and self._all_nodes_routable(health.json()))
+            ready = (health.status_code == 200 and models.status_code == 200 and bool(models.json().get("data"))
+                     and self._all_nodes_routable(health.json()))
         except (httpx.HTTPError, ValueError):
-            return False
+            ready = False
+        self._ready_streak = self._ready_streak + 1 if ready else 0
+        gateways = len(self.gateways())
+        return self._ready_streak >= (1 if gateways == 1 else 4 * gateways)
 
     def _all_nodes_routable(self, health: dict) -> bool:
         """The gateway answers before the nodes have loaded the model; ready means it routes to all of them."""
@@ -350,8 +360,9 @@ class Fleet:
         for old in list(self.nodes()):
             if self.stop_requested or not self._replace_node(old):
                 return False
-        if self.stop_requested or not self._replace_gateway():
-            return False
+        for old in self.gateways():
+            if self.stop_requested or not self._replace_gateway(old):
+                return False
         logger.info("rolling restart done in %.0f s: %s", time.monotonic() - start,
                     ", ".join(c.name for c in self.children))
         return True
@@ -370,10 +381,10 @@ class Fleet:
         self._retire(old, new)
         return True
 
-    def _replace_gateway(self) -> bool:
-        old = next(c for c in self.children if c.is_gateway)
+    def _replace_gateway(self, old: Child) -> bool:
         self._generation += 1
-        new = Child(f"gateway-r{self._generation}", list(old.argv), env=dict(old.env))  # a log of its own
+        base = re.sub(r"-r\d+$", "", old.name)
+        new = Child(f"{base}-r{self._generation}", list(old.argv), env=dict(old.env))  # a log of its own
         self._spawn(new)
         deadline = time.monotonic() + self.config.ready_timeout
         # Both listen on the port now: the new one is up once its own log says so (uvicorn's line).
@@ -424,7 +435,7 @@ class Fleet:
         event), the nodes (they deregister while Redis still answers), Redis last."""
         processes = [c.process for c in self.children if c.process is not None]
         grace = self.config.shutdown_grace + 5  # past it: SIGKILL to the group
-        gateways = [c.process for c in self.children if c.is_gateway and c.process is not None]
+        gateways = [c.process for c in self.gateways() if c.process is not None]
         stop_all(gateways, grace)
         stop_all([p for p in processes if p not in gateways], grace)
         if self.redis is not None:

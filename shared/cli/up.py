@@ -95,7 +95,7 @@ def preflight(config: UpConfig) -> FleetPorts:
                     ("--migration-limit", config.migration_limit, 0),
                     ("--shutdown-grace", config.shutdown_grace, 0.0),
                     ("--ready-timeout", config.ready_timeout, 1.0), ("--keep-logs", config.keep_logs, 1),
-                    ("--reserved-cores", config.reserved_cores, 0)])
+                    ("--reserved-cores", config.reserved_cores, 0), ("--gateways", config.gateways, 1)])
     if config.reserved_cores and config.reserved_cores >= len(usable_cores()):
         raise UsageError(f"{config.reserved_cores} leaves no core for the engines: this process may use "
                          f"{len(usable_cores())} ({format_cores(usable_cores())})", "--reserved-cores")
@@ -350,6 +350,10 @@ def register(sub) -> None:
                    help="leave the first N usable cores to the gateway and Redis (and a load generator you pin "
                         "there) and pin each engine to its own share of the rest, as vLLM's "
                         "VLLM_CPU_NUM_OF_RESERVED_CPU; 0: every process on every core")
+    f.add_argument("--gateways", type=int, default=d.gateways, metavar="N",
+                   help="gateway processes, all on the same ports (the kernel spreads connections over them) and "
+                        "sharing the nodes, the index, rate limits and stored answers through Redis; a rolling "
+                        "restart replaces them one at a time, so the API never stops answering")
     f.add_argument("--routing-policy", default=d.routing_policy, choices=ROUTING_POLICIES,
                    help="how the gateway picks prefill and decode nodes")
     f.add_argument("--redis-url", default=d.redis_url, help="use this Redis instead of starting an embedded one")

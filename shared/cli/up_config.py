@@ -66,6 +66,7 @@ class UpConfig:
     colocated: bool = False
     connector: str | None = None  # None: auto, local for a colocated engine
     reserved_cores: int = 0  # cores kept for the gateway and Redis; the engines are pinned to the rest (0: unpinned)
+    gateways: int = 1  # gateway processes sharing the HTTP and gRPC ports (SO_REUSEPORT), the nodes and Redis
     routing_policy: str = _GATEWAY.routing_policy
     redis_url: str | None = None  # None: start an embedded redis-server
     restart: bool = False

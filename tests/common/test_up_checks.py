@@ -224,3 +224,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_several_gateways_share_the_ports_and_gateways_below_one_are_refused(capsys):
+    config = _config("--gateways", "3", "--api-key", "sk-secret-key")
+    ports = FleetPorts(8100, 8101, {"colocated-0": (1, 2)})
+    children = plan_children(config, "redis://127.0.0.1:1/0", placement(config), ports)
+    gateways = [c for c in children if c.is_gateway]
+    assert [g.name for g in gateways] == ["gateway-0", "gateway-1", "gateway-2"]
+    assert len({" ".join(g.argv) for g in gateways}) == 1  # the same command: one port, SO_REUSEPORT
+    assert "--port 8100 --grpc-port 8101 --reuse-port" in " ".join(gateways[0].argv)
+    assert all(g.env["KVRELAY_API_KEY"] == "sk-secret-key" for g in gateways)
+    assert [c.name for c in children if not c.is_gateway] == ["colocated-0"]
+    assert "--gateways" in _refused(capsys, ["up", "--gateways", "0"])

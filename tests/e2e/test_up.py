@@ -1,8 +1,9 @@
-"""`kvrelay up` end to end, disaggregated (one prefill and one decode node, KV over the auto connector): the fleet
-comes up with the default model, the printed URL serves a real chat completion through the official OpenAI client,
-the printed metrics URL carries both nodes' vLLM series, a rolling restart (SIGHUP) under load replaces every
-process without a failed request or a changed greedy answer, and an idle fleet stops on Ctrl-C within 3 s, leaving
-no process behind and no traceback. (A colocated fleet, and everything else a newcomer meets: test_newcomer.py.)"""
+"""`kvrelay up` end to end, disaggregated (one prefill and one decode node, KV over the auto connector, two gateways
+on one port): the fleet comes up with the default model, the printed URL serves a real chat completion through the
+official OpenAI client, the printed metrics URL carries both nodes' vLLM series, a rolling restart (SIGHUP) under
+load replaces every process, both gateways included, without a failed request or a changed greedy answer, and an
+idle fleet stops on Ctrl-C within 3 s, leaving no process behind and no traceback. (A colocated fleet, and
+everything else a newcomer meets: test_newcomer.py.)"""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ IDLE_STOP_S = 3.0
 def test_up_serves_chat_rolls_and_stops_cleanly(default_model_dir, tmp_path):
     port = free_port()
     # Disaggregated explicitly: on a machine under 4 cores the default is one colocated engine.
-    cmd = kvrelay_command("up", "--model", "default", "--prefill", "1", "--decode", "1", "--port", str(port),
-                          "--kv-cache-memory", "256MiB", "--log-dir", str(tmp_path / "logs"))
+    cmd = kvrelay_command("up", "--model", "default", "--prefill", "1", "--decode", "1", "--gateways", "2",
+                          "--port", str(port), "--kv-cache-memory", "256MiB", "--log-dir", str(tmp_path / "logs"))
     up = ChildProcess.start("up", cmd, log_dir=tmp_path)
     code = None
     try:
@@ -61,7 +62,7 @@ def test_up_serves_chat_rolls_and_stops_cleanly(default_model_dir, tmp_path):
 
         time.sleep(1.0)  # idle
         children = descendants(up.pid)
-        assert len(children) >= 4  # redis, prefill, decode, gateway
+        assert len(children) >= 5  # redis, prefill, decode, two gateways
         t0 = time.monotonic()
         up.send_signal(signal.SIGINT)  # Ctrl-C: `up` stops its fleet in order
         code = up.wait(60)
@@ -96,7 +97,7 @@ def _roll_under_load(up: ChildProcess, client, model: str) -> None:
 
     expected = {p: ask(p, False) for p in prompts}
     started = dict(re.findall(r"started (\S+) \(pid (\d+)\)", up.log_path.read_text(errors="replace")))
-    assert set(started) == {"prefill-0", "decode-0", "gateway"}
+    assert set(started) == {"prefill-0", "decode-0", "gateway-0", "gateway-1"}
     answers, errors, stop = [], [], threading.Event()
 
     def client_loop(k: int) -> None:
@@ -127,4 +128,7 @@ def _roll_under_load(up: ChildProcess, client, model: str) -> None:
     assert sum(rolled_at <= t <= done_at for _, _, t in answers) >= 4  # requests were served through the roll
     health = httpx.get(_banner(up, "OpenAI base URL").removesuffix("/v1") + "/health", timeout=5).json()
     assert sorted(n["node_id"] for n in health["nodes"] if n["routable"]) == ["decode-0-r2", "prefill-0-r1"]
+    successors = dict(re.findall(r"started (\S+) \(pid (\d+)\)", up.log_path.read_text(errors="replace")))
+    assert {"gateway-0-r3", "gateway-1-r4"} <= set(successors), successors  # one at a time, each replaced
+    assert all(alive(int(successors[name])) for name in ("gateway-0-r3", "gateway-1-r4"))
     assert not [name for name, pid in started.items() if alive(int(pid))], "a replaced process is still running"
