@@ -123,7 +123,9 @@ class Server:
         folder = Path(found.group(1).strip()) / "tls" if found else None
         if folder is None or not (folder / "ca.pem").is_file():
             return None
-        return TLSFiles(str(folder / "ca.pem"), str(folder / "gateway.pem"), str(folder / "gateway.key"))
+        # A gateway's client certificate: "gateway", or "gateway-0" of several (--gateways N).
+        name = "gateway" if (folder / "gateway.pem").is_file() else "gateway-0"
+        return TLSFiles(str(folder / "ca.pem"), str(folder / f"{name}.pem"), str(folder / f"{name}.key"))
 
     def stop(self, grace_s: float = 90.0) -> None:
         self.process.stop(grace_s)

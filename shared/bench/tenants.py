@@ -3,7 +3,8 @@
 One `kvrelay up` fleet with a keys file (gateway.auth): tenant A's key is limited to --a-rpm requests per minute
 (and with --a-max-concurrent to that many requests in progress), tenant B's key has no limit. Two phases, taking
 turns (alone, flood, alone, flood, ... for --rounds), so both meet the same machine:
-- alone: B sends streamed chat requests at Poisson arrivals of --b-rate per second;
+- alone: B sends streamed chat requests at Poisson arrivals of --b-rate per second (first, 10 s of it unmeasured,
+  so that no phase carries the fleet's first requests);
 - flood: B the same, while A sends --flood-factor times its share (--a-rpm / 60 per second).
 
 The gateway answers A's excess with 429 before any work (its bucket lives in Redis, gateway.ratelimit), so what
@@ -35,6 +36,7 @@ from kvrelay.bench.workload import TextSource, alone_then_loaded, p90_ratio, sen
 from kvrelay.common.system import usable_cores
 from kvrelay.gateway.ratelimit import burst
 
+WARMUP_S = 10.0  # B alone before the first phase, not measured
 HELP = "multi-tenant fairness: tenant B's TTFT alone and while tenant A floods past its rate limit, in one run"
 _KEYS = {"A": "sk-bench-tenant-a", "B": "sk-bench-tenant-b"}
 _HEADERS = ("retry-after", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
@@ -117,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
             if args.reserved_cores:  # the fleet has placed itself: the clients join the gateway's cores
                 os.sched_setaffinity(0, usable_cores()[:args.reserved_cores])
             bodies = _bodies(args)
+            # Discarded: B alone for a few seconds, so that the first measured phase does not carry the fleet's
+            # first requests (they measured 2x the later alone phases' p90).
+            asyncio.run(_phase(server.base_url, argparse.Namespace(**{**vars(args), "duration": WARMUP_S}), False,
+                               bodies, args.seed - 1))
 
             def measure(flood: bool, r: int) -> dict:
                 time.sleep(_refill_s(args.a_rpm) if flood and r else 0.0)  # each flood starts from A's full burst
