@@ -13,16 +13,19 @@ not. Every call has a deadline, and close() always reaps the child (SIGKILL to i
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvrelay.bench.kv_transfer import Peer, PeerHost, make_caches, serve_peer
-from kvrelay.kv_transfer.types import TransferResult
+from kvrelay.common.process import freeze
+from kvrelay.kv_transfer.types import TransferError, TransferResult
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["PeerProcess", "make_caches"]
+__all__ = ["PeerProcess", "kill_receiver_mid_transfer", "make_caches"]
 
 
 class InspectableHost(PeerHost):
@@ -48,3 +51,20 @@ class PeerProcess(Peer):
 
 if __name__ == "__main__":
     serve_peer(InspectableHost(), sys.argv[1])
+
+
+def kill_receiver_mid_transfer(sender: Peer, doomed: Peer, address: str, src: list[int], dst: list[int]) -> None:
+    """A working transfer from `sender`'s "tx" to `doomed`'s "rx", then the receiver SIGSTOPped so that the next
+    transfer's layers wait in its socket, then SIGKILLed: the sender's wait fails at once, not at its timeout."""
+    doomed.call("expect", "rx", "t0", dst)
+    sender.call("send", "tx", address, "t0", src, dst)
+    sender.call("wait", "tx", "t0", 30)  # connected and working
+    doomed.call("expect", "rx", "t1", dst)
+    freeze(doomed.pid)  # every thread stopped: no layer of t1 is taken in
+    sender.call("send", "tx", address, "t1", src, dst)
+    time.sleep(0.2)
+    doomed.kill()
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="lost"):
+        sender.call("wait", "tx", "t1", 15)
+    assert time.monotonic() - start < 5

@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 
-from kvrelay.common.process import freeze
 from kvrelay.common.records import KVLayout
 from kvrelay.common.system import free_port
 from kvrelay.kv_transfer import (
@@ -23,7 +22,7 @@ from kvrelay.kv_transfer import (
 )
 from kvrelay.kv_transfer._blocks import BOTH, Segment, block_runs, plan_segments
 from kvrelay.kv_transfer.types import layout_mismatch
-from tests.helpers.transfer import PeerProcess, make_caches
+from tests.helpers.transfer import PeerProcess, kill_receiver_mid_transfer, make_caches
 
 LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE = 4, 64, 16, 2, 32
 # Non-contiguous on both sides, in no particular order: exercises gather on send and scatter on receive.
@@ -454,18 +453,7 @@ def test_gpu_ipc_receiver_killed_mid_transfer_fails_the_sender_at_once(peers) ->
     try:
         with PeerProcess() as doomed:
             address = doomed.create("rx", name, config, kv_layout, RECEIVER_SEED, "cuda")
-            doomed.call("expect", "rx", "t0", SCATTERED[1])
-            sender_host.call("send", "tx", address, "t0", *SCATTERED)
-            sender_host.call("wait", "tx", "t0", 30)  # connected: the receiver has opened the sender's memory
-            doomed.call("expect", "rx", "t1", SCATTERED[1])
-            freeze(doomed.pid)  # every thread stopped: no layer of t1 is taken in
-            sender_host.call("send", "tx", address, "t1", *SCATTERED)
-            time.sleep(0.2)
-            doomed.kill()
-            start = time.monotonic()
-            with pytest.raises(TransferError, match="lost"):
-                sender_host.call("wait", "tx", "t1", 15)
-            assert time.monotonic() - start < 5
+            kill_receiver_mid_transfer(sender_host, doomed, address, *SCATTERED)  # it had the sender's memory open
         address = receiver_host.create("rx", name, config, kv_layout, RECEIVER_SEED, "cuda")
         try:
             receiver_host.call("expect", "rx", "t2", RUNS[1])

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrelay.common.process import freeze
 from kvrelay.common.records import KVLayout
 from kvrelay.kv_transfer import ConnectorConfig, TransferError, create_connector
 from kvrelay.kv_transfer._shm_io import parse_address
 from kvrelay.kv_transfer.shm import ShmConnector
-from tests.helpers.transfer import PeerProcess, make_caches
+from tests.helpers.transfer import PeerProcess, kill_receiver_mid_transfer, make_caches
 
 LAYOUT = KVLayout("smollm2-test", "bfloat16", 16, 4, 2, 32, 64)
 SRC, DST = [3, 9, 10, 11, 40], [50, 7, 8, 20, 21]
@@ -114,18 +113,7 @@ def test_receiver_killed_mid_transfer(tmp_path):
     with PeerProcess() as sender, PeerProcess() as doomed:
         address = doomed.create("rx", "shm", config(tmp_path), LAYOUT, RECEIVER_SEED)
         sender.create("tx", "shm", config(tmp_path), LAYOUT, SENDER_SEED)
-        doomed.call("expect", "rx", "t0", DST)
-        sender.call("send", "tx", address, "t0", SRC, DST)
-        sender.call("wait", "tx", "t0", 20)  # connected and working
-        doomed.call("expect", "rx", "t1", DST)
-        freeze(doomed.pid)  # every thread stopped: no layer of t1 is taken in
-        sender.call("send", "tx", address, "t1", SRC, DST)
-        time.sleep(0.2)
-        doomed.kill()
-        start = time.monotonic()
-        with pytest.raises(TransferError, match="lost"):
-            sender.call("wait", "tx", "t1", 15)
-        assert time.monotonic() - start < 5
+        kill_receiver_mid_transfer(sender, doomed, address, SRC, DST)
         assert peer_mappings(sender.pid) == {segment_of(sender.pid)}
     stale = list(tmp_path.glob("kvrelay-kv-*.sock"))
     assert len(stale) == 1  # the killed receiver's (the sender's was unlinked by its close)
