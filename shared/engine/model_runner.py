@@ -25,21 +25,19 @@ model's forward; rows of the base model and of different adapters run in the sam
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from kvrelay.common.kv_allocator import KVAllocator
-from kvrelay.common.records import ImageInput, KVLayout, TokenLogprobs, kv_cache_shape
+from kvrelay.common.records import KVLayout, TokenLogprobs, kv_cache_shape
 from kvrelay.common.sampling_params import PoolingType, SamplingParams
 from kvrelay.engine import host_memory
 from kvrelay.engine.attention import get_attention_backend
-from kvrelay.engine.attention.base import AttentionMetadata, cache_row
+from kvrelay.engine.attention.base import cache_row
 from kvrelay.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, kv_cache_torch_dtype
 from kvrelay.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from kvrelay.engine.image_inputs import ImageEncoder, ImageStats
@@ -50,6 +48,7 @@ from kvrelay.engine.pooling import Pooler
 from kvrelay.engine.sampler import Sampler, SamplerOutput, SamplingRow, TokenBitmask, TokenSpan
 from kvrelay.engine.scheduler_output import KVSend, ModelRunnerOutput, SchedulerOutput
 from kvrelay.engine.spec_decode import Draft, ProposeRequest, Verified, Verifier, VerifyGroup, create_proposer
+from kvrelay.engine.step_batch import RequestState, StepBatch, build_batch
 from kvrelay.engine.structured import GrammarCompiler, GrammarMatcher, bitmask_words
 from kvrelay.model_files.vision import vision_spec
 
@@ -75,35 +74,6 @@ class LoRASlots(Protocol):
     def attach(self, model) -> None: ...
 
     def batch(self, row_adapters: Sequence[str], row_counts: Sequence[int]) -> LoRABatch | None: ...
-
-
-@dataclass
-class _ReqState:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    block_ids: list[int]
-    matcher: GrammarMatcher | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None  # computed so far (none while it has outputs)
-    lora_name: str = ""  # its LoRA adapter ("": the base model)
-    images: tuple[ImageInput, ...] = ()  # its prompt's images
-    plain: bool = False  # Sampler.plain_params(params): its tokens are the argmax once min_tokens is reached
-
-
-@dataclass(frozen=True)
-class _Batch:
-    req_ids: list[str]
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_req_ids: list[str]
-    logits_indices: torch.Tensor  # per sampling request: its last known token's row, then its drafts' rows
-    pooling: list[int]  # attention rows (req_ids) of pooling requests
-    pool_rows: dict[str, int]  # per pooling request whose prompt this step completes: its last row
-    offsets: list[int]  # per attention row (req_ids): its first row in the flat batch
-    starts: list[int]  # per attention row: its first position this step
-    lora: LoRABatch | None = None  # each flat row's adapter slot (None: no row has an adapter)
-    embeds_at: tuple[torch.Tensor, torch.Tensor] | None = None  # image features at their rows (ImageEncoder.rows)
 
 
 class ModelRunner:
@@ -138,7 +108,7 @@ class ModelRunner:
                          if config.speculative is not None else None)
         self.drafts: dict[str, Draft] = {}  # proposed last step, verified when scheduled
         self.kv_caches: list[torch.Tensor] = []
-        self.states: dict[str, _ReqState] = {}
+        self.states: dict[str, RequestState] = {}
         self.pooler = Pooler()  # embedding requests' partial sums (kvrelay.engine.pooling)
         self.kv_sender = kv_sender
         self.grammars = grammars
@@ -279,7 +249,7 @@ class ModelRunner:
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, spec_token_ids=drafts,
                                  prompt_logprobs=prompt_logprobs, pooled=pooled)
 
-    def _forward(self, batch: _Batch, on_layer_done) -> torch.Tensor:
+    def _forward(self, batch: StepBatch, on_layer_done) -> torch.Tensor:
         """The step's hidden states: a captured graph's replay for a decode-only step that has one, else eager."""
         if self.graphs is not None and on_layer_done is None and batch.lora is None and batch.embeds_at is None:
             size = self.graphs.size_for(len(batch.req_ids), batch.meta)
@@ -349,7 +319,7 @@ class ModelRunner:
                 return None
         return matcher
 
-    def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor) -> None:
+    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> None:
         """Each prompt token's logprob given the tokens before it, for requests that asked (positions this
         step computed; a request's prompt is never a prefix-cache hit, so every position is computed)."""
         for i, rid in enumerate(batch.req_ids):
@@ -365,7 +335,7 @@ class ModelRunner:
                 targets = st.token_ids[lo + 1 : hi + 1]
                 st.prompt_logprobs.extend(_token_logprobs(logits, targets, st.params.prompt_logprobs or 0))
 
-    def _pool(self, batch: _Batch, hidden: torch.Tensor) -> dict[str, tuple[float, ...]]:
+    def _pool(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, tuple[float, ...]]:
         """Pooling requests' rows to the pooler; the vectors of those whose prompts this step completes."""
         for i in batch.pooling:
             rid = batch.req_ids[i]
@@ -427,7 +397,7 @@ class ModelRunner:
             params, outputs = new.sampling_params, list(new.token_ids[new.num_prompt_tokens :])
             # A resumed request (migrated) replays its earlier output too: the last prompt tokens.
             replay = list(new.token_ids[new.num_prompt_tokens - params.num_resumed_tokens :])
-            self.states[new.req_id] = _ReqState(
+            self.states[new.req_id] = RequestState(
                 list(new.token_ids), new.num_prompt_tokens, params, list(new.block_ids),
                 matcher=self._new_matcher(new.req_id, params, replay),
                 prompt_logprobs=[] if params.prompt_logprobs is not None and not outputs else None,
@@ -465,87 +435,16 @@ class ModelRunner:
                                     position=len(st.token_ids) + j, suppress_token_ids=suppress))
         return rows
 
-    def _prepare(self, sched: SchedulerOutput) -> _Batch:
-        counts, specs = sched.num_scheduled_tokens, sched.scheduled_spec_tokens
-        computed = {c.req_id: c.num_computed_tokens for c in sched.cached_reqs}
-        computed.update({n.req_id: n.num_computed_tokens for n in sched.new_reqs})
-        # Attention rows: (request, first position, query length). A decode that carries drafts becomes one
-        # single-token row per token, so each of its logits is computed exactly as a plain decode's would be.
-        attn_rows = []
-        for rid, count in counts.items():
-            num_drafts = len(specs.get(rid, ()))
-            if num_drafts and count == num_drafts + 1:
-                attn_rows.extend((rid, computed[rid] + j, 1) for j in range(count))
-            else:
-                attn_rows.append((rid, computed[rid], count))
-        # Decodes first: backends batch the single-token rows together (stable: a request's rows stay in order).
-        attn_rows.sort(key=lambda r: r[2] != 1)
-        req_ids = [r[0] for r in attn_rows]
-        num_decodes = sum(1 for r in attn_rows if r[2] == 1)
-        bs = self.block_size
-        q_lens = [r[2] for r in attn_rows]
-        starts = [r[1] for r in attn_rows]
-        seq_lens = [s + q for s, q in zip(starts, q_lens)]
-        ids: list[int] = []
-        block_lists = []
-        sample_ids, sample_rows, offsets, pooling, pool_rows = [], [], [], [], {}
-        offset = 0
-        for i, rid in enumerate(req_ids):
-            offsets.append(offset)
-            st = self.states[rid]
-            drafts = specs.get(rid, ())
-            block_lists.append(st.block_ids)
-            ids.extend(_tokens(st.token_ids, drafts, starts[i], seq_lens[i]))
-            offset += q_lens[i]
-            if st.params.pooling is not None:
-                pooling.append(i)
-                if seq_lens[i] == len(st.token_ids):  # its vector, no token
-                    pool_rows[rid] = offset - 1
-            elif seq_lens[i] == len(st.token_ids) + len(drafts):  # reaches the end: it samples (and verifies)
-                sample_ids.append(rid)
-                sample_rows.extend(range(offset - len(drafts) - 1, offset))
-        dev = self.device
-        qsl = np.zeros(len(req_ids) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=qsl[1:])
-        # Every token's position and slot at once (no numpy call per request: at 256 decodes those were ~1.5 ms).
-        tables = _block_tables(block_lists)
-        row_of = np.repeat(np.arange(len(req_ids)), q_lens)
-        positions = np.asarray(starts, dtype=np.int64)[row_of] + np.arange(offset) - qsl[:-1][row_of]
-        slots = tables[row_of, positions // bs].astype(np.int64) * bs + positions % bs
-        meta = AttentionMetadata(
-            num_reqs=len(req_ids),
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
-            query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_lens_cpu=q_lens,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            block_tables=torch.from_numpy(tables).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_size=bs,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        lora = None if self.lora is None else self.lora.batch([self.states[r].lora_name for r in req_ids], q_lens)
+    def _prepare(self, sched: SchedulerOutput) -> StepBatch:
+        """The step's flat batch (kvrelay.engine.step_batch), with its LoRA slots and image features."""
+        batch = build_batch(sched, self.states, self.block_size, self.device)
+        q_lens = batch.meta.query_lens_cpu
+        lora = None if self.lora is None else self.lora.batch([self.states[r].lora_name for r in batch.req_ids], q_lens)
         embeds_at = None
         if self.images is not None:
-            embeds_at = self.images.rows([(r, self.states[r].images, offsets[i], starts[i], q_lens[i])
-                                          for i, r in enumerate(req_ids) if self.states[r].images])
-        return _Batch(
-            req_ids=req_ids,
-            input_ids=input_ids,
-            positions=torch.from_numpy(positions).to(dev),
-            meta=meta,
-            sample_req_ids=sample_ids,
-            logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
-            pooling=pooling,
-            pool_rows=pool_rows,
-            offsets=offsets,
-            starts=starts,
-            lora=lora,
-            embeds_at=embeds_at,
-        )
+            embeds_at = self.images.rows([(r, self.states[r].images, batch.offsets[i], batch.starts[i], q_lens[i])
+                                          for i, r in enumerate(batch.req_ids) if self.states[r].images])
+        return batch if lora is None and embeds_at is None else replace(batch, lora=lora, embeds_at=embeds_at)
 
 
 def _token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
@@ -561,18 +460,3 @@ def _token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[To
     packed = torch.cat(cols, dim=1).cpu().tolist()
     return [TokenLogprobs(int(v[0]), v[1], int(v[2]), tuple((int(t), p) for t, p in zip(v[3 : 3 + k], v[3 + k :])))
             for v in packed]
-def _block_tables(block_lists: list[list[int]]) -> np.ndarray:
-    """int32 [rows, longest]: each row's block ids, then zeros."""
-    lens = np.fromiter(map(len, block_lists), dtype=np.int64, count=len(block_lists))
-    tables = np.zeros((len(block_lists), max(int(lens.max()), 1)), dtype=np.int32)
-    tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(block_lists), dtype=np.int32, count=int(lens.sum()))
-    return tables
-
-
-def _tokens(known: list[int], drafts: tuple[int, ...], start: int, end: int) -> list[int]:
-    """Positions [start, end) of the known tokens followed by the drafts."""
-    n = len(known)
-    if end <= n:
-        return known[start:end]
-    return [*known[start:n], *drafts[max(0, start - n) : end - n]]
