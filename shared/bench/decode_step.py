@@ -108,10 +108,9 @@ class DecodeDriver:
         self.runner = ModelRunner(config, load_model_info(config.model))
         self.num_blocks = config.cache.num_gpu_blocks_override
         self.runner.allocate_kv_cache(self.num_blocks)
-        self.graph_seconds = 0.0
         start = time.perf_counter()
-        self.runner.capture_graphs(max_len)
-        self.graph_seconds = time.perf_counter() - start if not eager else 0.0
+        self.runner.capture_graphs(max_len)  # (nothing when eager)
+        self.graph_seconds = time.perf_counter() - start
         self.blocks_per_seq = blocks_per_seq
         self.vocab = self.runner.vocab_size
 
@@ -152,9 +151,8 @@ class DecodeDriver:
 
     def time_forwards(self, batch: int, context: int, iters: int = 20) -> dict[str, float]:
         """Seconds of the model's decode forward and greedy argmax alone, as the GPU runs them back to back (CUDA
-        events around `iters` calls): replaying a graph captured for this batch, and launched eagerly."""
+        events around `iters` calls): replaying the runner's graph for this batch, and launched eagerly."""
         from kvrelay.engine.attention.base import AttentionMetadata
-        from kvrelay.engine.cuda_graphs import DecodeGraphs
 
         model, caches, bs, dev = self.runner.model, self.runner.kv_caches, self.block_size, self.runner.device
         blocks = torch.randperm(self.num_blocks - 1, device=dev)[: batch * self.blocks_per_seq] + 1
@@ -168,9 +166,11 @@ class DecodeDriver:
             block_tables=tables, slot_mapping=tables[:, last // bs].long() * bs + last % bs, block_size=bs)
         ids = torch.randint(0, self.vocab, (batch,), device=dev)
         pos = torch.full((batch,), last, dtype=torch.int64, device=dev)
-        graphs = DecodeGraphs(model, caches, [batch], self.blocks_per_seq, bs)
-        graphs.capture()
-        steps = {"graph": lambda: model.greedy_tokens(graphs.replay(batch, ids, pos, meta)),
+        graphs = self.runner.graphs  # the ladder up to the largest batch: this one or the next size up
+        size = graphs.size_for(batch, meta) if graphs is not None else None
+        if size is None:
+            raise RuntimeError(f"no CUDA graph holds {batch} rows")
+        steps = {"graph": lambda: model.greedy_tokens(graphs.replay(size, ids, pos, meta)),
                  "eager": lambda: model.greedy_tokens(model(ids, pos, caches, meta))}
         out = {}
         with torch.inference_mode():
