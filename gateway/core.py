@@ -41,6 +41,7 @@ from kvrelay.gateway.admission import Activity, Admission
 from kvrelay.gateway.auth import DEFAULT_TENANT, Principal, current_principal
 from kvrelay.gateway.dispatch import Dispatcher
 from kvrelay.gateway.errors import BadRequest, ShuttingDown
+from kvrelay.gateway.handover import KeyedRun, RunRecord, keyed_run
 from kvrelay.gateway.node_client import EngineRequest
 from kvrelay.gateway.outputs import ChoiceOutput, Delta, OutputOptions, TokenTexts
 from kvrelay.gateway.ratelimit import current_rate
@@ -207,8 +208,11 @@ class Generation:
         self.core = core
         self.inp = inp
         self.principal = principal
-        self.request_id = inp.request_id or new_request_id("req")
         n = inp.params.n
+        run = keyed_run.get()  # a keyed request: handed over to another gateway should this one die
+        self.run: KeyedRun | None = run if run is not None and n == 1 and inp.beam_search is None else None
+        resumed = self.run.resume if self.run is not None else None
+        self.request_id = resumed.request_id if resumed is not None else inp.request_id or new_request_id("req")
         self.choices = [ChoiceOutput(i, core.tokenizer, core.texts, inp.prompt_token_ids, inp.options)
                         for i in range(n)]
         self._start = time.perf_counter()
@@ -241,10 +245,12 @@ class Generation:
         error: BaseException | None = None
         with self.core.in_progress(self.principal):
             try:
-                with tracing.span("route", self._span):
-                    decision = await self.core.dispatcher.route(self.inp.prompt_token_ids, self.inp.cache_salt,
-                                                                self.deadline, user=self.inp.user,
-                                                                lora_name=self.inp.lora_name, images=self.inp.images)
+                decision = None
+                if self.run is None or self.run.resume is None:  # (a resumed sequence's node is known)
+                    with tracing.span("route", self._span):
+                        decision = await self.core.dispatcher.route(
+                            self.inp.prompt_token_ids, self.inp.cache_salt, self.deadline, user=self.inp.user,
+                            lora_name=self.inp.lora_name, images=self.inp.images)
                 if self.inp.beam_search is not None:
                     source = self._beam_stream(decision)
                 else:
@@ -272,11 +278,15 @@ class Generation:
     async def _choice_stream(self, decision, index: int) -> AsyncIterator[tuple[int, TokenChunk]]:
         params = self.inp.params
         child = params.for_child(index) if params.n > 1 else params
+        run = self.run
         req = EngineRequest(f"{self.request_id}-{index}", self.inp.prompt_token_ids, child, self.inp.cache_salt,
                             deadline=self.deadline, lora_name=self.inp.lora_name, span=self._span,
-                            images=self.inp.images)
+                            images=self.inp.images, keep_s=run.keep_s if run is not None else 0.0)
         choice = self.choices[index]
-        async with aclosing(self.core.dispatcher.stream(decision, req, self.traces[index])) as stream:
+        handover = {} if run is None else {
+            "resume": run.resume.placement if run.resume is not None else None,
+            "placed": lambda placement: run.publish(RunRecord(self.request_id, placement))}
+        async with aclosing(self.core.dispatcher.stream(decision, req, self.traces[index], **handover)) as stream:
             async for chunk in stream:
                 yield index, chunk
                 if choice.finished:  # a stop string ended it: closing the stream aborts it on the node

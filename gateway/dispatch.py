@@ -22,6 +22,12 @@ LoRA: a sequence keeps its adapter through every hop, retry and move; before a n
 adapter is loaded there if the node lacks it (gateway.adapters), and a node that answers it does not hold the
 adapter is skipped like a full one.
 
+Hand-over between gateways: a keyed request's sequence runs with keep_s, so its node keeps it when this gateway
+dies, and each time a node's token stream of it starts, `placed` gets its Placement (gateway.shared_answers
+stores it in Redis). Another gateway calls stream() with that Placement as `resume`: it yields the chunks the
+client had, then follows the node's record of the sequence (Attach), and goes on as the first gateway would
+have, moves included.
+
 Deadline: a request's deadline bounds every call (gRPC deadlines, so a node aborts the sequence by itself
 even if the gateway is gone); past it the sequence ends with RequestTimeout.
 Leaving the stream early (client gone, stop string, shutdown) aborts the sequence on every node that holds
@@ -33,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
@@ -43,11 +49,16 @@ from kvrelay.common.wire import PrefillResult, ReserveResult, TokenChunk
 from kvrelay.gateway.adapters import Adapters
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.discovery import Discovery, Node
-from kvrelay.gateway.errors import BadRequest, ModelNotFound, NoCapacity, NodeFailure, Overloaded, RequestTimeout
+from kvrelay.gateway.dispatch_outcomes import Outcomes
+from kvrelay.gateway.errors import (
+    NoCapacity,
+    NodeFailure,
+    RunGone,
+)
 from kvrelay.gateway.liveness import Liveness
 from kvrelay.gateway.node_client import EngineRequest, NodeClients, NodeRpcError
 from kvrelay.gateway.router import RouteDecision, Router
-from kvrelay.gateway.sequence_state import Holders, SequenceAttempts, Tracked
+from kvrelay.gateway.sequence_state import Holders, Placement, SequenceAttempts, Tracked
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +81,7 @@ class Dispatcher:
         self.liveness = liveness
         self.metrics = metrics
         self.config = config or DispatchConfig()
+        self.outcomes = Outcomes(discovery, metrics, self.config.queue_timeout_s)
         self._background: set[asyncio.Task] = set()
 
     # ----------------------------------------------------------------------------------------- routing
@@ -88,22 +100,33 @@ class Dispatcher:
             except NoCapacity as e:
                 if time.monotonic() >= wait_until:
                     if deadline is not None and time.monotonic() >= deadline:
-                        raise self._timeout() from None
+                        raise self.outcomes.timeout() from None
                     raise failure or e from None
             exclude = ()  # the breakers keep dead nodes out; a node that failed once may be back
             await asyncio.sleep(0.1)
 
     # ------------------------------------------------------------------------------------------ stream
 
-    async def stream(self, decision: RouteDecision, req: EngineRequest,
-                     trace: dict | None = None) -> AsyncIterator[TokenChunk]:
-        """The sequence's chunks; `trace` gets the nodes that actually served it ("prefill" None: local)."""
+    async def stream(self, decision: RouteDecision | None, req: EngineRequest, trace: dict | None = None, *,
+                     resume: Placement | None = None,
+                     placed: Callable[[Placement], None] | None = None) -> AsyncIterator[TokenChunk]:
+        """The sequence's chunks; `trace` gets the nodes that actually served it ("prefill" None: local).
+        `resume`: go on with a sequence another gateway ran (no `decision` needed); RunGone when its node no
+        longer keeps it. `placed`: told where each node's stream of the sequence starts."""
         seq = SequenceAttempts(req, trace if trace is not None else {})
+        if resume is not None:
+            seq.resume(resume)
+            for chunk in resume.prefix:
+                yield chunk
+        on_node = (lambda node, rid, skip: placed(seq.placement(node, rid, skip))) if placed is not None else None
         while True:
-            holders = Holders({}, seq.trace)
+            holders = Holders({}, seq.trace) if on_node is None else Holders({}, seq.trace, on_node)
             finished = False
+            attempt = (self._attach(resume, seq.current, holders) if resume is not None
+                       else self._attempt(decision, seq.current, holders))
+            resume = None
             try:
-                async with aclosing(self._attempt(decision, seq.current, holders)) as source:
+                async with aclosing(attempt) as source:
                     async for chunk in source:
                         if chunk.finish_reason == "abort":  # the gateway never reads past its own aborts
                             finished = True  # nothing is left to abort: the node has dropped the sequence
@@ -124,7 +147,7 @@ class Dispatcher:
 
     async def _redispatch(self, seq: SequenceAttempts, failure: NodeFailure) -> RouteDecision:
         if seq.current.expired():
-            raise self._timeout()
+            raise self.outcomes.timeout()
         if seq.moves >= self.config.migration_limit:
             logger.warning("%s: not moved again after %d moves: %s", seq.original.request_id, seq.moves,
                            failure.message)
@@ -167,7 +190,7 @@ class Dispatcher:
                 raise NodeFailure("every decode node failed during the hand-off")
             hop = replace(req, request_id=f"{req.request_id}.h{i + 1}")
         if result is None:  # no prefill node could do it: a live decode node prefills the sequence itself
-            self._count_retry("local")
+            self.outcomes.count_retry("local")
             async with aclosing(self._local(decodes, hop, holders)) as stream:
                 async for chunk in stream:
                     yield chunk
@@ -190,9 +213,11 @@ class Dispatcher:
         try:
             yield first
         finally:  # bookkeeping after the first token has gone out, not before
-            self._observe(local=False, num_prompt=len(req.prompt_token_ids), num_cached=result.num_cached_tokens)
+            self.outcomes.observe(local=False, num_prompt=len(req.prompt_token_ids),
+                                  num_cached=result.num_cached_tokens)
         if result.finish_reason:
             return
+        holders.placed(decode, req.request_id, True)
         with self._track(decode):
             async with aclosing(self._continue(decode, req, result)) as stream:
                 async for chunk in stream:
@@ -214,7 +239,7 @@ class Dispatcher:
                         span.set_attribute("kvrelay.cached_tokens", res.num_cached_tokens)
             except NodeRpcError as e:
                 holders.remove(node)
-                self._hop_failed(node, e, req, "reserve")
+                self.outcomes.hop_failed(node, e, req, "reserve")
                 if e.busy:
                     waited = time.monotonic() - start >= 0.9 * self.config.queue_timeout_s
                     timed_out, refused = timed_out + waited, refused + (not waited)
@@ -222,7 +247,7 @@ class Dispatcher:
                 continue
             self.discovery.record_success(node.node_id)
             return node, res
-        raise self._exhausted("decode", refused, timed_out, last)
+        raise self.outcomes.exhausted("decode", refused, timed_out, last)
 
     async def _prefill(self, node: Node, decode: Node, req: EngineRequest, reservation: ReserveResult,
                        holders: Holders) -> PrefillResult | None:
@@ -242,13 +267,13 @@ class Dispatcher:
                                          "kvrelay.kv_transfer.seconds": result.transfer_seconds})
         except NodeRpcError as e:
             logger.warning("prefill of %s on %s failed, trying the next node: %s", req.request_id, node.node_id, e)
-            self._count("transfer_failures")
+            self.outcomes.count("transfer_failures")
             if e.handoff_failed:
                 # The prefill node is fine and says the transfer failed: blame the decode node only if it
                 # does not answer a probe either.
                 await self.discovery.probe(decode)
             else:
-                self._hop_failed(node, e, req, "prefill")
+                self.outcomes.hop_failed(node, e, req, "prefill")
             return None
         finally:
             holders.remove(node)
@@ -258,21 +283,43 @@ class Dispatcher:
         return result
 
     async def _continue(self, decode: Node, req: EngineRequest, handoff: PrefillResult) -> AsyncIterator[TokenChunk]:
-        skip = 1  # the decode node streams from the handed-off token on; the caller already has it
         try:
             with self.liveness.watch(decode) as watch, \
                     tracing.span("decode", req.span, {"kvrelay.node_id": decode.node_id}) as span:
                 client = self.clients.get(decode.address)
-                async with aclosing(client.generate(_hop(req, span), handoff, watch)) as stream:
+                # The decode node streams from the handed-off token on; the caller already has it.
+                async with aclosing(_skip_first(client.generate(_hop(req, span), handoff, watch))) as stream:
                     async for chunk in stream:
-                        if skip:
-                            chunk, skip = _drop_first(chunk), 0
-                            if not chunk.token_ids and not chunk.finish_reason:
-                                continue
                         yield chunk
         except NodeRpcError as e:
-            raise self._stream_failed(decode, e, req) from None
+            raise self.outcomes.stream_failed(decode, e, req) from None
         self.discovery.record_success(decode.node_id)
+
+    async def _attach(self, place: Placement, req: EngineRequest, holders: Holders) -> AsyncIterator[TokenChunk]:
+        """The rest of a sequence another gateway ran: the node's record of it, less what the client had."""
+        node = next((n for n in self.discovery.nodes() if n.node_id == place.node_id), None)
+        if node is None:
+            raise NodeFailure(f"decode node {place.node_id}, which ran the request, is not among this gateway's "
+                              "nodes", node_id=place.node_id)
+        holders.add(node, req.request_id)
+        holders.trace.update(prefill=place.prefill_node_id, decode=node.node_id)
+        try:
+            with self.liveness.watch(node) as watch, self._track(node), \
+                    tracing.span("attach", req.span, {"kvrelay.node_id": node.node_id}):
+                stream = self.clients.get(node.address).attach(req, 0, watch)
+                if place.skip_first:
+                    stream = _skip_first(stream)
+                async with aclosing(stream):
+                    async for chunk in stream:
+                        yield chunk
+        except NodeRpcError as e:
+            if e.missing:
+                holders.remove(node)
+                raise RunGone(f"{place.request_id!r}: decode node {node.node_id} no longer keeps this request "
+                              "(it ended or was aborted long enough ago); send it anew without Last-Event-ID",
+                              param="Last-Event-ID") from None
+            raise self.outcomes.stream_failed(node, e, req) from None
+        self.discovery.record_success(node.node_id)
 
     # ---------------------------------------------------------------------------------------- local
 
@@ -291,6 +338,7 @@ class Dispatcher:
                         tracing.span("decode", req.span, {"kvrelay.node_id": node.node_id,
                                                           "kvrelay.local_prefill": True}) as span:
                     client = self.clients.get(node.address)
+                    holders.placed(node, req.request_id, False)
                     async with aclosing(client.generate(_hop(req, span), watch=watch)) as stream:
                         with self.router.track_prefill(node.node_id, num_prompt - cached):
                             first = await anext(stream, None)
@@ -302,7 +350,7 @@ class Dispatcher:
                         try:
                             yield first
                         finally:  # bookkeeping after the first token has gone out, not before
-                            self._observe(local=True, num_prompt=num_prompt, num_cached=first.num_cached_tokens)
+                            self.outcomes.observe(local=True, num_prompt=num_prompt, num_cached=first.num_cached_tokens)
                         async for chunk in stream:
                             yield chunk
                 self.discovery.record_success(node.node_id)
@@ -310,51 +358,13 @@ class Dispatcher:
             except NodeRpcError as e:
                 holders.remove(node)
                 if started:
-                    raise self._stream_failed(node, e, req) from None
-                self._hop_failed(node, e, req, "local")
+                    raise self.outcomes.stream_failed(node, e, req) from None
+                self.outcomes.hop_failed(node, e, req, "local")
                 refused += e.busy
                 last = e
-        raise self._exhausted("decode", refused, 0, last)
+        raise self.outcomes.exhausted("decode", refused, 0, last)
 
-    # -------------------------------------------------------------------------------------- failures
-
-    def _hop_failed(self, node: Node, e: NodeRpcError, req: EngineRequest, hop: str) -> None:
-        """A call before any output failed: raise if the request cannot go on, else note it and move on."""
-        if e.bad_input and not e.method.endswith("LoRAAdapter"):
-            raise BadRequest.from_value_error(ValueError(e.details)) from None
-        if req.expired():
-            raise self._timeout() from None
-        self._count_retry(hop)
-        if e.busy or e.duplicate or e.draining or e.missing or e.method.endswith("LoRAAdapter"):
-            if e.busy:
-                self._count("reservation_refusals")
-            return  # the node is fine; it just cannot take this one
-        self._node_failed(node, e)
-
-    def _stream_failed(self, node: Node, e: NodeRpcError, req: EngineRequest) -> Exception:
-        if req.expired():
-            return self._timeout()
-        if not e.draining:
-            self._node_failed(node, e)
-        return NodeFailure(f"decode node {node.node_id} failed mid-stream: {e.details or e.code.name}",
-                           node_id=node.node_id)
-
-    def _exhausted(self, role: str, refused: int, timed_out: int, last: NodeRpcError | None) -> Exception:
-        if refused:
-            return Overloaded(f"every {role} node that could take the request is at its queue bound "
-                              f"({refused} refused); retry later")
-        if timed_out:
-            return NoCapacity(f"no {role} node had room for the request within "
-                              f"{self.config.queue_timeout_s:g}s; retry later")
-        if last is not None and last.missing:
-            return ModelNotFound(last.details, param="model")
-        detail = f": {last.details or last.code.name}" if last is not None else ""
-        return NodeFailure(f"no {role} node could take the request{detail}")
-
-    def _node_failed(self, node: Node, e: NodeRpcError) -> None:
-        self.discovery.record_failure(node, e, answered=e.answered)
-        if self.metrics is not None:
-            self.metrics.node_failures.labels(node.node_id).inc()
+    # -------------------------------------------------------------------------------------- helpers
 
     async def _ensure_adapter(self, node: Node, req: EngineRequest) -> None:
         if req.lora_name and self.adapters is not None:
@@ -363,28 +373,8 @@ class Dispatcher:
     def _routable(self, node: Node) -> bool:
         return any(n.node_id == node.node_id for n in self.discovery.routable(node.role))
 
-    def _timeout(self) -> RequestTimeout:
-        if self.metrics is not None:
-            self.metrics.request_timeouts.inc()
-        return RequestTimeout("the request passed its deadline (--request-timeout) and was aborted")
-
-    # -------------------------------------------------------------------------------------- helpers
-
     def _track(self, node: Node) -> Tracked:
         return Tracked(self.router.track_sequence(node.node_id), self.metrics, node)
-
-    def _observe(self, local: bool, num_prompt: int, num_cached: int) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_mode(local)
-            self.metrics.observe_prefix(num_prompt, num_cached)
-
-    def _count(self, name: str) -> None:
-        if self.metrics is not None:
-            getattr(self.metrics, name).inc()
-
-    def _count_retry(self, hop: str) -> None:
-        if self.metrics is not None:
-            self.metrics.retries.labels(hop).inc()
 
     def _abort_all(self, holders: Holders) -> None:
         for node, request_id in list(holders.nodes.values()):
@@ -409,8 +399,17 @@ class Dispatcher:
             await asyncio.wait(list(self._background), timeout=timeout_s)
 
 
-def _drop_first(chunk: TokenChunk) -> TokenChunk:
-    return replace(chunk, token_ids=chunk.token_ids[1:], logprobs=chunk.logprobs[1:])
+async def _skip_first(stream: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
+    """A hand-off's decode stream without its first token (the prefill node's, which the caller has)."""
+    first = True
+    async with aclosing(stream):
+        async for chunk in stream:
+            if first:
+                first = False
+                chunk = replace(chunk, token_ids=chunk.token_ids[1:], logprobs=chunk.logprobs[1:])
+                if not chunk.token_ids and not chunk.finish_reason:
+                    continue
+            yield chunk
 
 
 def _hop(req: EngineRequest, span) -> EngineRequest:

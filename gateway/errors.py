@@ -85,6 +85,12 @@ class NotFound(GatewayError):
     type = "not_found_error"
 
 
+class RunGone(NotFound):
+    """A keyed request's record named a node that no longer keeps it (it ended long ago, or was aborted)."""
+
+    code = "stream_not_found"
+
+
 class ModelNotFound(NotFound):
     type = "invalid_request_error"
     code = "model_not_found"

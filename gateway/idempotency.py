@@ -19,9 +19,16 @@ What a repeat gets:
 
 A keyed stream is recorded instead (gateway.resumable): a repeat follows it, and one with `Last-Event-ID`
 resumes it after that event. The store is this gateway's, in memory, and bounded (`max_entries`; the oldest
-finished answers go first). With Redis, stored answers are also the fleet's (gateway.shared_answers): a retry
-that reaches another gateway after the first copy finished gets its answer there. A copy still running on
-another gateway, and a stream, are not shared: such a retry runs again.
+finished answers go first).
+
+With Redis, keyed requests are the fleet's (gateway.shared_answers, gateway.handover):
+- A retry that reaches another gateway after the first copy finished gets its stored answer there.
+- While the first copy runs, its record says where. A retry or a stream's reconnect that reaches another
+  gateway (the first one died, or a load balancer chose another) goes on with the running sequence, and no
+  token is computed twice. A stream's events come out the same on every gateway, so `Last-Event-ID` means the
+  same everywhere.
+- When the record's node no longer keeps the sequence, a retry computes it anew, and a reconnect with
+  `Last-Event-ID` gets 404 `stream_not_found`.
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvrelay.gateway.auth import current_principal
-from kvrelay.gateway.errors import BadRequest, NotFound
+from kvrelay.gateway.errors import BadRequest, NotFound, RunGone
+from kvrelay.gateway.handover import KeyedRun, RunRecord, keyed_run
 from kvrelay.gateway.resumable import RecordedStream, last_event_id
 from kvrelay.gateway.serving_common import SSEResponse
-from kvrelay.gateway.shared_answers import RequestKey, SharedAnswers, StoredAnswer
+from kvrelay.gateway.shared_answers import RequestKey, SharedAnswers, SharedEntry, StoredAnswer
 
 IDEMPOTENCY_KEY = "idempotency-key"
 REQUEST_ID = "x-request-id"
@@ -122,12 +130,16 @@ class IdempotentRequests:
         if entry is not None and after is None and entry.stream is not None and entry.stream.abandoned:
             self._forget(key)  # aborted for want of a client: the request sent anew runs anew
             entry = None
+        resume = None
         if entry is None:
-            if after is not None:
-                raise NotFound(f"Last-Event-ID: no stream under {key.value!r} on this gateway to resume (it ended "
-                               f"more than {self.ttl_s:g} s ago, or it ran elsewhere); send the request anew",
-                               param="Last-Event-ID", code="stream_not_found")
-            first = asyncio.create_task(self._start_stream(key, start))
+            resume = await self._running_elsewhere(key, print_)
+            entry = self._entries.get(key)  # a copy that started here meanwhile
+        if entry is None:
+            if after is not None and resume is None:
+                raise NotFound(f"Last-Event-ID: no stream under {key.value!r} to resume (it ended more than "
+                               f"{self.ttl_s:g} s ago, or its gateway could not say where it runs); send the "
+                               "request anew", param="Last-Event-ID", code="stream_not_found")
+            first = asyncio.create_task(self._start_stream(key, print_, start, resume, after is None))
             first.add_done_callback(_retrieve)
             entry = self._entries[key] = _Entry(print_, first)
         else:
@@ -136,8 +148,10 @@ class IdempotentRequests:
         recorded = await asyncio.shield(entry.run)
         return recorded.response(after) if isinstance(recorded, RecordedStream) else recorded
 
-    async def _start_stream(self, key: RequestKey, start: Callable[[], Awaitable[Response]]):
-        response = await self._started(key, start)  # routing and the first token: errors are the callers' 4xx/5xx
+    async def _start_stream(self, key: RequestKey, print_: bytes, start: Callable[[], Awaitable[Response]],
+                            resume: RunRecord | None, fall_back: bool):
+        # Routing and the first token: errors are the callers' 4xx/5xx.
+        response = await self._started(key, print_, start, resume, fall_back)
         if not isinstance(response, SSEResponse):
             self._entries.pop(key, None)
             return response
@@ -156,19 +170,24 @@ class IdempotentRequests:
         copy runs or ran within ttl_s."""
         self._expire()
         entry = self._entries.get(key)
-        if entry is None and self.shared is not None:
-            found = await self.shared.get(key)  # another gateway's answer
+        resume = None
+        if entry is None and self._fleet:
+            found = await self.shared.get(key)  # another gateway's answer, or where its copy runs
             entry = self._entries.get(key)  # or a copy that started here meanwhile
             if entry is None and found is not None:
-                if found[0] == print_:
+                if found.fingerprint != print_:
+                    self._refuse_reuse(key)
+                elif found.answer is not None:
                     self._on_replay("stored")
-                    return found[1].response()
-                self._refuse_reuse(key)
+                    return found.answer.response()
+                elif found.run is not None:
+                    self._on_replay("attached")
+                    resume = found.run
         if entry is not None and entry.fingerprint != print_:
             self._refuse_reuse(key)
             return await start()  # an X-Request-Id reused for another request: nothing to share
         if entry is None:
-            first = asyncio.create_task(self._first(key, start))
+            first = asyncio.create_task(self._first(key, print_, start, resume))
             first.add_done_callback(_retrieve)  # its error is its callers'; when all hung up, nobody's
             entry = self._entries[key] = _Entry(print_, first)
         elif entry.stored is not None:
@@ -180,17 +199,51 @@ class IdempotentRequests:
         # Shielded: a caller that hangs up leaves the generation running for the retry it will send.
         return await asyncio.shield(entry.run)
 
-    async def _started(self, key: RequestKey, start: Callable[[], Awaitable[Response]]) -> Response:
-        """`start()`'s answer; if it fails, the key is forgotten (a failure is not kept) and the error raised."""
+    @property
+    def _fleet(self) -> bool:
+        """Keyed requests are shared with the other gateways (through Redis)."""
+        return self.shared is not None and self.shared.enabled
+
+    async def _running_elsewhere(self, key: RequestKey, print_: bytes) -> RunRecord | None:
+        """Where another gateway's copy of this request runs (None: nowhere known, or another body)."""
+        found: SharedEntry | None = await self.shared.get(key) if self._fleet else None
+        if found is None or found.run is None:
+            return None
+        if found.fingerprint != print_:
+            self._refuse_reuse(key)
+            return None
+        self._on_replay("attached")
+        return found.run
+
+    async def _started(self, key: RequestKey, print_: bytes, start: Callable[[], Awaitable[Response]],
+                       resume: RunRecord | None = None, fall_back: bool = True) -> Response:
+        """`start()`'s answer, run as a KeyedRun with Redis (going on with `resume` if set: where another
+        gateway's copy runs; if that is gone and `fall_back`, computed anew). If it fails, the key is forgotten
+        (a failure is not kept) and the error raised."""
         try:
-            return await start()
+            if not self._fleet:
+                return await start()
+            try:
+                keyed_run.set(self._keyed(key, print_, resume))
+                return await start()
+            except RunGone:
+                if resume is None or not fall_back:
+                    raise
+                keyed_run.set(self._keyed(key, print_, None))
+                return await start()
         except BaseException:
             self._entries.pop(key, None)
             raise
 
-    async def _first(self, key: RequestKey, start: Callable[[], Awaitable[Response]]) -> Response:
+    def _keyed(self, key: RequestKey, print_: bytes, resume: RunRecord | None) -> KeyedRun:
+        shared, ttl_s = self.shared, self.ttl_s
+        assert shared is not None
+        return KeyedRun(self.resume_grace_s, resume, lambda record: shared.put_run(key, print_, record, ttl_s))
+
+    async def _first(self, key: RequestKey, print_: bytes, start: Callable[[], Awaitable[Response]],
+                     resume: RunRecord | None) -> Response:
         entry = self._entries[key]
-        response = await self._started(key, start)
+        response = await self._started(key, print_, start, resume)
         if 200 <= response.status_code < 300 and isinstance(response.body, bytes):
             headers = tuple((k, v) for k, v in response.headers.items() if not k.lower().startswith(_OWN_HEADERS))
             entry.stored = StoredAnswer(response.status_code, response.body, response.media_type, headers)

@@ -69,6 +69,7 @@ class EngineRequest:
     deadline: float | None = None
     lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
     images: tuple[ImageInput, ...] = ()  # the prompt's images (a vision-language model)
+    keep_s: float = 0.0  # > 0: the node keeps the sequence this long after its stream breaks (kvrelay.node.kept)
     span: object | None = field(default=None, repr=False)  # the sequence's span (kvrelay.common.tracing)
     traceparent: str = ""  # this call's parent span, as sent to the node
     _proto_params: pb.SamplingParams | None = field(default=None, repr=False)
@@ -174,7 +175,8 @@ class NodeClient:
         """Stream the sequence's tokens; leaving the loop early cancels the call on the node."""
         msg = pb.GenerateRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                  params=req.proto_params(), cache_salt=req.cache_salt, lora_name=req.lora_name,
-                                 traceparent=req.traceparent, images=wire.images_to_proto(req.images))
+                                 traceparent=req.traceparent, images=wire.images_to_proto(req.images),
+                                 keep_ms=int(req.keep_s * 1000))
         if handoff is not None:
             msg.handoff.CopyFrom(wire.handoff_to_proto(handoff))
         if req.beam_search is not None:
@@ -193,13 +195,23 @@ class NodeClient:
                     raise
                 self._many = False
                 logger.info("node %s has no GenerateMany: a Generate call per sequence", self.address)
-        async with aclosing(self._generate_one(msg, req, watch)) as chunks:
+        async with aclosing(self._stream("Generate", msg, req, watch)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
-    async def _generate_one(self, msg: pb.GenerateRequest, req: EngineRequest,
-                            watch: CallWatch | None) -> AsyncIterator[TokenChunk]:
-        call = self._stub.Generate(msg, timeout=None if req.deadline is None else req.timeout(float("inf")))
+    async def attach(self, req: EngineRequest, from_chunk: int = 0,
+                     watch: CallWatch | None = None) -> AsyncIterator[TokenChunk]:
+        """Follow the kept sequence `req.request_id` from its chunk `from_chunk` (NodeRpcError NOT_FOUND: the
+        node does not keep it); leaving the loop early leaves the sequence running there."""
+        msg = pb.AttachRequest(request_id=req.request_id, from_chunk=from_chunk)
+        async with aclosing(self._stream("Attach", msg, req, watch)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _stream(self, method: str, msg, req: EngineRequest,
+                      watch: CallWatch | None) -> AsyncIterator[TokenChunk]:
+        """A server-streaming call of TokenChunks, on its own (not over GenerateMany)."""
+        call = getattr(self._stub, method)(msg, timeout=None if req.deadline is None else req.timeout(float("inf")))
         if watch is not None:
             watch.call = call
         try:
@@ -208,10 +220,10 @@ class NodeClient:
                     watch.output()
                 yield wire.chunk_from_proto(chunk)
         except grpc.aio.AioRpcError as e:
-            raise NodeRpcError.from_grpc(self.address, "Generate", e) from None
+            raise NodeRpcError.from_grpc(self.address, method, e) from None
         except asyncio.CancelledError:
             if watch is not None:
-                watch.raise_if_failed(self.address, "Generate")
+                watch.raise_if_failed(self.address, method)
             raise
         finally:
             if watch is not None:

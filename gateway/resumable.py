@@ -12,7 +12,8 @@ A streaming completion sent with `Idempotency-Key` or `X-Request-Id` (gateway.id
 - A finished recording is kept for the idempotency ttl, so a late reconnect still gets the stream's end.
 
 Plain httpx with the two headers is all a client needs; nothing in the openai SDK is required. The recording is
-in this gateway's memory: a client must reconnect to the same gateway.
+in this gateway's memory. With Redis, a client that reconnects to another gateway gets the same events there:
+that gateway goes on with the running sequence and numbers its events the same (gateway.handover).
 """
 
 from __future__ import annotations

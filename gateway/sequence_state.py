@@ -1,10 +1,12 @@
 """What the dispatcher (dispatch.py) keeps of one sequence while it runs: the nodes that may hold its state (to
 abort them however it ends), its attempts across node failures (what the client has received, the next
-attempt's request), and its place in the router's and the metrics' in-flight counts on a node."""
+attempt's request), where it runs now (a Placement, for another gateway to attach to), and its place in the
+router's and the metrics' in-flight counts on a node."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from kvrelay.common.wire import TokenChunk
 from kvrelay.gateway.discovery import Node
@@ -12,12 +14,30 @@ from kvrelay.gateway.errors import NodeFailure
 from kvrelay.gateway.node_client import EngineRequest
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a sequence's tokens come from now, and what its client got before: what another gateway needs to
+    go on with it should this one die. The node keeps the sequence (EngineRequest.keep_s) and streams it again
+    from its first chunk on Attach."""
+
+    address: str  # the node's gRPC address
+    node_id: str
+    request_id: str  # the node's id of the sequence
+    prefix: tuple[TokenChunk, ...]  # what the client got before this node's stream, as the dispatcher yielded it
+    skip_first: bool  # the node's stream begins with the handed-off token, which is already in the prefix
+    moves: int  # the sequence's moves so far (the next attempt's id counts on from here)
+    extended: bool  # the node's prompt carries earlier output
+    prefill_node_id: str | None = None  # who computed the prompt (None: the decode node itself)
+
+
 @dataclass
 class Holders:
-    """Nodes that may hold state for the sequence right now (to abort on an early exit)."""
+    """Nodes that may hold state for the sequence right now (to abort on an early exit). `placed(node,
+    request_id, skip_first)`: a node's token stream of the sequence is about to start."""
 
     nodes: dict[str, tuple[Node, str]]
     trace: dict
+    placed: Callable[[Node, str, bool], None] = field(default=lambda node, request_id, skip_first: None)
 
     def add(self, node: Node, request_id: str) -> None:
         self.nodes[node.node_id] = (node, request_id)
@@ -33,6 +53,7 @@ class SequenceAttempts:
         self.original = self.current = req
         self.trace = trace
         self.generated: list[int] = []
+        self.chunks: list[TokenChunk] = []  # as yielded, for a Placement's prefix
         self.failed: set[str] = set()
         self.moves = 0
         self.extended = False  # the current prompt carries earlier output
@@ -44,7 +65,20 @@ class SequenceAttempts:
         self.generated.extend(chunk.token_ids)
         if self.extended:  # its cache hit counted the earlier output too: the first attempt's figure stands
             chunk = replace(chunk, num_cached_tokens=0)
+        self.chunks.append(chunk)
         return chunk
+
+    def resume(self, place: Placement) -> None:
+        """Go on from where another gateway left the sequence: its client got `place.prefix`, and the node it
+        names streams the rest."""
+        self.chunks = list(place.prefix)
+        self.generated = [t for chunk in place.prefix for t in chunk.token_ids]
+        self.moves, self.extended = place.moves, place.extended
+        self.current = replace(self.original, request_id=place.request_id)
+
+    def placement(self, node: Node, request_id: str, skip_first: bool) -> Placement:
+        return Placement(node.address, node.node_id, request_id, tuple(self.chunks), skip_first, self.moves,
+                         self.extended, self.trace.get("prefill"))
 
     def move(self, failure: NodeFailure) -> None:
         """The next attempt's request: the prompt plus what was streamed, under a new id."""

@@ -33,6 +33,8 @@ class Reply:
     end: float = 0.0
     chunk_times: list[float] = field(default_factory=list)  # arrival of each event with content
     usage: dict | None = None
+    cut: bool = False  # the connection failed or broke (not an answer of the server's): a client may resume
+    last_event_id: str | None = None  # a stream's last `id:` read
 
     @property
     def ok(self) -> bool:
@@ -64,11 +66,16 @@ class Client:
                 connector=aiohttp.TCPConnector(limit=0, force_close=False))
         return self._session
 
-    async def post(self, endpoint: str, body: dict | bytes) -> Reply:
+    async def post(self, endpoint: str, body: dict | bytes, key: str | None = None,
+                   last_event_id: str | None = None) -> Reply:
         """POST to "chat" (/chat/completions) or "completions"; bytes are sent as they are (malformed requests).
-        A body with "stream": true is read as events."""
+        A body with "stream": true is read as events. `key`: its Idempotency-Key; `last_event_id`: resume the
+        keyed stream after that event (the gateway's gateway.resumable)."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return await self.request("POST", PATHS[endpoint], data, isinstance(body, dict) and bool(body.get("stream")))
+        headers = {**({"Idempotency-Key": key} if key else {}),
+                   **({"Last-Event-ID": last_event_id} if last_event_id is not None else {})}
+        return await self.request("POST", PATHS[endpoint], data, isinstance(body, dict) and bool(body.get("stream")),
+                                  headers)
 
     async def models(self) -> list[str]:
         reply = await self.request("GET", "models")
@@ -76,18 +83,22 @@ class Client:
             raise RuntimeError(f"GET {self.prefix}models: {reply.error or reply.status}")
         return [m["id"] for m in json.loads(reply.text).get("data") or []]
 
-    async def request(self, method: str, path: str, data: bytes = b"", stream: bool = False) -> Reply:
+    async def request(self, method: str, path: str, data: bytes = b"", stream: bool = False,
+                      headers: dict[str, str] | None = None) -> Reply:
         """Never raises for what the server does: a failure is the reply's `error` (and status 0 without an
         answer); a request over the client's timeout fails as "timeout after N s"."""
         reply = Reply(start=time.perf_counter())
         try:
-            await asyncio.wait_for(self._exchange(reply, method, path, data, stream), self.timeout_s)
+            await asyncio.wait_for(self._exchange(reply, method, path, data, stream, headers or {}), self.timeout_s)
         except asyncio.TimeoutError:
             reply.error = f"timeout after {self.timeout_s:g} s"
         except aiohttp.ClientConnectorError as e:  # nothing listens there, or it cannot be reached
-            reply.error = f"{type(e.os_error).__name__}: {e}"[:500]
+            reply.error, reply.cut = f"{type(e.os_error).__name__}: {e}"[:500], True
         except Exception as e:  # dropped, not HTTP, not events: the request failed, not the run
-            reply.error = f"{type(e).__name__}: {e}"[:500]
+            reply.error, reply.cut = f"{type(e).__name__}: {e}"[:500], True
+        else:
+            if stream and reply.status == 200 and not reply.done and not reply.error:
+                reply.error, reply.cut = "the stream ended without [DONE]", True
         reply.end = time.perf_counter()
         return reply
 
@@ -102,19 +113,21 @@ class Client:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _exchange(self, reply: Reply, method: str, path: str, data: bytes, stream: bool) -> None:
+    async def _exchange(self, reply: Reply, method: str, path: str, data: bytes, stream: bool,
+                        headers: dict[str, str]) -> None:
         try:
-            await self._send(reply, method, path, data, stream)
+            await self._send(reply, method, path, data, stream, headers)
         except aiohttp.ServerDisconnectedError:
             if reply.status:
                 raise
             # The server closed a kept-alive connection as the request went out (its idle timeout): once more,
             # on a new connection, as HTTP clients do for a connection that never answered.
-            await self._send(reply, method, path, data, stream)
+            await self._send(reply, method, path, data, stream, headers)
 
-    async def _send(self, reply: Reply, method: str, path: str, data: bytes, stream: bool) -> None:
+    async def _send(self, reply: Reply, method: str, path: str, data: bytes, stream: bool,
+                    headers: dict[str, str]) -> None:
         async with self.session.request(method, self.prefix + path, data=data, allow_redirects=False,
-                                        headers={"Content-Type": "application/json"}) as response:
+                                        headers={"Content-Type": "application/json", **headers}) as response:
             reply.status = response.status
             reply.headers = {name.lower(): value for name, value in response.headers.items()}
             if stream and response.status == 200:
@@ -124,9 +137,10 @@ class Client:
 
 
 async def _read_events(content: aiohttp.StreamReader, reply: Reply) -> None:
-    pieces = []
     async for line in content:  # one line at a time, as it arrives
         now = time.perf_counter()
+        if line.startswith(b"id:"):
+            reply.last_event_id = line[3:].strip().decode()
         data = line.strip()[5:].strip() if line.startswith(b"data:") else None
         if data == b"[DONE]":
             reply.done = True
@@ -138,9 +152,8 @@ async def _read_events(content: aiohttp.StreamReader, reply: Reply) -> None:
                                                   else json.dumps(error))[:480]
             reply.usage = event.get("usage") or reply.usage
             if text := "".join(_content(c) for c in event.get("choices") or ()):
-                pieces.append(text)
+                reply.text += text
                 reply.chunk_times.append(now)
-    reply.text = "".join(pieces)
 
 
 def _read_answer(raw: bytes, reply: Reply) -> None:

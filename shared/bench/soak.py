@@ -7,8 +7,10 @@
 3. Burst (--burst N): N chat requests at once mixed with malformed ones; then every node must settle.
 4. Soak: --concurrency requests in flight from the set for --duration seconds while, every --kill-every seconds
    (once every node is back in rotation), a random prefill or decode node gets SIGKILL (--fault hang: SIGSTOP
-   for --hang-seconds, then SIGCONT; mixed: either; gateway: the gateway gets SIGKILL; roll: `kvrelay up`
+   for --hang-seconds, then SIGCONT; mixed: either; gateway: a gateway gets SIGKILL; roll: `kvrelay up`
    gets SIGHUP and restarts every process, one at a time). Greedy and seeded answers must equal their reference.
+   Each request goes out under an Idempotency-Key; one whose connection breaks is sent again under it, a
+   stream with the Last-Event-ID it read (with --up-args "--gateways 2", the other gateway goes on with it).
 5. Settle: wait until every node is back and idle, then report each node's load. Blocks in use must be 0.
 
 An answer is judged as a client sees it:
@@ -33,6 +35,7 @@ import shlex
 import signal
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +105,7 @@ class Tally:
     checked: int = 0
     mismatches: list[str] = field(default_factory=list)
     refused: int = 0  # attempts refused for want of a gateway, then sent again (not counted as requests)
+    resumed: int = 0  # requests cut mid-way (their gateway died), then sent again under their key or resumed
 
     def add(self, reply: Reply, req: SoakRequest | None = None, reference: dict[str, str] | None = None) -> None:
         self.verdicts[v := verdict(reply)] += 1
@@ -116,7 +120,7 @@ class Tally:
         sent = sum(self.verdicts.values())
         return {"sent": sent, "completed": self.verdicts["ok"], "failed": sent - self.verdicts["ok"]
                 - self.verdicts["client"], "verdicts": dict(sorted(self.verdicts.items())), "errors": dict(self.errors),
-                "refused_then_retried": self.refused,
+                "refused_then_retried": self.refused, "cut_then_resumed": self.resumed,
                 "checked_against_reference": self.checked, "mismatches": len(self.mismatches),
                 "mismatched_requests": self.mismatches[:20]}
 
@@ -247,6 +251,28 @@ def _refused(reply: Reply) -> bool:
     return reply.status == 0 and "Connect call failed" in reply.error
 
 
+async def send(client: Client, req: SoakRequest, tally: Tally, until: float) -> Reply:
+    """One request as a careful client sends it: under an Idempotency-Key, sent again when no gateway listened
+    (as the openai SDK retries a refused connection), and, when its connection broke (its gateway died),
+    sent again under the same key: a stream with the `Last-Event-ID` it had read, so it gets the rest (any
+    gateway goes on with the running sequence); the text is what it read over all its attempts."""
+    key = f"soak-{uuid.uuid4().hex}"
+    reply = await client.post(req.endpoint, req.body, key)
+    text, cuts = "", 0
+    while reply.cut and cuts < 5 and time.monotonic() < until:
+        if _refused(reply):
+            tally.refused += 1
+            await asyncio.sleep(0.25)
+        else:
+            tally.resumed += 1
+            cuts += 1
+        after = reply.last_event_id if req.body.get("stream") else None
+        text = text + reply.text if after is not None else ""  # without an event id, the answer comes whole
+        reply = await client.post(req.endpoint, req.body, key, after)
+    reply.text = text + reply.text
+    return reply
+
+
 async def soak(client: Client, requests: list[SoakRequest], ref: dict[str, str], args, faults: Faults) -> Tally:
     tally, end = Tally(), time.monotonic() + args.duration
 
@@ -254,14 +280,7 @@ async def soak(client: Client, requests: list[SoakRequest], ref: dict[str, str],
         rng = random.Random(args.seed + w)
         while time.monotonic() < end:
             req = rng.choice(requests)
-            reply = await client.post(req.endpoint, req.body)
-            # No gateway listening (one was killed and is not back yet): the request never left, and a client
-            # retries that, as the openai SDK does; a request cut once sent still counts.
-            while _refused(reply) and time.monotonic() < end + args.settle_timeout:
-                tally.refused += 1
-                await asyncio.sleep(0.25)
-                reply = await client.post(req.endpoint, req.body)
-            tally.add(reply, req, ref)
+            tally.add(await send(client, req, tally, end + args.settle_timeout), req, ref)
 
     faults.thread.start()
     try:

@@ -131,7 +131,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                            "Idempotency-Key or X-Request-Id (a repeat while it runs waits for it; a stream is "
                            "recorded, and resumes after its Last-Event-ID; 0: off)",
         "stream_resume_grace": "seconds a keyed stream whose clients all left keeps generating for one to "
-                               "reconnect with Last-Event-ID; then it is aborted",
+                               "reconnect with Last-Event-ID; then it is aborted. With Redis, also how long a "
+                               "node keeps a keyed sequence whose gateway died, for another gateway to go on "
+                               "with it",
         "shed_at": "share of --max-concurrent-requests past which admission is fair across tenants: keys of "
                    "priority < 0 are refused first, then tenants holding more than an equal share",
     })

@@ -1,5 +1,6 @@
 """The Engine gRPC service, common to both roles: node info, health, load, local Generate (a stream per
-sequence, or many sequences over one stream with GenerateMany: kvrelay.node.multiplex), Abort.
+sequence, or many sequences over one stream with GenerateMany: kvrelay.node.multiplex), Abort, and Attach to a
+sequence that outlives its caller (kvrelay.node.kept).
 
 Role servers (prefill_node.server, decode_node.server) subclass NodeServer and fill in Prefill, Reserve and
 Generate with a hand-off; an RPC meant for the other role answers FAILED_PRECONDITION naming the role.
@@ -20,8 +21,8 @@ import concurrent.futures
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, nullcontext
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import grpc
@@ -37,6 +38,7 @@ from kvrelay.engine.reservation_queue import DuplicateRequest, QueueFull
 from kvrelay.engine.scheduler_output import EngineCoreOutput
 from kvrelay.kv_transfer.base import KVConnector
 from kvrelay.kv_transfer.types import LayoutMismatchError, TransferError
+from kvrelay.node.kept import KeptSequences
 from kvrelay.node.metrics import NodeMetrics
 from kvrelay.node.multiplex import SequenceMux
 from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
@@ -145,6 +147,7 @@ class NodeServer(pb_grpc.EngineServicer):
         self.waits = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvrelay-wait")
         self._sequences = 0  # token streams open (Generate calls and GenerateMany's sequences)
         self._muxes: set[SequenceMux] = set()
+        self.kept = KeptSequences()  # sequences started with keep_ms, by request id
 
     # -- hooks for the roles ------------------------------------------------------------------------
     def leases_expired(self, request_ids: list[str]) -> None:
@@ -169,6 +172,7 @@ class NodeServer(pb_grpc.EngineServicer):
         return True
 
     def close(self) -> None:
+        self.kept.close()
         self.waits.shutdown(wait=False, cancel_futures=True)
         self.core.shutdown()
 
@@ -243,17 +247,45 @@ class NodeServer(pb_grpc.EngineServicer):
             self._muxes.discard(mux)
 
     async def token_chunks(self, request: pb.GenerateRequest) -> AsyncIterator[pb.TokenChunk]:
-        """One sequence's stream, for Generate and GenerateMany alike."""
+        """One sequence's stream, for Generate and GenerateMany alike. With keep_ms, the caller follows a kept
+        sequence, which goes on when the caller leaves without an Abort."""
         arrival = time.monotonic()
         require_request_id(request.request_id)
+        source = self._traced_chunks(request, arrival)
+        if request.keep_ms and not request.HasField("beam_search"):
+            source = self.kept.start(request.request_id, source, request.keep_ms / 1000).follow()
+        with self._open_stream():
+            async with aclosing(source) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    @stream_rpc
+    async def Attach(self, request, context):  # noqa: N802
+        require_request_id(request.request_id)
+        kept = self.kept.get(request.request_id)
+        if kept is None:
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND,
+                             f"{request.request_id!r} is not running on {self.settings.node_id}, nor did it end "
+                             "within its keep_ms (it was never kept here, was aborted, or ended long ago)")
+        with self._open_stream():
+            async with aclosing(kept.follow(request.from_chunk)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    @contextmanager
+    def _open_stream(self) -> Iterator[None]:
+        """A caller's token stream, counted while it is open (a draining node waits for them to end)."""
         self._sequences += 1
         try:
-            with self.span("node.generate", request) as span:
-                async with aclosing(self._token_chunks(request, arrival, span)) as chunks:
-                    async for chunk in chunks:
-                        yield chunk
+            yield
         finally:
             self._sequences -= 1
+
+    async def _traced_chunks(self, request: pb.GenerateRequest, arrival: float) -> AsyncIterator[pb.TokenChunk]:
+        with self.span("node.generate", request) as span:
+            async with aclosing(self._token_chunks(request, arrival, span)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
     def span(self, name: str, request):
         """A span of this node around a block, for `request`: the child of the gateway's call (its traceparent),
@@ -325,6 +357,7 @@ class NodeServer(pb_grpc.EngineServicer):
     async def Abort(self, request, context):  # noqa: N802
         require_request_id(request.request_id)
         self.before_abort(request.request_id)
+        self.kept.abort(request.request_id)
         return pb.AbortResponse(aborted=await self.engine.abort(request.request_id))
 
     # -- helpers ------------------------------------------------------------------------------------

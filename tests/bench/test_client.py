@@ -78,7 +78,8 @@ def test_error_bodies_retry_after_and_stream_faults(fake):
     assert r.status == 200 and r.error == "stream error: node failed" and r.done and verdict(r) == "bad"
     fake.stream_error, fake.no_done = False, True
     r = post(fake.url, "chat", body)
-    assert r.status == 200 and not r.error and not r.done and verdict(r) == "bad"
+    assert r.status == 200 and r.error == "the stream ended without [DONE]" and r.cut and not r.done
+    assert verdict(r) == "bad"
     for endpoint, malformed in MALFORMED[:1] + MALFORMED[-1:]:  # an empty chat, bytes that are not JSON
         r = post(fake.url, endpoint, malformed)
         assert r.status == 400 and r.error_body and verdict(r) == "client"

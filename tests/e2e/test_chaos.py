@@ -25,11 +25,13 @@ import pytest
 from kvrelay.common.hashing import prompt_block_hashes
 from kvrelay.common.process import freeze
 from kvrelay.common.prometheus import Metrics
+from kvrelay.common.resumable_client import resumable_stream
 from kvrelay.index.redis_server import start_redis
 from tests.helpers.gateway import GatewayThread
 from tests.helpers.models import make_tiny_with_tokenizer
 from tests.helpers.nodes import all_blocks_free, in_thread, start_nodes, stop_nodes, tiny_args, wait_for
-from tests.helpers.procs import NodeProcess
+from tests.helpers.procs import GatewayProcess, NodeProcess
+from tests.helpers.tcp_proxy import FirstLiveProxy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -153,8 +155,8 @@ class _Stream:
         return self.text
 
 
-def _metric(chaos: Chaos, name: str) -> float:
-    return Metrics.scrape(chaos.gw.url + "/metrics").value(name) or 0.0
+def _metric(chaos: Chaos, name: str, **labels: str) -> float:
+    return Metrics.scrape(chaos.gw.url + "/metrics").value(name, **labels) or 0.0
 
 
 # ------------------------------------------------------------------------------------ no crash first
@@ -184,6 +186,88 @@ def test_decode_hung_mid_stream(chaos):
         os.kill(victim.proc.pid, signal.SIGCONT)
     # Resumed, it learns that its stream was cancelled and frees it; its breaker lets it back.
     chaos.wait_all_routable()
+
+
+def _killable_gateway(chaos) -> tuple[GatewayProcess, FirstLiveProxy]:
+    """A second gateway, in its own process (the one a test kills), sharing the nodes and Redis; and a load
+    balancer that sends each connection to it while it lives, else to the in-process gateway."""
+    gw = GatewayProcess.launch(["--model", chaos.model, "--redis-url", chaos.redis.url, "--refresh-interval", "0.2",
+                                "--local-prefill-threshold", "8"], num_nodes=len(chaos.live()))
+    return gw, FirstLiveProxy([gw.url.removeprefix("http://"), chaos.gw.address])
+
+
+def _node_work(chaos) -> tuple[float, float]:
+    """Prompt tokens computed and requests finished, over every node."""
+    metrics = [n.metrics() for n in chaos.live().values()]
+    return (sum(m.value("vllm:prompt_tokens_total") or 0 for m in metrics),
+            sum(m.value("vllm:request_success_total") or 0 for m in metrics))
+
+
+def test_stream_resumes_on_another_gateway_after_kill_9(chaos):
+    """A keyed stream through a gateway that gets SIGKILL mid-way: the client reconnects with Last-Event-ID,
+    the load balancer sends it to the other gateway, which goes on with the sequence its node kept. The text
+    equals the fault-free run's (nothing lost, nothing repeated), and the prompt was computed once."""
+    chaos.ensure("prefill")
+    chaos.ensure("decode")
+    body = _body(_prompt("Handover stream"), True, True)
+    expected = _complete(chaos.gw.url, {**body, "stream": False})
+    reference = _node_work(chaos)
+    expected_again = _complete(chaos.gw.url, {**body, "stream": False})
+    once = tuple(b - a for a, b in zip(reference, _node_work(chaos)))
+    assert expected_again == expected and once[1] >= 1
+    victim, lb = _killable_gateway(chaos)
+    before = _node_work(chaos)
+    try:
+        text, events = "", 0
+        with httpx.Client(base_url=lb.url, timeout=60) as http:
+            for event in resumable_stream(http, "/v1/completions", body, key="handover-stream-1"):
+                text += event["choices"][0]["text"] if event["choices"] else ""
+                events += 1
+                if events == 5:
+                    victim.kill()
+        assert victim.wait(0) is not None
+    finally:
+        lb.close()
+        victim.stop()
+    assert text == expected
+    assert tuple(b - a for a, b in zip(before, _node_work(chaos))) == once  # computed once, not again
+    assert _metric(chaos, "kvrelay:idempotent_replays_total", kind="attached") >= 1
+
+
+def test_sdk_retry_after_kill_9_is_computed_once(chaos):
+    """A non-streaming request under X-Request-Id through a gateway that gets SIGKILL: the unmodified openai
+    SDK retries it (max_retries), the load balancer sends the retry to the other gateway, which attaches to the
+    running sequence: the answer equals the fault-free one, and the nodes did the work of one request."""
+    import openai
+
+    chaos.ensure("prefill")
+    chaos.ensure("decode")
+    body = _body(_prompt("Handover retry"), False, True)
+    expected = _complete(chaos.gw.url, body)
+    reference = _node_work(chaos)
+    assert _complete(chaos.gw.url, body) == expected
+    once = tuple(b - a for a, b in zip(reference, _node_work(chaos)))
+    victim, lb = _killable_gateway(chaos)
+    before = _node_work(chaos)
+    attached = _metric(chaos, "kvrelay:idempotent_replays_total", kind="attached")
+    try:
+        client = openai.OpenAI(base_url=lb.url + "/v1", api_key="none", max_retries=2, timeout=60)
+        params = {k: v for k, v in body.items() if k not in ("model", "prompt", "ignore_eos", "stream")}
+        thread, out = in_thread(lambda: client.completions.create(
+            model=body["model"], prompt=body["prompt"], extra_body={"ignore_eos": True},
+            extra_headers={"X-Request-Id": "handover-retry-1"}, **params))
+        wait_for(lambda: any(n.load().num_running for n in chaos.live().values() if n.role == "decode"), 60,
+                 "the request generating on a decode node")
+        time.sleep(0.3)
+        victim.kill()
+        thread.join(120)
+    finally:
+        lb.close()
+        victim.stop()
+    assert out.get("error") is None, out
+    assert out["result"].choices[0].text == expected
+    assert tuple(b - a for a, b in zip(before, _node_work(chaos))) == once
+    assert _metric(chaos, "kvrelay:idempotent_replays_total", kind="attached") == attached + 1
 
 
 def _prompt(tag: str) -> str:

@@ -1,6 +1,7 @@
 """IdempotentRequests (kvrelay.gateway.idempotency) and Recording (gateway.resumable) on their own: one run
 per key, repeats attach or replay, failures are not kept, keys belong to their API key, the store is bounded,
-and a recording replays from any event. Through a real gateway and the openai SDK: tests/gateway/test_fake_nodes.py."""
+a recording replays from any event, and with Redis a retry on another gateway goes on with the copy running
+there. Through a real gateway and the openai SDK: tests/gateway/test_fake_nodes.py."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import asyncio
 import pytest
 from starlette.responses import Response
 
-from kvrelay.gateway.errors import BadRequest, Overloaded
+from kvrelay.common.records import TokenLogprobs
+from kvrelay.common.wire import TokenChunk
+from kvrelay.gateway.errors import BadRequest, NotFound, Overloaded, RunGone
+from kvrelay.gateway.handover import RunRecord, keyed_run
 from kvrelay.gateway.idempotency import IDEMPOTENCY_KEY, REQUEST_ID, IdempotentRequests, fingerprint
 from kvrelay.gateway.resumable import Recording, last_event_id
+from kvrelay.gateway.sequence_state import Placement
 from kvrelay.gateway.shared_answers import RequestKey, SharedAnswers
 
 KEY = RequestKey(None, IDEMPOTENCY_KEY, "k1")
@@ -218,3 +223,71 @@ def test_without_redis_each_gateway_answers_alone(caplog):
 
     asyncio.run(scenario())
     assert [r for r in caplog.records if "Redis unreachable" in r.getMessage()]
+
+
+def _record() -> RunRecord:
+    """A keyed request placed on a decode node after a hand-off, with logprobs and a prompt's logprobs."""
+    first = TokenChunk((11,), (TokenLogprobs(11, -0.5, 1, ((11, -0.5), (12, -1.25))),), num_prompt_tokens=5,
+                       num_output_tokens=1, num_cached_tokens=3, prompt_logprobs=(None, TokenLogprobs(4, -2.0, 3)))
+    return RunRecord("cmpl-1", Placement("127.0.0.1:5", "decode-0", "cmpl-1-0", (first,), True, 0, False, "prefill-0"))
+
+
+class Resumer(Maker):
+    """A generation that says where it runs (as the dispatcher does once a node streams it), and notes whether
+    it was started to go on with another gateway's copy; `gone`: that copy is gone (RunGone)."""
+
+    def __init__(self, gone: bool = False) -> None:
+        super().__init__()
+        self.resumed: list[RunRecord | None] = []
+        self.gone = gone
+
+    async def __call__(self) -> Response:
+        run = keyed_run.get()
+        assert run is not None and run.keep_s == 30.0
+        self.resumed.append(run.resume)
+        if run.resume is not None and self.gone:
+            raise RunGone("gone")
+        if run.resume is None:
+            run.publish(_record())
+        return await super().__call__()
+
+
+def test_a_retry_on_another_gateway_goes_on_with_the_copy_running_there(redis_url):
+    """Gateway A runs a keyed request and says where it runs; B, asked the same, goes on with that copy
+    (the record round-trips through Redis exactly). When that copy is gone, B computes anew; a stream resumed
+    with Last-Event-ID that nobody recorded is 404."""
+    import redis
+
+    async def scenario():
+        a_shared, b_shared = SharedAnswers(redis_url), SharedAnswers(redis_url)
+        await a_shared.start()
+        await b_shared.start()
+        try:
+            a = IdempotentRequests(60.0, resume_grace_s=30.0, shared=a_shared)
+            b_replays: list[str] = []
+            b = IdempotentRequests(60.0, resume_grace_s=30.0, shared=b_shared, on_replay=b_replays.append)
+            on_a = Resumer()
+            running = asyncio.create_task(a.run(KEY, BODY, on_a))
+            while not redis.Redis.from_url(redis_url).keys("kvr:idem:*"):
+                await asyncio.sleep(0.01)
+            on_b = Resumer()
+            on_b.gate.set()
+            await b.run(KEY, BODY, on_b)
+            assert on_b.resumed == [_record()] and b_replays == ["attached"]
+            gone = Resumer(gone=True)
+            gone.gate.set()
+            other = RequestKey(None, IDEMPOTENCY_KEY, "k-gone")
+            a_shared.put_run(other, BODY, _record(), 60.0)
+            while not await b_shared.get(other):
+                await asyncio.sleep(0.01)
+            await b.run(other, BODY, gone)
+            assert gone.resumed == [_record(), None] and gone.runs == 1  # tried to go on, then ran anew
+            with pytest.raises(NotFound):
+                await b.follow(RequestKey(None, IDEMPOTENCY_KEY, "never"), BODY, 3, Maker())
+            on_a.gate.set()
+            await running
+        finally:
+            await a_shared.stop()
+            await b_shared.stop()
+
+    asyncio.run(scenario())

@@ -3,7 +3,8 @@
 Each sequence must stream exactly what its own Generate call streams; a step's updates travel together; a
 sequence's error ends that sequence only; a cancelled sequence and a caller that goes away leave no KV blocks
 behind. The gateway's client (gateway.node_streams through NodeClient.generate) is driven the same way: deadline,
-liveness watch, early exit, and the node killed under it.
+liveness watch, early exit, and the node killed under it. A kept sequence (keep_ms, kvrelay.node.kept) outlives
+its caller and is attached from any chunk, until an Abort or its keep_ms without a caller.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kvrelay.gateway.node_client import EngineRequest, NodeClient
 from kvrelay.gateway.node_errors import CallWatch, NodeRpcError
 from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from tests.helpers.models import make_tiny_checkpoint
-from tests.helpers.nodes import all_blocks_free, generate, start_nodes, stop_nodes, tiny_args, wait_for
+from tests.helpers.nodes import all_blocks_free, generate, rpc_error, start_nodes, stop_nodes, tiny_args, wait_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -37,9 +38,9 @@ def _prompt(seed: int, n: int = 24) -> list[int]:
     return [(11 * i + 7 * seed + 1) % 500 for i in range(n)]
 
 
-def _start(rid: str, prompt: list[int], params: SamplingParams) -> pb.GenerateManyRequest:
+def _start(rid: str, prompt: list[int], params: SamplingParams, keep_ms: int = 0) -> pb.GenerateManyRequest:
     return pb.GenerateManyRequest(start=pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
-                                                           params=sampling_to_proto(params)))
+                                                           params=sampling_to_proto(params), keep_ms=keep_ms))
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +136,41 @@ def test_a_caller_that_goes_away_leaves_no_blocks(node):
     assert first.updates
     caller.call.cancel()
     wait_for(lambda: all_blocks_free(node), 10, "blocks freed after the call was cancelled")
+
+
+@pytest.mark.timeout(120)
+def test_a_kept_sequence_outlives_its_caller_and_is_attached_from_any_chunk(node):
+    seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=60, ignore_eos=True)
+    want = generate(node, f"many-{next(_ids)}", _prompt(30), seeded)[0]
+    rid = f"many-{next(_ids)}"
+    caller = _Caller(node)
+    caller.send(_start(rid, _prompt(30), seeded, keep_ms=20_000))
+    first = next(caller.call)
+    caller.call.cancel()  # its gateway is gone; no Abort came
+    got = list(node.stub().Attach(pb.AttachRequest(request_id=rid), timeout=60))
+    assert [t for c in got for t in c.token_ids] == want and got[-1].finish_reason == "length"
+    assert first.updates[0].chunk.token_ids == got[0].token_ids
+    tail = list(node.stub().Attach(pb.AttachRequest(request_id=rid, from_chunk=3), timeout=60))
+    assert tail == got[3:]  # a late caller gets the end, from any chunk
+    node.stub().Abort(pb.AbortRequest(request_id=rid), timeout=5)  # forgotten at once: it had ended
+    missing = rpc_error(lambda: list(node.stub().Attach(pb.AttachRequest(request_id=rid), timeout=10)))
+    assert missing.code() == grpc.StatusCode.NOT_FOUND and rid in missing.details()
+    wait_for(lambda: all_blocks_free(node), 10, "blocks freed")
+
+
+@pytest.mark.timeout(120)
+def test_a_kept_sequence_nobody_attaches_to_is_aborted_after_keep_ms(node):
+    rid, aborted = f"many-{next(_ids)}", f"many-{next(_ids)}"
+    caller = _Caller(node)
+    caller.send(_start(rid, _prompt(31), LONGEST, keep_ms=300))
+    caller.send(_start(aborted, _prompt(32), LONGEST, keep_ms=60_000))
+    next(caller.call)
+    caller.call.cancel()
+    node.stub().Abort(pb.AbortRequest(request_id=aborted), timeout=5)  # an Abort ends it, kept or not
+    wait_for(lambda: all_blocks_free(node), 20, "both kept sequences aborted, their blocks freed")
+    for gone in (rid, aborted):
+        e = rpc_error(lambda: list(node.stub().Attach(pb.AttachRequest(request_id=gone), timeout=10)))  # noqa: B023
+        assert e.code() == grpc.StatusCode.NOT_FOUND
 
 
 def _request(rid: str, prompt: list[int], params: SamplingParams, deadline: float | None = None) -> EngineRequest:

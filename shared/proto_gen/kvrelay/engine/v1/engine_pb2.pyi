@@ -342,7 +342,7 @@ class Handoff(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "handoff", "beam_search", "lora_name", "traceparent", "images")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "handoff", "beam_search", "lora_name", "traceparent", "images", "keep_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +352,7 @@ class GenerateRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    KEEP_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -361,7 +362,16 @@ class GenerateRequest(_message.Message):
     lora_name: str
     traceparent: str
     images: _containers.RepeatedCompositeFieldContainer[ImageInput]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., beam_search: _Optional[_Union[BeamSearchParams, _Mapping]] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+    keep_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., beam_search: _Optional[_Union[BeamSearchParams, _Mapping]] = ..., lora_name: _Optional[str] = ..., traceparent: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ..., keep_ms: _Optional[int] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("request_id", "from_chunk")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    from_chunk: int
+    def __init__(self, request_id: _Optional[str] = ..., from_chunk: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "prompt_logprobs", "beams", "embedding")

@@ -74,6 +74,11 @@ class EngineStub:
                 request_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/kvrelay.engine.v1.Engine/Attach',
+                request_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.AttachRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.TokenChunk.FromString,
+                _registered_method=True)
         self.LoadLoRAAdapter = channel.unary_unary(
                 '/kvrelay.engine.v1.Engine/LoadLoRAAdapter',
                 request_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
@@ -137,6 +142,12 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LoadLoRAAdapter(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -191,6 +202,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.AbortRequest.FromString,
                     response_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.AbortResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.AttachRequest.FromString,
+                    response_serializer=kvrelay_dot_engine_dot_v1_dot_engine__pb2.TokenChunk.SerializeToString,
             ),
             'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoRAAdapter,
@@ -419,6 +435,33 @@ class Engine:
             '/kvrelay.engine.v1.Engine/Abort',
             kvrelay_dot_engine_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
             kvrelay_dot_engine_dot_v1_dot_engine__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvrelay.engine.v1.Engine/Attach',
+            kvrelay_dot_engine_dot_v1_dot_engine__pb2.AttachRequest.SerializeToString,
+            kvrelay_dot_engine_dot_v1_dot_engine__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
             insecure,
