@@ -132,7 +132,7 @@ class IdempotentRequests:
             entry = None
         resume = None
         if entry is None:
-            resume = await self._running_elsewhere(key, print_)
+            resume = await self._running_elsewhere(key, print_, patient=after is not None)
             entry = self._entries.get(key)  # a copy that started here meanwhile
         if entry is None:
             if after is not None and resume is None:
@@ -204,9 +204,9 @@ class IdempotentRequests:
         """Keyed requests are shared with the other gateways (through Redis)."""
         return self.shared is not None and self.shared.enabled
 
-    async def _running_elsewhere(self, key: RequestKey, print_: bytes) -> RunRecord | None:
+    async def _running_elsewhere(self, key: RequestKey, print_: bytes, patient: bool) -> RunRecord | None:
         """Where another gateway's copy of this request runs (None: nowhere known, or another body)."""
-        found: SharedEntry | None = await self.shared.get(key) if self._fleet else None
+        found: SharedEntry | None = await self.shared.get(key, patient) if self._fleet else None
         if found is None or found.run is None:
             return None
         if found.fingerprint != print_:

@@ -14,8 +14,10 @@ and a stream resumes on any gateway.
 What is lost while Redis is down: the records written meanwhile. A retry then computes again, and a stream can
 only be resumed on the gateway that runs it (as without Redis).
 
-Redis is never on the critical path: each call has a 0.25 s timeout, and after a failure Redis is left alone
-for a second. Meanwhile keyed requests behave as if each gateway were alone.
+Redis is never on the critical path of a new request: each call has a 0.25 s timeout, and after a failure Redis
+is left alone for a second. Meanwhile keyed requests behave as if each gateway were alone. A stream's reconnect
+(`Last-Event-ID`) that this gateway cannot answer from its own memory is the exception: without the record it
+could only be refused, so its lookup waits up to 2 s, even while Redis is being left alone.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class StoredAnswer:
 _PREFIX = "kvr:idem:"
 _TIMEOUT_S = 0.25
 _RETRY_S = 1.0
+_PATIENT_S = 2.0  # a reconnecting stream's lookup: without the record it could only be refused
 
 
 @dataclass(frozen=True)
@@ -105,12 +108,14 @@ class SharedAnswers:
             await self._client.aclose()
             self._client = None
 
-    async def get(self, key: RequestKey) -> SharedEntry | None:
-        """What any gateway stored under `key`, or None (nothing, or Redis away)."""
-        if not self._usable():
+    async def get(self, key: RequestKey, patient: bool = False) -> SharedEntry | None:
+        """What any gateway stored under `key`, or None (nothing, or Redis away). `patient`: the caller cannot
+        be answered without it (a stream's reconnect): ask even while Redis seems away, and wait longer."""
+        if not (self._usable() or (patient and self._client is not None)):
             return None
         try:
-            fields = await asyncio.wait_for(self._client.hgetall(redis_key(key)), _TIMEOUT_S)
+            fields = await asyncio.wait_for(self._client.hgetall(redis_key(key)),
+                                            _PATIENT_S if patient else _TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - any failure: answer as a gateway alone would
             self._failed(e)
             return None

@@ -109,7 +109,7 @@ class Tally:
 
     def add(self, reply: Reply, req: SoakRequest | None = None, reference: dict[str, str] | None = None) -> None:
         self.verdicts[v := verdict(reply)] += 1
-        if v not in ("ok", "client"):
+        if v != "ok":
             self.errors[f"{reply.status} {reply.error[:120]}" + ("" if reply.done else " (no [DONE])")] += 1
         if v == "ok" and req is not None and req.checked and reference and req.name in reference:
             self.checked += 1
