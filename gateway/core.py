@@ -284,7 +284,7 @@ class Generation:
                             images=self.inp.images, keep_s=run.keep_s if run is not None else 0.0)
         choice = self.choices[index]
         handover = {} if run is None else {
-            "resume": run.resume.placement if run.resume is not None else None,
+            "resume": run.resume.placement if run.resume is not None else None, "exact": run.exact,
             "placed": lambda placement: run.publish(RunRecord(self.request_id, placement))}
         async with aclosing(self.core.dispatcher.stream(decision, req, self.traces[index], **handover)) as stream:
             async for chunk in stream:

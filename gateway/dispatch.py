@@ -108,12 +108,16 @@ class Dispatcher:
     # ------------------------------------------------------------------------------------------ stream
 
     async def stream(self, decision: RouteDecision | None, req: EngineRequest, trace: dict | None = None, *,
-                     resume: Placement | None = None,
+                     resume: Placement | None = None, exact: bool = False,
                      placed: Callable[[Placement], None] | None = None) -> AsyncIterator[TokenChunk]:
         """The sequence's chunks; `trace` gets the nodes that actually served it ("prefill" None: local).
         `resume`: go on with a sequence another gateway ran (no `decision` needed); RunGone when its node no
-        longer keeps it. `placed`: told where each node's stream of the sequence starts."""
+        longer keeps it. `exact`: the client already has part of its output (a stream resumed after an event),
+        so a move, which computes the output past the recorded prefix again, is refused (RunGone) unless the
+        sampling repeats itself (greedy or seeded). `placed`: told where each node's stream of the sequence
+        starts."""
         seq = SequenceAttempts(req, trace if trace is not None else {})
+        exact = exact and resume is not None and not (req.params.greedy or req.params.seed is not None)
         if resume is not None:
             seq.resume(resume)
             for chunk in resume.prefix:
@@ -143,6 +147,10 @@ class Dispatcher:
             finally:
                 if not finished:
                     self._abort_all(holders)
+            if exact:
+                raise RunGone(f"{req.request_id!r}: {failure.message}; its sampling is not seeded, so the output "
+                              "its client already has cannot be computed again: send the request anew",
+                              param="Last-Event-ID") from None
             decision = await self._redispatch(seq, failure)
 
     async def _redispatch(self, seq: SequenceAttempts, failure: NodeFailure) -> RouteDecision:

@@ -39,6 +39,7 @@ class RunRecord:
 class KeyedRun:
     keep_s: float  # how long the node keeps the sequence once no gateway follows it
     resume: RunRecord | None  # set: go on with this record's sequence instead of starting one
+    exact: bool  # the client has part of the output already (a stream resumed after an event)
     publish: Callable[[RunRecord], None]  # where the sequence runs now (to Redis, in the background)
 
 

@@ -139,7 +139,7 @@ class IdempotentRequests:
                 raise NotFound(f"Last-Event-ID: no stream under {key.value!r} to resume (it ended more than "
                                f"{self.ttl_s:g} s ago, or its gateway could not say where it runs); send the "
                                "request anew", param="Last-Event-ID", code="stream_not_found")
-            first = asyncio.create_task(self._start_stream(key, print_, start, resume, after is None))
+            first = asyncio.create_task(self._start_stream(key, print_, start, resume, after))
             first.add_done_callback(_retrieve)
             entry = self._entries[key] = _Entry(print_, first)
         else:
@@ -149,9 +149,9 @@ class IdempotentRequests:
         return recorded.response(after) if isinstance(recorded, RecordedStream) else recorded
 
     async def _start_stream(self, key: RequestKey, print_: bytes, start: Callable[[], Awaitable[Response]],
-                            resume: RunRecord | None, fall_back: bool):
+                            resume: RunRecord | None, after: int | None):
         # Routing and the first token: errors are the callers' 4xx/5xx.
-        response = await self._started(key, print_, start, resume, fall_back)
+        response = await self._started(key, print_, start, resume, after)
         if not isinstance(response, SSEResponse):
             self._entries.pop(key, None)
             return response
@@ -216,18 +216,18 @@ class IdempotentRequests:
         return found.run
 
     async def _started(self, key: RequestKey, print_: bytes, start: Callable[[], Awaitable[Response]],
-                       resume: RunRecord | None = None, fall_back: bool = True) -> Response:
+                       resume: RunRecord | None = None, after: int | None = None) -> Response:
         """`start()`'s answer, run as a KeyedRun with Redis (going on with `resume` if set: where another
-        gateway's copy runs; if that is gone and `fall_back`, computed anew). If it fails, the key is forgotten
-        (a failure is not kept) and the error raised."""
+        gateway's copy runs; if that is gone, computed anew, unless the client resumes a stream after event
+        `after`). If it fails, the key is forgotten (a failure is not kept) and the error raised."""
         try:
             if not self._fleet:
                 return await start()
             try:
-                keyed_run.set(self._keyed(key, print_, resume))
+                keyed_run.set(self._keyed(key, print_, resume, exact=after is not None))
                 return await start()
             except RunGone:
-                if resume is None or not fall_back:
+                if resume is None or after is not None:
                     raise
                 keyed_run.set(self._keyed(key, print_, None))
                 return await start()
@@ -235,10 +235,11 @@ class IdempotentRequests:
             self._entries.pop(key, None)
             raise
 
-    def _keyed(self, key: RequestKey, print_: bytes, resume: RunRecord | None) -> KeyedRun:
+    def _keyed(self, key: RequestKey, print_: bytes, resume: RunRecord | None, exact: bool = False) -> KeyedRun:
         shared, ttl_s = self.shared, self.ttl_s
         assert shared is not None
-        return KeyedRun(self.resume_grace_s, resume, lambda record: shared.put_run(key, print_, record, ttl_s))
+        return KeyedRun(self.resume_grace_s, resume, exact,
+                        lambda record: shared.put_run(key, print_, record, ttl_s))
 
     async def _first(self, key: RequestKey, print_: bytes, start: Callable[[], Awaitable[Response]],
                      resume: RunRecord | None) -> Response:

@@ -375,6 +375,32 @@ def test_decode_killed_mid_stream_unary_seeded(chaos):
     assert _metric(chaos, "kvrelay:migrations_total") == before + 1
 
 
+def test_gateway_and_decode_killed_mid_stream_seeded(chaos):
+    """Both the gateway and the decode node of a keyed, seeded stream get SIGKILL: the client resumes on the
+    other gateway, which finds the recorded node gone and moves the sequence from its recorded prefix. A seeded
+    draw repeats itself, so the events the client already had come out the same and the rest follows."""
+    chaos.ensure("decode")
+    body = _body(_prompt("Handover crash"), True, True)
+    expected = _complete(chaos.gw.url, {**body, "stream": False})
+    victim, lb = _killable_gateway(chaos)
+    before = _metric(chaos, "kvrelay:migrations_total")
+    try:
+        text, events = "", 0
+        with httpx.Client(base_url=lb.url, timeout=60) as http:
+            for event in resumable_stream(http, "/v1/completions", body, key="handover-crash-1"):
+                text += event["choices"][0]["text"] if event["choices"] else ""
+                events += 1
+                if events == 5:
+                    decode = next(n for n in chaos.live().values() if n.role == "decode" and n.load().num_running)
+                    victim.kill()
+                    decode.kill()
+    finally:
+        lb.close()
+        victim.stop()
+    assert text == expected
+    assert _metric(chaos, "kvrelay:migrations_total") == before + 1  # moved by the gateway that resumed it
+
+
 def test_prefill_killed_mid_prefill(chaos):
     _prefill_fault(chaos, "kill")
 
