@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -196,6 +197,26 @@ def _killable_gateway(chaos) -> tuple[GatewayProcess, FirstLiveProxy]:
     return gw, FirstLiveProxy([gw.url.removeprefix("http://"), chaos.gw.address])
 
 
+def _resumed_text(chaos, body: dict, key: str, also: Callable[[], None]) -> str:
+    """A keyed stream through a killable gateway, read as a resuming client reads it; after its 5th event the
+    gateway gets SIGKILL, then `also()` runs. The text it read over all its connections."""
+    victim, lb = _killable_gateway(chaos)
+    try:
+        text, events = "", 0
+        with httpx.Client(base_url=lb.url, timeout=60) as http:
+            for event in resumable_stream(http, "/v1/completions", body, key=key):
+                text += event["choices"][0]["text"] if event["choices"] else ""
+                events += 1
+                if events == 5:
+                    victim.kill()
+                    also()
+        assert victim.wait(0) is not None
+    finally:
+        lb.close()
+        victim.stop()
+    return text
+
+
 def _node_work(chaos) -> tuple[float, float]:
     """Prompt tokens computed and requests finished, over every node."""
     metrics = [n.metrics() for n in chaos.live().values()]
@@ -215,21 +236,8 @@ def test_stream_resumes_on_another_gateway_after_kill_9(chaos):
     expected_again = _complete(chaos.gw.url, {**body, "stream": False})
     once = tuple(b - a for a, b in zip(reference, _node_work(chaos)))
     assert expected_again == expected and once[1] >= 1
-    victim, lb = _killable_gateway(chaos)
     before = _node_work(chaos)
-    try:
-        text, events = "", 0
-        with httpx.Client(base_url=lb.url, timeout=60) as http:
-            for event in resumable_stream(http, "/v1/completions", body, key="handover-stream-1"):
-                text += event["choices"][0]["text"] if event["choices"] else ""
-                events += 1
-                if events == 5:
-                    victim.kill()
-        assert victim.wait(0) is not None
-    finally:
-        lb.close()
-        victim.stop()
-    assert text == expected
+    assert _resumed_text(chaos, body, "handover-stream-1", lambda: None) == expected
     assert tuple(b - a for a, b in zip(before, _node_work(chaos))) == once  # computed once, not again
     assert _metric(chaos, "kvrelay:idempotent_replays_total", kind="attached") >= 1
 
@@ -382,22 +390,12 @@ def test_gateway_and_decode_killed_mid_stream_seeded(chaos):
     chaos.ensure("decode")
     body = _body(_prompt("Handover crash"), True, True)
     expected = _complete(chaos.gw.url, {**body, "stream": False})
-    victim, lb = _killable_gateway(chaos)
     before = _metric(chaos, "kvrelay:migrations_total")
-    try:
-        text, events = "", 0
-        with httpx.Client(base_url=lb.url, timeout=60) as http:
-            for event in resumable_stream(http, "/v1/completions", body, key="handover-crash-1"):
-                text += event["choices"][0]["text"] if event["choices"] else ""
-                events += 1
-                if events == 5:
-                    decode = next(n for n in chaos.live().values() if n.role == "decode" and n.load().num_running)
-                    victim.kill()
-                    decode.kill()
-    finally:
-        lb.close()
-        victim.stop()
-    assert text == expected
+
+    def kill_its_decode_node() -> None:
+        next(n for n in chaos.live().values() if n.role == "decode" and n.load().num_running).kill()
+
+    assert _resumed_text(chaos, body, "handover-crash-1", kill_its_decode_node) == expected
     assert _metric(chaos, "kvrelay:migrations_total") == before + 1  # moved by the gateway that resumed it
 
 

@@ -6,6 +6,7 @@ there. Through a real gateway and the openai SDK: tests/gateway/test_fake_nodes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from starlette.responses import Response
@@ -174,16 +175,26 @@ def test_last_event_id_is_a_number():
         last_event_id("x-3")
 
 
+@contextlib.asynccontextmanager
+async def _two_gateways(redis_url: str):
+    """The Redis sides of two gateways' stores (started, stopped after)."""
+    stores = SharedAnswers(redis_url), SharedAnswers(redis_url)
+    for store in stores:
+        await store.start()
+    try:
+        yield stores
+    finally:
+        for store in stores:
+            await store.stop()
+
+
 def test_a_retry_on_another_gateway_gets_the_answer_stored_in_redis(redis_url):
     """Two gateways' stores sharing a real Redis: the answer one computed is the other's, for the same body and
     API key; another body under the same Idempotency-Key is refused there too."""
     import redis
 
     async def scenario():
-        a_shared, b_shared = SharedAnswers(redis_url), SharedAnswers(redis_url)
-        await a_shared.start()
-        await b_shared.start()
-        try:
+        async with _two_gateways(redis_url) as (a_shared, b_shared):
             a = IdempotentRequests(60.0, resume_grace_s=30.0, shared=a_shared)
             b_replays: list[str] = []
             b = IdempotentRequests(60.0, resume_grace_s=30.0, shared=b_shared, on_replay=b_replays.append)
@@ -199,9 +210,6 @@ def test_a_retry_on_another_gateway_gets_the_answer_stored_in_redis(redis_url):
                 await b.run(KEY, fingerprint("/v1/completions", b"{}"), make)
             other_tenant = RequestKey("tenant-b", IDEMPOTENCY_KEY, KEY.value)
             assert (await b.run(other_tenant, BODY, make)).body == b'{"n": 2}'
-        finally:
-            await a_shared.stop()
-            await b_shared.stop()
 
     asyncio.run(scenario())
 
@@ -259,10 +267,7 @@ def test_a_retry_on_another_gateway_goes_on_with_the_copy_running_there(redis_ur
     import redis
 
     async def scenario():
-        a_shared, b_shared = SharedAnswers(redis_url), SharedAnswers(redis_url)
-        await a_shared.start()
-        await b_shared.start()
-        try:
+        async with _two_gateways(redis_url) as (a_shared, b_shared):
             a = IdempotentRequests(60.0, resume_grace_s=30.0, shared=a_shared)
             b_replays: list[str] = []
             b = IdempotentRequests(60.0, resume_grace_s=30.0, shared=b_shared, on_replay=b_replays.append)
@@ -286,8 +291,5 @@ def test_a_retry_on_another_gateway_goes_on_with_the_copy_running_there(redis_ur
                 await b.follow(RequestKey(None, IDEMPOTENCY_KEY, "never"), BODY, 3, Maker())
             on_a.gate.set()
             await running
-        finally:
-            await a_shared.stop()
-            await b_shared.stop()
 
     asyncio.run(scenario())
