@@ -116,7 +116,7 @@ class Dispatcher:
         so a move, which computes the output past the recorded prefix again, is refused (RunGone) unless the
         sampling repeats itself (greedy or seeded). `placed`: told where each node's stream of the sequence
         starts."""
-        seq = SequenceAttempts(req, trace if trace is not None else {})
+        seq = SequenceAttempts(req, trace if trace is not None else {}, keep_chunks=placed is not None)
         exact = exact and resume is not None and not (req.params.greedy or req.params.seed is not None)
         if resume is not None:
             seq.resume(resume)

@@ -49,11 +49,13 @@ class Holders:
 class SequenceAttempts:
     """One engine sequence across its attempts: what the client has received, where it failed."""
 
-    def __init__(self, req: EngineRequest, trace: dict) -> None:
+    def __init__(self, req: EngineRequest, trace: dict, keep_chunks: bool = False) -> None:
+        """`keep_chunks`: keep what was yielded, for a Placement's prefix (a keyed request's)."""
         self.original = self.current = req
         self.trace = trace
         self.generated: list[int] = []
-        self.chunks: list[TokenChunk] = []  # as yielded, for a Placement's prefix
+        self.keep_chunks = keep_chunks
+        self.chunks: list[TokenChunk] = []
         self.failed: set[str] = set()
         self.moves = 0
         self.extended = False  # the current prompt carries earlier output
@@ -65,7 +67,8 @@ class SequenceAttempts:
         self.generated.extend(chunk.token_ids)
         if self.extended:  # its cache hit counted the earlier output too: the first attempt's figure stands
             chunk = replace(chunk, num_cached_tokens=0)
-        self.chunks.append(chunk)
+        if self.keep_chunks:
+            self.chunks.append(chunk)
         return chunk
 
     def resume(self, place: Placement) -> None:
@@ -78,7 +81,7 @@ class SequenceAttempts:
 
     def placement(self, node: Node, request_id: str, skip_first: bool) -> Placement:
         return Placement(node.address, node.node_id, request_id, tuple(self.chunks), skip_first, self.moves,
-                         self.extended, self.trace.get("prefill"))
+                         self.extended, self.trace.get("prefill") if skip_first else None)
 
     def move(self, failure: NodeFailure) -> None:
         """The next attempt's request: the prompt plus what was streamed, under a new id."""

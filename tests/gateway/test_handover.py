@@ -36,7 +36,7 @@ def test_a_record_round_trips_through_its_json():
 
 def test_a_resumed_sequence_goes_on_from_its_record():
     """The client had the prefix; the next move counts on from the record's, with the prefix as output."""
-    seq = SequenceAttempts(EngineRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=20)), {})
+    seq = SequenceAttempts(EngineRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=20)), {}, keep_chunks=True)
     seq.resume(PLACE)
     assert seq.current.request_id == "r-0.m1" and seq.generated == [11, 12, 13]
     seq.observe(TokenChunk((14,), num_output_tokens=4, num_cached_tokens=9))
