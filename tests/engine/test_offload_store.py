@@ -53,6 +53,22 @@ def test_memory_evictions_move_to_disk_and_are_found_there(tmp_path):
     assert bytes(payload) == _payload(0) and tier is disk
 
 
+def test_a_batch_larger_than_the_tier_keeps_its_last_blocks_and_the_rest_go_down(tmp_path):
+    """The writer coalesces what was queued: a batch may outgrow the tier. Its last blocks (evicted last) stay,
+    as many as fit; the first go to disk (and with no disk tier, nowhere)."""
+    memory = DirTier("memory", tmp_path / "m", 3 * (len(BLOCK) + 24))
+    disk = DirTier("disk", tmp_path / "d", 1 << 20)
+    memory.write([("old", _payload(9))])
+    TieredStore([memory, disk]).write([(f"k{i}", _payload(i)) for i in range(5)])
+    assert [memory.has(f"k{i}") for i in range(5)] == [False, False, True, True, True] and not memory.has("old")
+    assert memory.used_bytes() <= memory.capacity and memory.stats.evictions == 3  # old, k0, k1
+    assert all(disk.has(k) for k in ("old", "k0", "k1"))
+    alone = DirTier("memory", tmp_path / "a", 2 * (len(BLOCK) + 24))
+    alone.write([(f"k{i}", _payload(i)) for i in range(5)])
+    assert [alone.has(f"k{i}") for i in range(5)] == [False, False, False, True, True]
+    assert alone.used_bytes() <= alone.capacity
+
+
 def test_a_flipped_byte_or_a_truncated_file_is_a_counted_miss(tmp_path):
     tier = DirTier("memory", tmp_path / "t", 1 << 20)
     tier.write([("a", _payload(1)), ("b", _payload(2))])

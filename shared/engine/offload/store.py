@@ -110,12 +110,21 @@ class DirTier:
 
     def write(self, blocks: list[tuple[str, Buffer]], demote: DirTier | None = None) -> None:
         """Store `blocks` (key, payload) at once, evicting the least recently used files to make room; evicted
-        files go to `demote` when given. A failure disables this tier's writes (logged once)."""
+        files go to `demote` when given, and so do the first blocks of a batch larger than the tier. A failure
+        disables this tier's writes (logged once)."""
         if not self.enabled or not blocks:
             return
         views = [(key, memoryview(p).cast("B")) for key, p in blocks]
         files = [(key, _HEADER.pack(_MAGIC, len(p), xxhash.xxh3_64_intdigest(p)), p) for key, p in views]
-        size = sum(len(h) + len(p) for _, h, p in files)
+        # A batch larger than the tier (the writer coalesces whatever was queued) keeps its last blocks, the most
+        # recently evicted, as many as fit; the others go where this tier's evictions go.
+        size, fit = 0, len(files)
+        while fit and size + len(files[fit - 1][1]) + len(files[fit - 1][2]) <= self.capacity:
+            fit -= 1
+            size += len(files[fit][1]) + len(files[fit][2])
+        overflow = [(key, payload) for key, _, payload in files[:fit]]
+        files = files[fit:]
+        self.stats.evictions += len(overflow)
         demoted: list[tuple[str, Buffer]] = []
         try:
             with self._locked():
@@ -123,8 +132,6 @@ class DirTier:
                 demoted, freed = self._evict(scan, size - (self.capacity - scan.total), demote is not None)
                 self.used = scan.total - freed
                 for key, header, payload in files:
-                    if len(header) + len(payload) > self.capacity:
-                        continue
                     self._write_one(key, header, payload)
                     self.stats.writes += 1
                     self.stats.write_bytes += len(header) + len(payload)
@@ -134,8 +141,8 @@ class DirTier:
             self.stats.write_failures += 1
             logger.warning("%s tier at %s: writing failed (%s); offloading to it stops, serving goes on",
                            self.name, self.path, e)
-        if demote is not None and demoted:
-            demote.write(demoted)
+        if demote is not None and (demoted or overflow):
+            demote.write(demoted + overflow)
 
     def _write_one(self, key: str, header: bytes, payload: Buffer) -> None:
         self._seq += 1
