@@ -436,11 +436,14 @@ def test_prefill_killed_mid_transfer(chaos):
 def test_decode_killed_mid_stream_greedy(chaos):
     """Last: whatever prefill nodes are left (maybe none: the decode nodes prefill locally)."""
     chaos.ensure("decode")
-    body = _body("Decode crash: stream me a long story", True, False)
+    # 3x the usual length: on a loaded machine this thread may wake well after the stream's third event, and the
+    # fault must still find it mid-way.
+    body = _body("Decode crash: stream me a long story", True, False, max_tokens=3 * LONG)
     expected = _complete(chaos.gw.url, {**body, "stream": False})
     before = _metric(chaos, "kvrelay:migrations_total")
     s = _Stream(chaos.gw.url, body)
     assert s.started.wait(60)
     chaos.nodes[s.headers["x-kvrelay-decode-node"]].kill()
+    assert s.thread.is_alive(), "the stream ended before its decode node was killed"
     assert s.result() == expected
     assert _metric(chaos, "kvrelay:migrations_total") == before + 1
