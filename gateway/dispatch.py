@@ -50,11 +50,7 @@ from kvrelay.gateway.adapters import Adapters
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.gateway.discovery import Discovery, Node
 from kvrelay.gateway.dispatch_outcomes import Outcomes
-from kvrelay.gateway.errors import (
-    NoCapacity,
-    NodeFailure,
-    RunGone,
-)
+from kvrelay.gateway.errors import NoCapacity, NodeFailure, RunGone
 from kvrelay.gateway.liveness import Liveness
 from kvrelay.gateway.node_client import EngineRequest, NodeClients, NodeRpcError
 from kvrelay.gateway.router import RouteDecision, Router
@@ -124,7 +120,7 @@ class Dispatcher:
                 yield chunk
         on_node = (lambda node, rid, skip: placed(seq.placement(node, rid, skip))) if placed is not None else None
         while True:
-            holders = Holders({}, seq.trace) if on_node is None else Holders({}, seq.trace, on_node)
+            holders = Holders({}, seq.trace, on_node)
             finished = False
             attempt = (self._attach(resume, seq.current, holders) if resume is not None
                        else self._attempt(decision, seq.current, holders))

@@ -132,8 +132,9 @@ class IdempotentRequests:
             entry = None
         resume = None
         if entry is None:
-            resume = await self._running_elsewhere(key, print_, patient=after is not None)
-            entry = self._entries.get(key)  # a copy that started here meanwhile
+            found = await self._elsewhere(key, print_, patient=after is not None)
+            resume = found.run if found is not None else None
+            entry = self._entries.get(key)
         if entry is None:
             if after is not None and resume is None:
                 raise NotFound(f"Last-Event-ID: no stream under {key.value!r} to resume (it ended more than "
@@ -171,18 +172,13 @@ class IdempotentRequests:
         self._expire()
         entry = self._entries.get(key)
         resume = None
-        if entry is None and self._fleet:
-            found = await self.shared.get(key)  # another gateway's answer, or where its copy runs
-            entry = self._entries.get(key)  # or a copy that started here meanwhile
-            if entry is None and found is not None:
-                if found.fingerprint != print_:
-                    self._refuse_reuse(key)
-                elif found.answer is not None:
-                    self._on_replay("stored")
-                    return found.answer.response()
-                elif found.run is not None:
-                    self._on_replay("attached")
-                    resume = found.run
+        if entry is None:
+            found = await self._elsewhere(key, print_)  # another gateway's answer, or where its copy runs
+            if found is not None and found.answer is not None:
+                self._on_replay("stored")
+                return found.answer.response()
+            resume = found.run if found is not None else None
+            entry = self._entries.get(key)
         if entry is not None and entry.fingerprint != print_:
             self._refuse_reuse(key)
             return await start()  # an X-Request-Id reused for another request: nothing to share
@@ -204,16 +200,19 @@ class IdempotentRequests:
         """Keyed requests are shared with the other gateways (through Redis)."""
         return self.shared is not None and self.shared.enabled
 
-    async def _running_elsewhere(self, key: RequestKey, print_: bytes, patient: bool) -> RunRecord | None:
-        """Where another gateway's copy of this request runs (None: nowhere known, or another body)."""
-        found: SharedEntry | None = await self.shared.get(key, patient) if self._fleet else None
-        if found is None or found.run is None:
+    async def _elsewhere(self, key: RequestKey, print_: bytes, patient: bool = False) -> SharedEntry | None:
+        """What another gateway stored under `key` for this body: its answer, or where its copy runs (counted as
+        attached). None: nothing, Redis away, a copy that started here meanwhile, or another body (refused for
+        an Idempotency-Key; an X-Request-Id reused for another request runs on its own)."""
+        found = await self.shared.get(key, patient) if self._fleet else None
+        if found is None or key in self._entries:
             return None
         if found.fingerprint != print_:
             self._refuse_reuse(key)
             return None
-        self._on_replay("attached")
-        return found.run
+        if found.answer is None and found.run is not None:
+            self._on_replay("attached")
+        return found
 
     async def _started(self, key: RequestKey, print_: bytes, start: Callable[[], Awaitable[Response]],
                        resume: RunRecord | None = None, after: int | None = None) -> Response:

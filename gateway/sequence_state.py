@@ -6,7 +6,7 @@ router's and the metrics' in-flight counts on a node."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from kvrelay.common.wire import TokenChunk
 from kvrelay.gateway.discovery import Node
@@ -32,12 +32,16 @@ class Placement:
 
 @dataclass
 class Holders:
-    """Nodes that may hold state for the sequence right now (to abort on an early exit). `placed(node,
-    request_id, skip_first)`: a node's token stream of the sequence is about to start."""
+    """Nodes that may hold state for the sequence right now (to abort on an early exit). `on_placed(node,
+    request_id, skip_first)`: told when a node's token stream of the sequence is about to start."""
 
     nodes: dict[str, tuple[Node, str]]
     trace: dict
-    placed: Callable[[Node, str, bool], None] = field(default=lambda node, request_id, skip_first: None)
+    on_placed: Callable[[Node, str, bool], None] | None = None
+
+    def placed(self, node: Node, request_id: str, skip_first: bool) -> None:
+        if self.on_placed is not None:
+            self.on_placed(node, request_id, skip_first)
 
     def add(self, node: Node, request_id: str) -> None:
         self.nodes[node.node_id] = (node, request_id)

@@ -18,7 +18,7 @@ import json
 import os
 import time
 
-_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+from kvrelay.common.units import parse_bytes
 
 
 def folder_bytes(path: str) -> tuple[int, int]:
@@ -43,13 +43,6 @@ def folder_bytes(path: str) -> tuple[int, int]:
     return total, files
 
 
-def _bound(text: str) -> int:
-    for unit, scale in _UNITS.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
-    return int(text)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tier", action="append", required=True, metavar="NAME=DIR:BOUND")
@@ -61,7 +54,7 @@ def main() -> None:
     for spec in args.tier:
         name, _, rest = spec.partition("=")
         folder, _, bound = rest.rpartition(":")
-        tiers[name] = (folder, _bound(bound))
+        tiers[name] = (folder, parse_bytes(bound))
     peak = dict.fromkeys(tiers, 0)
     most_files = dict.fromkeys(tiers, 0)
     over: list[tuple[float, str, int]] = []

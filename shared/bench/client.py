@@ -137,23 +137,27 @@ class Client:
 
 
 async def _read_events(content: aiohttp.StreamReader, reply: Reply) -> None:
-    async for line in content:  # one line at a time, as it arrives
-        now = time.perf_counter()
-        if line.startswith(b"id:"):
-            reply.last_event_id = line[3:].strip().decode()
-        data = line.strip()[5:].strip() if line.startswith(b"data:") else None
-        if data == b"[DONE]":
-            reply.done = True
-        elif data:
-            event = json.loads(data)
-            if event.get("error"):
-                error = event["error"]
-                reply.error = "stream error: " + (error.get("message") if isinstance(error, dict)
-                                                  else json.dumps(error))[:480]
-            reply.usage = event.get("usage") or reply.usage
-            if text := "".join(_content(c) for c in event.get("choices") or ()):
-                reply.text += text
-                reply.chunk_times.append(now)
+    pieces = []
+    try:
+        async for line in content:  # one line at a time, as it arrives
+            now = time.perf_counter()
+            if line.startswith(b"id:"):
+                reply.last_event_id = line[3:].strip().decode()
+            data = line.strip()[5:].strip() if line.startswith(b"data:") else None
+            if data == b"[DONE]":
+                reply.done = True
+            elif data:
+                event = json.loads(data)
+                if event.get("error"):
+                    error = event["error"]
+                    reply.error = "stream error: " + (error.get("message") if isinstance(error, dict)
+                                                      else json.dumps(error))[:480]
+                reply.usage = event.get("usage") or reply.usage
+                if text := "".join(_content(c) for c in event.get("choices") or ()):
+                    pieces.append(text)
+                    reply.chunk_times.append(now)
+    finally:  # what was read counts when the stream breaks too (a resuming client goes on from it)
+        reply.text = "".join(pieces)
 
 
 def _read_answer(raw: bytes, reply: Reply) -> None:

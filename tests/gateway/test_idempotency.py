@@ -177,14 +177,16 @@ def test_last_event_id_is_a_number():
 
 @contextlib.asynccontextmanager
 async def _two_gateways(redis_url: str):
-    """The Redis sides of two gateways' stores (started, stopped after)."""
-    stores = SharedAnswers(redis_url), SharedAnswers(redis_url)
-    for store in stores:
+    """Two gateways' stores sharing one Redis (their Redis sides started, stopped after), and what B replayed."""
+    shared = SharedAnswers(redis_url), SharedAnswers(redis_url)
+    for store in shared:
         await store.start()
+    b_replays: list[str] = []
     try:
-        yield stores
+        yield (IdempotentRequests(60.0, resume_grace_s=30.0, shared=shared[0]),
+               IdempotentRequests(60.0, resume_grace_s=30.0, shared=shared[1], on_replay=b_replays.append), b_replays)
     finally:
-        for store in stores:
+        for store in shared:
             await store.stop()
 
 
@@ -194,10 +196,7 @@ def test_a_retry_on_another_gateway_gets_the_answer_stored_in_redis(redis_url):
     import redis
 
     async def scenario():
-        async with _two_gateways(redis_url) as (a_shared, b_shared):
-            a = IdempotentRequests(60.0, resume_grace_s=30.0, shared=a_shared)
-            b_replays: list[str] = []
-            b = IdempotentRequests(60.0, resume_grace_s=30.0, shared=b_shared, on_replay=b_replays.append)
+        async with _two_gateways(redis_url) as (a, b, b_replays):
             make = Maker()
             make.gate.set()
             await a.run(KEY, BODY, make)
@@ -267,10 +266,7 @@ def test_a_retry_on_another_gateway_goes_on_with_the_copy_running_there(redis_ur
     import redis
 
     async def scenario():
-        async with _two_gateways(redis_url) as (a_shared, b_shared):
-            a = IdempotentRequests(60.0, resume_grace_s=30.0, shared=a_shared)
-            b_replays: list[str] = []
-            b = IdempotentRequests(60.0, resume_grace_s=30.0, shared=b_shared, on_replay=b_replays.append)
+        async with _two_gateways(redis_url) as (a, b, b_replays):
             on_a = Resumer()
             running = asyncio.create_task(a.run(KEY, BODY, on_a))
             while not redis.Redis.from_url(redis_url).keys("kvr:idem:*"):
@@ -282,8 +278,8 @@ def test_a_retry_on_another_gateway_goes_on_with_the_copy_running_there(redis_ur
             gone = Resumer(gone=True)
             gone.gate.set()
             other = RequestKey(None, IDEMPOTENCY_KEY, "k-gone")
-            a_shared.put_run(other, BODY, _record(), 60.0)
-            while not await b_shared.get(other):
+            a.shared.put_run(other, BODY, _record(), 60.0)
+            while not await b.shared.get(other):
                 await asyncio.sleep(0.01)
             await b.run(other, BODY, gone)
             assert gone.resumed == [_record(), None] and gone.runs == 1  # tried to go on, then ran anew
