@@ -146,7 +146,9 @@ class PrefillServer(NodeServer):
             await self.engine.abort(rid)
             logger.warning("prefill %s: KV transfer to %s failed, blocks released: %s", rid, peer, e)
             raise transfer_failure(e, f"KV transfer of {rid!r} to decode node {peer} failed") from None
-        await self.engine.release_held(rid)
+        # The blocks go back between steps; the answer does not wait for that (a step under way would hold the
+        # first token back by its whole length).
+        self.engine.run_nowait(lambda core: core.release_held(rid))
         self.metrics.observe_transfer("send", result.nbytes, result.seconds)
         return result
 
