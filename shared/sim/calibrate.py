@@ -9,6 +9,8 @@ sampling, update) and its shape is read from the scheduler's output as the simul
 fit with non-negative coefficients gives the linear step model; its error on the measured steps is recorded.
 The same-host KV transfer is measured with `kvrelay bench kv-transfer` (shm) at two sizes: bandwidth and
 per-transfer overhead. Start-up is the engine's build time (model load and warm-up; process start excluded).
+Last, what serving adds to each thread count's steps and requests, on a real `kvrelay up` fleet
+(kvrelay.sim.calibrate_served).
 
     kvrelay sim calibrate                      # writes the local profile (kvrelay sim run --profile local)
     kvrelay sim calibrate --quick --out /tmp/p.json
@@ -28,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from kvrelay.common.units import byte_size
+from kvrelay.sim.calibrate_served import measure_served
 from kvrelay.sim.timemodel import (
     LINEAR_TERMS,
     LinearStep,
@@ -58,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed steps per shape (after a warm-up)")
     p.add_argument("--quick", action="store_true", help="a five-shape grid (a smoke run)")
     p.add_argument("--skip-transfer", action="store_true", help="keep the default same-host transfer figures")
+    p.add_argument("--skip-served", action="store_true",
+                   help="no real fleet: the profile models the engine's steps alone")
 
 
 @dataclass(frozen=True)
@@ -259,8 +264,20 @@ def run(args: argparse.Namespace) -> int:
         figures={"measured": measured, "modelled": [] if not args.skip_transfer else ["same-host KV transfer"]},
         fit=fits,
     )
+    core.shutdown()  # the served fleets below bring their own engines
+    if not args.skip_served:
+        up_flags = ["--model", args.model, "--dtype", args.dtype]
+        if args.kv_cache_memory:
+            up_flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
+        with tempfile.TemporaryDirectory(prefix="kvrelay-calibrate-") as tmp:
+            for t in threads:
+                served = measure_served(profile, t, Path(tmp), up_flags)
+                if served is not None:
+                    profile.steps[t] = served.applied(profile.steps[t])
+                    print(json.dumps({"threads": t, **vars(served)}), flush=True)
+        measured.append("what serving adds per step, per row and per request: streams on a served fleet, less "
+                        "the simulated ones")
     path = profile.save(args.out or local_profile_path())
-    print(json.dumps({"profile": str(path), "startup_s": profile.startup_s, "kv_cache_blocks": core.num_blocks,
+    print(json.dumps({"profile": str(path), "startup_s": profile.startup_s, "kv_cache_blocks": profile.kv_cache_blocks,
                       "transfer": vars(transfer), "fit": fits}))
-    core.shutdown()
     return 0

@@ -256,7 +256,10 @@ class Fleet:
         t = trace[i]
         req = SimRequest(i, self._source.prompt(i, t), self._source.output_tokens(i, t), self.loop.now,
                          t.session, t.tenant or t.prefix_group)
-        self._enter(req)
+        if self.step_model.request_overhead_s:  # the served path's own time (timemodel), before routing
+            self.loop.after(self.step_model.request_overhead_s, self._enter, req)
+        else:
+            self._enter(req)
 
     def _enter(self, req: SimRequest) -> None:
         gw = self.pick_gateway()

@@ -5,7 +5,10 @@ pairs of its prefill chunks, and the context its decode rows read. Two step mode
 
 - `linear` (a calibrated machine, `kvrelay sim calibrate`): t = intercept + per_token * tokens + per_row * rows
   + per_prefill_pair * prefill_pairs + per_decode_context * decode_context, fitted by least squares to measured
-  steps of the real engine, one fit per CPU thread count;
+  steps of the real engine, one fit per CPU thread count. On top, what serving adds (`kvrelay sim calibrate`
+  measures it on a real fleet of that placement): `served_step_s + served_row_s * rows` per step (streaming
+  each step's tokens through the node's RPCs, the gateway and the client takes CPU from the engine's threads),
+  and `request_overhead_s` per request (the gateway's HTTP and routing work, its RPCs, waking an idle node);
 - `roofline` (a GPU we cannot measure here): t = overhead + max(FLOPs / (peak x efficiency), bytes /
   (bandwidth x efficiency)) + tensor-parallel all-reduces, from the model's shape and the GPU's datasheet.
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -77,10 +80,19 @@ class LinearStep:
     per_row_s: float
     per_prefill_pair_s: float
     per_decode_context_s: float
+    # What serving adds (none: the engine alone), measured apart from the fit.
+    served_step_s: float = 0.0
+    served_row_s: float = 0.0
+    request_overhead_s: float = 0.0  # on each request's way in
 
     def time(self, s: StepShape) -> float:
-        return (self.intercept_s + self.per_token_s * s.tokens + self.per_row_s * s.rows
+        return (self.intercept_s + self.served_step_s + self.per_token_s * s.tokens
+                + (self.per_row_s + self.served_row_s) * s.rows
                 + self.per_prefill_pair_s * s.prefill_pairs + self.per_decode_context_s * s.decode_context)
+
+    def engine_only(self) -> LinearStep:
+        """The fitted engine step, without what serving adds."""
+        return replace(self, served_step_s=0.0, served_row_s=0.0, request_overhead_s=0.0)
 
 
 @dataclass(frozen=True)
@@ -115,6 +127,7 @@ class RooflineStep:
     memory_efficiency: float
     overhead_s: float  # per step: scheduling, launches, sampling
     allreduce_latency_s: float  # per all-reduce (two per layer under tensor parallelism)
+    request_overhead_s: float = 0.0  # as LinearStep's: none modelled beyond the fleet's hops
     # The factors of `time` that do not depend on the step, worked out once (a simulation asks for every step).
     _factors: tuple[float, ...] = field(init=False, repr=False, compare=False)
 

@@ -4,15 +4,20 @@ profile the simulator loads."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 
 from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.engine.core import EngineCore
 from kvrelay.sim import calibrate
-from kvrelay.sim.timemodel import StepShape, load_profile
-from tests.helpers.models import make_tiny_checkpoint
+from kvrelay.sim.calibrate_served import ROWS, measure_served, served_fleet
+from kvrelay.sim.timemodel import LinearStep, StepShape, load_profile
+from tests.helpers.models import make_tiny_checkpoint, make_tiny_with_tokenizer
+from tests.sim.helpers import tiny_profile
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +42,37 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tiny_model, tmp_path, ca
     calibrate.add_arguments(p)
     out = tmp_path / "local.json"
     calibrate.run(p.parse_args(["--model", str(tiny_model), "--dtype", "float32", "--threads", "1", "--quick",
-                                "--repeats", "1", "--skip-transfer", "--kv-cache-memory", "8MiB", "--out", str(out)]))
+                                "--repeats", "1", "--skip-transfer", "--skip-served", "--kv-cache-memory", "8MiB",
+                                "--out", str(out)]))
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     profile = load_profile(str(out))
     assert summary["profile"] == str(out) and profile.source == "calibrated" and set(profile.steps) == {1}
     assert profile.model.num_layers == 3 and profile.kv_cache_blocks > 0 and profile.machine["cpu_model"]
     assert profile.fit["1"]["points"] >= 3 and "same-host KV transfer" in profile.figures["modelled"]
     assert profile.step_model(1).time(StepShape.of([(1, 100)])) > 0
+
+
+def test_served_placements_give_each_node_the_thread_count():
+    assert served_fleet(2, 2) == (["--colocated"], {"colocated": 1})
+    assert served_fleet(1, 2) == (["--prefill", "1", "--decode", "1"], {"prefill": 1, "decode": 1})
+    assert served_fleet(1, 4) is None and served_fleet(4, 4)[1] == {"colocated": 1}
+
+
+def test_what_serving_adds_is_measured_against_the_simulated_engine(tmp_path, default_model_dir):
+    # A colocated fleet of the tiny model on every core, its engine steps modelled as free: what serving adds is
+    # then the whole served gap between tokens and time to first token, which real HTTP streams, RPCs and steps
+    # cannot make zero. The profile's own served terms are left out of the simulated side.
+    cores = len(os.sched_getaffinity(0))
+    profile = tiny_profile()
+    model = make_tiny_with_tokenizer(tmp_path / "m", Path(default_model_dir))  # a gateway needs its tokenizer
+    free = dataclasses.replace(profile, model=dataclasses.replace(profile.model, vocab_size=49152),
+                               steps={cores: LinearStep(0.0, 0.0, 0.0, 0.0, 0.0, served_step_s=9.0,
+                                                        request_overhead_s=9.0)})
+    served = measure_served(free, cores, tmp_path, ["--model", str(model), "--dtype", "float32",
+                                                    "--kv-cache-memory", "8MiB"])
+    assert 0.0 < served.served_step_s + ROWS * served.served_row_s < 1.0
+    assert 0.0 < served.request_overhead_s < 1.0
+    step = served.applied(free.steps[cores])
+    assert (step.served_step_s, step.request_overhead_s) == (round(served.served_step_s, 6),
+                                                             round(served.request_overhead_s, 6))
+    assert step.time(StepShape.of([(1, 10)])) == step.served_step_s + step.served_row_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -53,6 +54,19 @@ def test_colocated_event_order_is_the_hand_computed_one():
     r = simulate(trace, FleetSpec(colocated=1, hop_s=0.0), tiny_profile())
     assert (r.completed, r.failed, r.sim_duration_s) == (2, 0, pytest.approx(0.081))
     assert r.itl_p50_s == pytest.approx(0.012)
+
+
+def test_a_request_overhead_delays_each_request_by_it_before_routing():
+    # The same two requests as above, with 5 ms of request overhead (what a served fleet adds outside the steps):
+    # r0 enters at 5 ms, r1 at 10 ms, while r0's prompt runs: every event comes 5 ms later than without it.
+    trace = [TraceRequest(0.0, 3, prompt_tokens=prompt(1000, 32)),
+             TraceRequest(0.005, 2, prompt_tokens=prompt(2000, 16))]
+    profile = tiny_profile()
+    slow = dataclasses.replace(profile, steps={1: dataclasses.replace(profile.steps[1], request_overhead_s=0.005)})
+    c = Collector()
+    events = logged(trace, FleetSpec(colocated=1, hop_s=0.0), slow, c)
+    assert [e[0] for e in events] == [0.047, 0.074, 0.074, 0.086, 0.086, 0.086, 0.086]
+    assert c.ttft == pytest.approx([0.047, 0.069])  # still from the arrival
 
 
 def test_disaggregated_event_order_is_the_hand_computed_one():

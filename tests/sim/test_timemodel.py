@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -46,8 +47,18 @@ def test_shipped_gpu_profiles_are_the_roofline_of_their_stated_assumptions():
         assert load_profile(name).step_model().time(StepShape.of([(1, 100)])) > 0
 
 
+def test_what_serving_adds_is_apart_from_the_fitted_engine_step():
+    engine = LinearStep(0.01, 0.001, 0.0005, 0.0, 0.0)
+    served = dataclasses.replace(engine, served_step_s=0.004, served_row_s=0.0002, request_overhead_s=0.007)
+    shape = StepShape.of([(1, 100)] * 3 + [(20, 0)])  # 23 tokens, 4 rows
+    assert engine.time(shape) == pytest.approx(0.01 + 0.023 + 0.002)
+    assert served.time(shape) == pytest.approx(engine.time(shape) + 0.004 + 4 * 0.0002)
+    assert served.engine_only() == engine
+
+
 def test_profile_json_round_trip(tmp_path):
     p = tiny_profile()
+    p.steps[1] = dataclasses.replace(p.steps[1], served_step_s=0.003, served_row_s=0.0001, request_overhead_s=0.007)
     path = p.save(tmp_path / "p.json")
     assert Profile.from_json(json.loads(path.read_text())) == p
     assert load_profile(str(path)) == p
