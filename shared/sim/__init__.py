@@ -13,4 +13,5 @@ datasheet (shipped profiles). One simulated clock runs the fleet: no threads, no
     fleet.py      the fleet on one clock            run.py        one simulation -> RunResult (results.py)
     calibrate.py  measure this machine's engine     plan.py       size a fleet for SLOs; autoscaling
     validate.py   simulator against real fleets     scale.py      routing at 8-256 nodes
+    calibrate_served.py  what serving adds to the engine's steps (a real fleet against the simulator)
 """
