@@ -81,9 +81,9 @@ def test_many_rows_run_on_dequantized_tiles(qtype, monkeypatch):
     blocks, w = _blocks(qtype)
     x = torch.randn(gguf_blocks.KERNEL_ROWS + 4, blocks.cols)
     y = blocks.linear(x.to(torch.bfloat16))
-    assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), F.linear(x.to(torch.bfloat16).float(), torch.from_numpy(w)),
-                               rtol=1e-2, atol=1e-2)
+    assert y.dtype == torch.bfloat16  # bf16's GEMM on the weights rounded to bf16, as a dense bf16 model holds them
+    dense_bf16 = F.linear(x.to(torch.bfloat16), torch.from_numpy(w).to(torch.bfloat16))
+    torch.testing.assert_close(y, dense_bf16, rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(blocks.linear(x), F.linear(x, torch.from_numpy(w)), rtol=1e-5, atol=1e-5)
 
 
