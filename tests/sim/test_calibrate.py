@@ -13,7 +13,7 @@ import pytest
 
 from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvrelay.engine.core import EngineCore
-from kvrelay.sim import calibrate
+from kvrelay.sim import calibrate, calibrate_served
 from kvrelay.sim.calibrate_served import ROWS, measure_served, served_fleet
 from kvrelay.sim.timemodel import LinearStep, StepShape, load_profile
 from tests.helpers.models import make_tiny_checkpoint, make_tiny_with_tokenizer
@@ -58,10 +58,12 @@ def test_served_placements_give_each_node_the_thread_count():
     assert served_fleet(1, 4) is None and served_fleet(4, 4)[1] == {"colocated": 1}
 
 
-def test_what_serving_adds_is_measured_against_the_simulated_engine(tmp_path, default_model_dir):
+def test_what_serving_adds_is_measured_against_the_simulated_engine(tmp_path, default_model_dir, monkeypatch):
     # A colocated fleet of the tiny model on every core, its engine steps modelled as free: what serving adds is
     # then the whole served gap between tokens and time to first token, which real HTTP streams, RPCs and steps
     # cannot make zero. The profile's own served terms are left out of the simulated side.
+    for name, value in (("LONE", 4), ("ROUNDS", 1), ("OUTPUT", 12)):  # fewer, shorter streams than a calibration
+        monkeypatch.setattr(calibrate_served, name, value)
     cores = len(os.sched_getaffinity(0))
     profile = tiny_profile()
     model = make_tiny_with_tokenizer(tmp_path / "m", Path(default_model_dir))  # a gateway needs its tokenizer
