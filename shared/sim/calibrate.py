@@ -24,7 +24,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -269,14 +269,16 @@ def run(args: argparse.Namespace) -> int:
         up_flags = ["--model", args.model, "--dtype", args.dtype]
         if args.kv_cache_memory:
             up_flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
+        served_steps = dict(steps)
         with tempfile.TemporaryDirectory(prefix="kvrelay-calibrate-") as tmp:
             for t in threads:
                 served = measure_served(profile, t, Path(tmp), up_flags)
                 if served is not None:
-                    profile.steps[t] = served.applied(profile.steps[t])
+                    served_steps[t] = served.applied(steps[t])
                     print(json.dumps({"threads": t, **vars(served)}), flush=True)
-        measured.append("what serving adds per step, per row and per request: streams on a served fleet, less "
-                        "the simulated ones")
+        profile = replace(profile, steps=served_steps, figures={**profile.figures, "measured": [
+            *measured, "what serving adds per step, per row and per request: streams on a served fleet, less the "
+                       "simulated ones"]})
     path = profile.save(args.out or local_profile_path())
     print(json.dumps({"profile": str(path), "startup_s": profile.startup_s, "kv_cache_blocks": profile.kv_cache_blocks,
                       "transfer": vars(transfer), "fit": fits}))

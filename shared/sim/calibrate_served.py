@@ -26,7 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvrelay.sim.fleet import FleetSpec
+from kvrelay.sim.run import simulate
 from kvrelay.sim.timemodel import LinearStep, Profile
+from kvrelay.sim.trace import TraceRequest
 
 LONE, LONE_WARMUP, ROWS, ROUNDS = 10, 2, 8, 2  # lone requests (the first ones not counted); streams at once, rounds
 OUTPUT, PROMPT = 24, 48  # tokens per stream: out, and the prompt (short: a decode node prefills it itself)
@@ -86,11 +89,8 @@ async def _drive(base_url: str, lone: list[list[int]], batches: list[list[list[i
     return out
 
 
-def _simulated(prompts: list[list[int]], spec, profile: Profile) -> tuple[float, float]:
+def _simulated(prompts: list[list[int]], spec: FleetSpec, profile: Profile) -> tuple[float, float]:
     """Time to first token and the median gap of these requests arriving together, simulated."""
-    from kvrelay.sim.run import simulate
-    from kvrelay.sim.trace import TraceRequest
-
     r = simulate([TraceRequest(arrival_s=0.0, output_len=OUTPUT, prompt_tokens=tuple(p)) for p in prompts], spec,
                  profile)
     return r.ttft_p50_s, r.itl_p50_s
@@ -100,7 +100,6 @@ def measure_served(profile: Profile, threads: int, log_dir: Path, up_flags: list
     """Serve `profile`'s model (`kvrelay up` with `up_flags`) with `threads` threads per node, and measure what
     serving adds to its fitted steps. None: no placement gives each node that many threads here."""
     from kvrelay.bench.fleet import Server
-    from kvrelay.sim.fleet import FleetSpec
 
     placement = served_fleet(threads, len(os.sched_getaffinity(0)))
     if placement is None:
@@ -119,12 +118,10 @@ def measure_served(profile: Profile, threads: int, log_dir: Path, up_flags: list
     def sim(step: LinearStep, prompts: list[list[int]]) -> tuple[float, float]:
         return _simulated(prompts, spec, replace(profile, steps={threads: step}))
 
-    lone_gap = statistics.median(sim(engine, [p])[1] for p in lone[LONE_WARMUP:])
-    batch_gap = statistics.median(sim(engine, b)[1] for b in batches)
-    d1 = statistics.median(real.lone_gaps) - lone_gap
-    d_rows = statistics.median(real.batch_gaps) - batch_gap
+    # Simulated time depends on the requests' shapes, not their tokens: one lone request, one batch stand for all.
+    d1 = statistics.median(real.lone_gaps) - sim(engine, lone[:1])[1]
+    d_rows = statistics.median(real.batch_gaps) - sim(engine, batches[0])[1]
     row = max(0.0, (d_rows - d1) / (ROWS - 1))
     step = max(0.0, d1 - row)
-    with_steps = replace(engine, served_step_s=step, served_row_s=row)
-    ttft = statistics.median(sim(with_steps, [p])[0] for p in lone[LONE_WARMUP:])
+    ttft = sim(replace(engine, served_step_s=step, served_row_s=row), lone[:1])[0]
     return Served(step, row, max(0.0, statistics.median(real.lone_ttft) - ttft))

@@ -23,7 +23,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from kvrelay.common.system import cache_dir
 
@@ -127,7 +127,7 @@ class RooflineStep:
     memory_efficiency: float
     overhead_s: float  # per step: scheduling, launches, sampling
     allreduce_latency_s: float  # per all-reduce (two per layer under tensor parallelism)
-    request_overhead_s: float = 0.0  # as LinearStep's: none modelled beyond the fleet's hops
+    request_overhead_s: ClassVar[float] = 0.0  # as LinearStep's: none modelled beyond the fleet's hops
     # The factors of `time` that do not depend on the step, worked out once (a simulation asks for every step).
     _factors: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
