@@ -9,7 +9,9 @@
 //   Q8_0  w = d q        ->  d dx sum(q xq)
 // Each thread takes a range of W's rows; every row's blocks are unpacked once for up to 4 rows of x. A row's
 // result depends on its own x row only (no reduction across rows), so a decode gets the same logits alone or
-// batched. A block's integer sum is one vpdpbusd where the CPU has AVX512-VNNI, else maddubs + madd (the same
+// batched with fewer than kLaneRows rows; from kLaneRows rows of x, a CPU with AVX512-VNNI runs the lanes kernel
+// (gguf_lanes.h: 16 rows per vector, 2.2-2.5x faster from 32 rows), whose rows are as independent but whose float
+// sums are rounded otherwise. A block's integer sum is one vpdpbusd where the CPU has AVX512-VNNI, else maddubs + madd (the same
 // exact int32s). Each type has its own row tile (no branch on the type per block), and bf16 x is read and y written
 // in bf16 here (no conversion op on each side of each projection in a bf16 model; what these bought a single-stream
 // decode is in docs/benchmarks.md). gguf_dequantize turns blocks back into fp32 rows (an embedding's looked-up
@@ -26,6 +28,7 @@
 #include "api.h"
 #include "common.h"
 #include "gguf_kquants.h"
+#include "gguf_lanes.h"
 #include "gguf_xquant.h"
 
 namespace {
@@ -306,6 +309,40 @@ TypeKernels kernels_for(int64_t qtype) {
   }
 }
 
+#ifdef KVRELAY_GGUF_LANES
+// A block's 32 weights as int8 in order, d and lo of its values d q + lo, and the sum of the 32 (gguf_lanes.h).
+inline int32_t byte_sum(__m256i v) {  // of 32 unsigned bytes
+  const __m256i s = _mm256_sad_epu8(v, _mm256_setzero_si256());
+  const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  return static_cast<int32_t>(_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1));
+}
+inline int32_t unpack_q4_0(const uint8_t* blk, uint8_t* q, float& d, float& lo) {
+  const __m256i v = unpack_q4(blk + 2);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(q), v);
+  d = half_to_float(blk);
+  lo = -8.f * d;
+  return byte_sum(v);
+}
+inline int32_t unpack_q4_1(const uint8_t* blk, uint8_t* q, float& d, float& lo) {
+  const __m256i v = unpack_q4(blk + 4);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(q), v);
+  d = half_to_float(blk);
+  lo = half_to_float(blk + 2);
+  return byte_sum(v);
+}
+inline int32_t unpack_q8_0(const uint8_t* blk, uint8_t* q, float& d, float& lo) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(q), v);
+  d = half_to_float(blk);
+  lo = 0.f;
+  return byte_sum(_mm256_xor_si256(v, _mm256_set1_epi8(-128))) - 32 * 128;  // signed: each + 128 summed, less
+}
+// From this many rows of x, the lanes kernel: 30 SmolLM2-shaped layers of Q4_1 (bf16 x, 2 threads, Zen 4) took
+// 13.2 against the row tiles' 12.7 ms at 8 rows, 16.5 against 25.4 at 16, 22.1 against 48.5 at 32, 80.6 against
+// 197 at 128.
+constexpr int64_t kLaneRows = 8;
+#endif
+
 void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "gguf: the weight must be contiguous uint8 [N, row bytes]");
@@ -351,6 +388,27 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
     v = bp ? v + bp[n] : v;
     if (yh) yh[at] = f32_to_bf16(v); else yf[at] = v;
   };
+#ifdef KVRELAY_GGUF_LANES
+  if (M >= kLaneRows && !kquants::is_kquant(qtype)) {
+    gguf_lanes::Packed packed;
+    packed.pack(xq.data(), dx.data(), sx.data(), M, K);
+    auto put = [&](int64_t m, int64_t n, float v) { store(m * N + n, n, v); };
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      // Lambdas, not the functions themselves: a function reference is called through a pointer, and every call
+      // spilled the tile's sums.
+      auto q8_0 = [](const uint8_t* b, uint8_t* q, float& d, float& lo) { return unpack_q8_0(b, q, d, lo); };
+      auto q4_1 = [](const uint8_t* b, uint8_t* q, float& d, float& lo) { return unpack_q4_1(b, q, d, lo); };
+      auto q4_0 = [](const uint8_t* b, uint8_t* q, float& d, float& lo) { return unpack_q4_0(b, q, d, lo); };
+      if (qtype == kQ8_0)
+        gguf_lanes::rows(wp, row_bytes, n0, n1, B, bsz, packed, M, q8_0, put);
+      else if (qtype == kQ4_1)
+        gguf_lanes::rows(wp, row_bytes, n0, n1, B, bsz, packed, M, q4_1, put);
+      else
+        gguf_lanes::rows(wp, row_bytes, n0, n1, B, bsz, packed, M, q4_0, put);
+    });
+    return y;
+  }
+#endif
   if (M == 1) {
     std::vector<float> acc(N);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
