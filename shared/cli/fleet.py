@@ -139,6 +139,8 @@ def gateway_flags(config: UpConfig) -> list[str]:
         flags += ["--api-keys-file", os.path.abspath(config.api_keys_file)]
     if config.public_metrics:
         flags.append("--public-metrics")
+    if config.log_requests:
+        flags.append("--log-requests")
     return flags
 
 

@@ -379,6 +379,9 @@ def register(sub) -> None:
                         "nothing without the fleet's certificate can call a node")
     g.add_argument("--public-metrics", action="store_true", default=d.public_metrics,
                    help="the gateway's /metrics answers without a key (with keys, only /health does otherwise)")
+    g.add_argument("--log-requests", action="store_true", default=d.log_requests,
+                   help="the gateway logs one JSON line per generation (request id, tenant, key, status, tokens, "
+                        "TTFT, duration, nodes) on the logger kvrelay.access, in its log")
     g.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=[*TOOL_CALL_PARSERS, "none"],
                    help=f"how tool_choice 'auto' finds the model's tool calls (the gateway's default: "
                         f"{_GATEWAY.tool_call_parser})")

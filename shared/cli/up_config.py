@@ -77,6 +77,7 @@ class UpConfig:
     api_keys_file: str | None = None  # the gateway's --api-keys-file (tenants, limits)
     otlp_traces_endpoint: str | None = None  # every process's spans go to this OTLP collector
     public_metrics: bool = False  # the gateway's /metrics answers without a key
+    log_requests: bool = False  # the gateway's access log: one JSON line per generation (kvrelay.access)
     fleet_tls: bool = True  # a CA of the fleet's own and mutual TLS between the gateway and the nodes
     tool_call_parser: str | None = None  # None: the gateway's
     enable_auto_tool_choice: bool = False  # vLLM's; auto tool choice is on whenever a parser is set

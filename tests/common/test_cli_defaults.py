@@ -119,6 +119,15 @@ def test_up_hands_the_kv_cache_dtype_to_every_node_and_the_gateway(parser):
     assert gateway.kv_cache_dtype == "fp8"
 
 
+def test_up_hands_the_access_log_to_the_gateway(parser):
+    from kvrelay.cli.fleet import gateway_flags
+
+    config = up.config_from_args(parser.parse_args(["up", "--log-requests"]))
+    assert config.log_requests and "--log-requests" in gateway_flags(config)
+    assert "--log-requests" not in gateway_flags(up.UpConfig())
+    assert parser.parse_args(["gateway", *gateway_flags(config)]).log_requests
+
+
 def test_up_hands_the_offload_tier_to_every_node(parser, tmp_path):
     from kvrelay.cli.fleet import engine_flags
 
