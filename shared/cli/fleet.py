@@ -107,7 +107,8 @@ def engine_flags(config: UpConfig, model: FleetModel | None = None) -> list[str]
              *_set_flags(config, ("device", "quantization", "max_model_len", "kv_cache_memory", "kv_cache_dtype",
                                   "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed",
                                   "max_waiting_requests", "scheduling_policy", "max_loras", "max_lora_rank",
-                                  "max_cpu_loras", "max_pooling_tokens_per_step", *OFFLOAD_FIELDS))]
+                                  "max_cpu_loras", "max_pooling_tokens_per_step", "priority_step_gap",
+                                  *OFFLOAD_FIELDS))]
     names = [n.partition("=")[0] for n in model.served_model_names]
     if names:
         flags += ["--served-model-name", names[0]]  # a node labels its metrics with one name

@@ -127,7 +127,7 @@ def node_engine(config: UpConfig, model: FleetModel | None = None) -> EngineConf
     names = ("device", "quantization", "max_model_len", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization",
              "max_num_seqs", *OFFLOAD_FIELDS,
              "max_num_batched_tokens", "enable_prefix_caching", "max_waiting_requests", "seed", "max_loras",
-             "max_pooling_tokens_per_step",
+             "max_pooling_tokens_per_step", "priority_step_gap",
              "max_lora_rank", "max_cpu_loras")
     values = {name: getattr(config, name) for name in names if getattr(config, name) is not None}
     if config.scheduling_policy is not None:
@@ -328,6 +328,10 @@ def register(sub) -> None:
     m.add_argument("--max-pooling-tokens-per-step", type=int, default=d.max_pooling_tokens_per_step,
                    help="per node: the most tokens of a step embeddings and scores take on a model that chats "
                         f"({nodes}: {engine.scheduler.max_pooling_tokens_per_step}; 0: no cap)")
+    m.add_argument("--priority-step-gap", type=int, default=d.priority_step_gap,
+                   help="per node: a prompt this far behind in priority (a tenant with this many more requests in "
+                        "flight) waits for the next step instead of lengthening a more urgent prompt's "
+                        f"({nodes}: {engine.scheduler.priority_step_gap}; 0: off)")
     m.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=SCHEDULING_POLICIES,
                    help=f"per node: waiting order ({nodes}: {engine.scheduler.policy.value}; sjf is the shortest "
                         "prompt first, with aging)")

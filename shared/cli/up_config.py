@@ -53,6 +53,7 @@ class UpConfig:
     speculative_config: str | None = None  # JSON, as vLLM takes it; decode nodes only
     max_waiting_requests: int | None = None
     max_pooling_tokens_per_step: int | None = None
+    priority_step_gap: int | None = None
     scheduling_policy: str | None = None
     enable_lora: bool = False  # vLLM's LoRA flags, handed to every node
     lora_modules: tuple[str, ...] = ()

@@ -28,7 +28,7 @@ OFFLOAD_FIELDS = ("kv_offload_bytes", "kv_offload_path", "kv_offload_dir", "kv_o
 _ENGINE_FLAGS = ("device", "quantization", "max_model_len", "block_size", "kv_cache_memory", "kv_cache_dtype",
                  "gpu_memory_utilization", *OFFLOAD_FIELDS,
                  "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests", "admission_headroom",
-                 "max_pooling_tokens_per_step",
+                 "max_pooling_tokens_per_step", "priority_step_gap",
                  "enable_prefix_caching", "scheduling_policy", "attention_backend", "enforce_eager",
                  "structured_outputs_backend",
                  "speculative_config", "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
@@ -73,6 +73,11 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig | None = 
                         "scores) take, so a chat never waits long behind a step of them; while a chat's prompt "
                         "computes they take none, for up to 8 steps in a row (0: no cap; an encoder or "
                         "cross-encoder is never capped)")
+    g.add_argument("--priority-step-gap", type=int, default=s.priority_step_gap,
+                   help="policies priority and sjf: a prompt whose priority value is this much above the most "
+                        "urgent prompt of a step waits for the next step instead of lengthening this one (the "
+                        "gateway ranks a tenant's request by its tenant's requests in flight; 0: any prompts "
+                        "share a step)")
     g.add_argument("--max-waiting-requests", type=int, default=s.max_waiting_requests,
                    help="requests (and queued decode reservations) that may wait for room; past it new ones are "
                         "refused, which the gateway answers with 429 (0: no bound)")

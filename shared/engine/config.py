@@ -118,6 +118,10 @@ class SchedulerConfig:
     # of a step, so a chat never waits long behind a step of them (a step runs to its end once started), and
     # none while a chat's prompt is computing (for at most 8 steps in a row: engine/scheduler.py).
     max_pooling_tokens_per_step: int = 64  # 0: no cap
+    # Policies other than fcfs: a prompt this far behind (a priority value this much higher than) the most urgent
+    # prompt of a step waits for the next step instead of lengthening this one, so an urgent request's first
+    # token is not held by a batch of prompts it outranks (gateway.admission: a tenant's requests in flight).
+    priority_step_gap: int = 8  # 0: prompts of any priority share a step
     # Disaggregation: how long a reservation or blocks held for a transfer live unclaimed.
     kv_lease_s: float = 30.0
     # Requests (and queued reservations) that may wait for room; past it new ones are refused (QueueFull).

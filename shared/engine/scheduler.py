@@ -6,7 +6,9 @@ between those places, are the request table's (request_table.py), which the sche
    blocks run out it preempts the lowest-priority / latest-arrived running request. Then it admits waiting
    requests in queue order while there is budget, a sequence slot and blocks, leaving the running requests
    room for the rest of their prompts (`admission_headroom`). Under a priority-keyed policy a running prompt
-   that a waiting request outranks takes only what the admissions leave of the budget.
+   that a waiting request outranks takes only what the admissions leave of the budget, and a prompt a whole
+   class behind (`priority_step_gap`) none of it: a step's length is its most urgent prompt's first-token time,
+   and a burst it outranks would lengthen it.
 2. Each request gets a chunk (`_plan_chunk`): its next known tokens within the budget and the long-prefill
    threshold. With speculative decoding the scheduler is given a `Speculation` (spec_decode/scheduling.py)
    that adds the drafts to verify, the proposer's lookahead slots, and whether it proposes after the step.
@@ -85,8 +87,9 @@ class Scheduler(RequestTable):
         yielded = self._schedule_running(self.running, plan, self._outranked_prefills())
         plan.budget += keep
         admitted = len(plan.new)
-        if not plan.preempted:
-            self._schedule_waiting(plan)
+        lead = self._schedule_waiting(plan) if not plan.preempted else None
+        if lead is not None:  # the yielded prompts a class behind the most urgent one admitted sit the step out
+            yielded = [r for r in yielded if not self._behind(r, lead)]
         if yielded and plan.budget > 0:
             # What the waiting requests left of the budget: without preempting the requests just admitted; when
             # none could be admitted, the yield bought nothing and the prompts go on as if they had not yielded
@@ -239,13 +242,24 @@ class Scheduler(RequestTable):
         """Blocks for the rest of the prompt past num_computed tokens, and one to grow into."""
         return cdiv(max(0, req.num_prompt_tokens - num_computed), self.kv.block_size) + 1
 
-    def _schedule_waiting(self, plan: StepPlan) -> None:
+    def _behind(self, req: Request, lead: int | None) -> bool:
+        """Whether `req` is a priority class behind `lead` (SchedulerConfig.priority_step_gap)."""
+        gap = self.config.priority_step_gap
+        return bool(gap) and lead is not None and req.priority - lead >= gap
+
+    def _schedule_waiting(self, plan: StepPlan) -> int | None:
+        """Admits waiting requests into the step; returns the most urgent priority admitted (None: none, or
+        fcfs, whose queue is not in priority order)."""
+        ranked = self.config.policy != SchedulingPolicy.FCFS
+        lead: int | None = None
         compiling: list[Request] = []  # and those whose adapter has no slot this step: they keep their places
         seqs = self.config.max_num_seqs
         keep = self.config.admission_headroom
         headroom = self._admission_headroom(plan) if keep and len(self.waiting) else 0
         while len(self.waiting) and plan.budget > 0 and len(self.running) + self.beam_groups.seats() < seqs:
             req = self.waiting.peek()
+            if ranked and self._behind(req, lead):
+                break  # the queue is in priority order: everything after it is as far behind
             if req.status == RequestStatus.WAITING_FOR_GRAMMAR or not self._lora_fits(req, plan):
                 compiling.append(self.waiting.pop())
                 continue
@@ -274,8 +288,11 @@ class Scheduler(RequestTable):
             self._admit(req, hit)
             plan.add(req.request_id, chunk, req.lora_name, _capped_pooling(plan, req))
             plan.new.append(self._new_request_data(req))
+            if ranked:
+                lead = req.priority if lead is None else min(lead, req.priority)
         for req in reversed(compiling):  # back in their places, ahead of later arrivals
             self.waiting.add_front(req)
+        return lead
 
     def _admit_beam_group(self, group: BeamGroup, plan: StepPlan) -> bool:
         """Admit every beam of a group, or none (False: the group waits and so does the queue)."""

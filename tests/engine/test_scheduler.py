@@ -323,6 +323,46 @@ def test_a_running_prompt_yields_its_chunks_to_a_waiting_request_that_outranks_i
     d.check_all_free()
 
 
+@pytest.mark.parametrize("policy", [SJF, PRIORITY])
+def test_a_prompt_a_priority_class_behind_waits_for_the_next_step(policy):
+    # "b" (0) and "b2" (7) are within the gap of 8 and share the step; "a" (8) is a class behind and waits,
+    # though the budget had room for it.
+    d = Driver(policy=policy, budget=2048, priority_step_gap=8)
+    d.add("a", prompt(40, 100), max_tokens=2, priority=8)
+    d.add("b", prompt(20, 500), max_tokens=2, priority=0, arrival=1.0)
+    d.add("b2", prompt(20, 700), max_tokens=2, priority=7, arrival=2.0)
+    out, _ = d.step()
+    assert dict(out.num_scheduled_tokens) == {"b": 20, "b2": 20}
+    out, _ = d.step()
+    assert dict(out.num_scheduled_tokens) == {"b": 1, "b2": 1, "a": 40}  # decodes, then a's whole prompt
+    d.run()
+    assert all(len(d.outputs[r]) == 2 for r in ("a", "b", "b2"))
+    d.check_all_free()
+
+
+@pytest.mark.parametrize("policy, gap", [(FCFS, 8), (SJF, 0)])
+def test_fcfs_or_no_gap_lets_every_priority_share_a_step(policy, gap):
+    d = Driver(policy=policy, priority_step_gap=gap)
+    d.add("a", prompt(40, 100), max_tokens=1, priority=8)
+    d.add("b", prompt(20, 500), max_tokens=1, priority=0, arrival=1.0)
+    out, _ = d.step()
+    assert dict(out.num_scheduled_tokens) == {"a": 40, "b": 20}
+
+
+def test_a_yielding_prompt_a_class_behind_sits_out_the_step_of_the_one_it_yields_to():
+    # "a" (priority 9) is mid-prompt; "b" (0) arrives: under a gap of 8, a takes nothing of what b leaves.
+    d = Driver(policy=SJF, budget=32, priority_step_gap=8)
+    d.add("a", prompt(96, 100), max_tokens=1, priority=9)
+    d.step()
+    d.add("b", prompt(20, 500), max_tokens=1, priority=0, arrival=1.0)
+    out, _ = d.step()
+    assert dict(out.num_scheduled_tokens) == {"b": 20}
+    out, _ = d.step()
+    assert dict(out.num_scheduled_tokens) == {"a": 32}
+    d.run()
+    d.check_all_free()
+
+
 def test_fcfs_never_lets_a_waiting_request_pass_a_running_prompt():
     d = Driver(policy=FCFS, budget=32)
     d.add("a", prompt(96, 100), max_tokens=1, priority=3)
@@ -365,7 +405,8 @@ def test_priority_preemption_of_an_already_scheduled_request():
     """A low-priority request admitted first is scheduled first in a step, then preempted in that same
     step for a higher-priority one: its tokens and budget are given back, and none of its blocks keeps a
     hash for KV that was never computed."""
-    d = Driver(num_blocks=7, block_size=4, budget=16, long_prefill=8, policy=PRIORITY, caching=True, headroom=False)
+    d = Driver(num_blocks=7, block_size=4, budget=16, long_prefill=8, policy=PRIORITY, caching=True, headroom=False,
+               priority_step_gap=0)  # low, 9 behind, takes what high leaves of the step
     low = d.add("low", prompt(24), max_tokens=3, priority=9)
     d.step()  # low: tokens 0..7 in [0, 1]
     d.add("high", prompt(4, 100), max_tokens=6, priority=0)

@@ -54,6 +54,7 @@ class Driver:
         beam_fn: Callable[[Request], list[tuple[int, float]]] | None = None,
         headroom: bool = True,
         sjf_tokens_per_s: float = 1000.0,
+        priority_step_gap: int = SchedulerConfig.priority_step_gap,
     ) -> None:
         self.bs = block_size
         self.pool = BlockPool(num_blocks, caching)
@@ -66,6 +67,7 @@ class Driver:
             long_prefill_token_threshold=long_prefill,
             admission_headroom=headroom,
             sjf_tokens_per_s=sjf_tokens_per_s,
+            priority_step_gap=priority_step_gap,
         )
         self.max_model_len = max_model_len or num_blocks * block_size
         speculation = None if spec_lookahead is None else Speculation(
