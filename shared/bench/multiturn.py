@@ -96,8 +96,8 @@ def run_arm(args: argparse.Namespace, tier: bool) -> dict:
     store = tempfile.mkdtemp(prefix="kvrelay-multiturn-tier-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     if tier:
         flags += ["--kv-offload-bytes", str(args.kv_offload_bytes), "--kv-offload-path", store]
-    (node,) = Node.start_many([("decode", flags)], env={"OMP_NUM_THREADS": str(args.num_threads)},
-                              log_dir=tempfile.mkdtemp(prefix="kvrelay-multiturn-"))
+    logs, done = tempfile.mkdtemp(prefix="kvrelay-multiturn-"), False  # the logs are kept only if the arm fails
+    (node,) = Node.start_many([("decode", flags)], env={"OMP_NUM_THREADS": str(args.num_threads)}, log_dir=logs)
     try:
         stub = node.stub()
         info = stub.GetNodeInfo(pb.NodeInfoRequest(), timeout=10)
@@ -122,9 +122,14 @@ def run_arm(args: argparse.Namespace, tier: bool) -> dict:
             raise RuntimeError(f"{len(errors)} conversations failed; the first: {errors[0]!r}")
         elapsed = time.perf_counter() - start
         metrics = node.metrics()
+        done = True
     finally:
         stop_all([node.process])
         shutil.rmtree(store, ignore_errors=True)
+        if done:
+            shutil.rmtree(logs, ignore_errors=True)
+        else:
+            logger.error("the node's log: %s", logs)
     later = sorted(t["ttft_s"] for t in turns if t["turn"] > 0)
     context = args.sessions * args.turns * (args.user_tokens + args.output_tokens)
     arm = {
