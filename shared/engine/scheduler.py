@@ -258,7 +258,7 @@ class Scheduler(RequestTable):
         headroom = self._admission_headroom(plan) if keep and len(self.waiting) else 0
         while len(self.waiting) and plan.budget > 0 and len(self.running) + self.beam_groups.seats() < seqs:
             req = self.waiting.peek()
-            if ranked and self._behind(req, lead):
+            if self._behind(req, lead):  # (lead stays None under fcfs)
                 break  # the queue is in priority order: everything after it is as far behind
             if req.status == RequestStatus.WAITING_FOR_GRAMMAR or not self._lora_fits(req, plan):
                 compiling.append(self.waiting.pop())

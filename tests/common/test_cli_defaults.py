@@ -119,6 +119,17 @@ def test_up_hands_the_kv_cache_dtype_to_every_node_and_the_gateway(parser):
     assert gateway.kv_cache_dtype == "fp8"
 
 
+def test_up_hands_the_priority_step_gap_to_every_node(parser):
+    from kvrelay.cli.fleet import engine_flags
+
+    config = up.config_from_args(parser.parse_args(["up", "--priority-step-gap", "0"]))
+    assert up.node_engine(config).scheduler.priority_step_gap == 0
+    flags = engine_flags(config)
+    assert flags[flags.index("--priority-step-gap") + 1] == "0"
+    assert "--priority-step-gap" not in engine_flags(up.UpConfig())
+    assert node.node_config(parser.parse_args(["decode", *flags])).engine.scheduler.priority_step_gap == 0
+
+
 def test_up_hands_the_access_log_to_the_gateway(parser):
     from kvrelay.cli.fleet import gateway_flags
 
