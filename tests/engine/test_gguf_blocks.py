@@ -65,19 +65,19 @@ def test_kernel_is_the_int8_dot_product_and_rows_are_independent(qtype):
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_batch_is_the_int8_dot_product_and_its_rows_are_independent(qtype):
-    """From 8 rows, with AVX512-VNNI, the lanes kernel (16 rows per vector; gguf_lanes.h): the same exact
-    integer block sums, and each row's result the same in any batch of 8 or more (37 rows: a pass of two
-    16-row blocks and one of a partial block)."""
+    """From 8 rows (12 for the K-quants), with AVX512-VNNI, the lanes kernel (16 rows per vector; gguf_lanes.h):
+    the same exact integer block sums, and each row's result the same in any batch that large (37 rows: a pass
+    of two 16-row blocks and one of a partial block; 12: one partial block)."""
     blocks, w = _blocks(qtype)
     x = np.random.default_rng(2).standard_normal((37, blocks.cols)).astype(np.float32)
     x[2, :32] = 0.0
     bias = torch.arange(48, dtype=torch.float32)
     y = blocks.linear(torch.from_numpy(x), bias)
     np.testing.assert_allclose(y.numpy(), _int8_reference(x, w) + bias.numpy(), rtol=2e-5, atol=2e-4)
-    others = np.random.default_rng(3).standard_normal((7, blocks.cols)).astype(np.float32)
-    for row in (0, 2, 20, 36):  # first in a batch of 8 (one partial block of rows) beside other rows
+    others = np.random.default_rng(3).standard_normal((11, blocks.cols)).astype(np.float32)
+    for row in (0, 2, 20, 36):  # first in a batch of 12 beside other rows
         batch = torch.from_numpy(np.concatenate([x[row : row + 1], others]))
         assert torch.equal(blocks.linear(batch, bias)[0], y[row])
 

@@ -9,9 +9,9 @@
 //   Q8_0  w = d q        ->  d dx sum(q xq)
 // Each thread takes a range of W's rows; every row's blocks are unpacked once for up to 4 rows of x. A row's
 // result depends on its own x row only (no reduction across rows), so a decode gets the same logits alone or
-// batched with fewer than kLaneRows rows; from kLaneRows rows of x, a CPU with AVX512-VNNI runs the lanes kernel
-// (gguf_lanes.h: 16 rows per vector, 2.2-2.5x faster from 32 rows), whose rows are as independent but whose float
-// sums are rounded otherwise. A block's integer sum is one vpdpbusd where the CPU has AVX512-VNNI, else maddubs + madd (the same
+// batched with fewer than kLaneRows rows (12 for the K-quants); from there a CPU with AVX512-VNNI runs the lanes
+// kernel (gguf_lanes.h: 16 rows per vector, 2.1-2.5x faster from 32 rows), whose rows are as independent but whose
+// float sums are rounded otherwise. A block's integer sum is one vpdpbusd where the CPU has AVX512-VNNI, else maddubs + madd (the same
 // exact int32s). Each type has its own row tile (no branch on the type per block), and bf16 x is read and y written
 // in bf16 here (no conversion op on each side of each projection in a bf16 model; what these bought a single-stream
 // decode is in docs/benchmarks.md). gguf_dequantize turns blocks back into fp32 rows (an embedding's looked-up
@@ -310,37 +310,62 @@ TypeKernels kernels_for(int64_t qtype) {
 }
 
 #ifdef KVRELAY_GGUF_LANES
-// A block's 32 weights as int8 in order, d and lo of its values d q + lo, and the sum of the 32 (gguf_lanes.h).
+// Block b of a weight row for the lanes kernel (gguf_lanes.h): its 32 values as int8 in order into q, and
+// gguf_lanes::Sub. One functor type per block type, so that the kernel's call is inlined (through a function
+// pointer, every call spilled the tile's sums).
 inline int32_t byte_sum(__m256i v) {  // of 32 unsigned bytes
   const __m256i s = _mm256_sad_epu8(v, _mm256_setzero_si256());
   const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
   return static_cast<int32_t>(_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1));
 }
-inline int32_t unpack_q4_0(const uint8_t* blk, uint8_t* q, float& d, float& lo) {
-  const __m256i v = unpack_q4(blk + 2);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(q), v);
-  d = half_to_float(blk);
-  lo = -8.f * d;
-  return byte_sum(v);
-}
-inline int32_t unpack_q4_1(const uint8_t* blk, uint8_t* q, float& d, float& lo) {
-  const __m256i v = unpack_q4(blk + 4);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(q), v);
-  d = half_to_float(blk);
-  lo = half_to_float(blk + 2);
-  return byte_sum(v);
-}
-inline int32_t unpack_q8_0(const uint8_t* blk, uint8_t* q, float& d, float& lo) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-  _mm256_store_si256(reinterpret_cast<__m256i*>(q), v);
-  d = half_to_float(blk);
-  lo = 0.f;
-  return byte_sum(_mm256_xor_si256(v, _mm256_set1_epi8(-128))) - 32 * 128;  // signed: each + 128 summed, less
-}
+inline int32_t signed_byte_sum(__m256i v) { return byte_sum(_mm256_xor_si256(v, _mm256_set1_epi8(-128))) - 32 * 128; }
+
+template <int64_t T>
+struct LaneBlocks {  // Q4_0, Q4_1, Q8_0
+  static constexpr bool kHalves = false;
+  void operator()(const uint8_t* wrow, int64_t b, int64_t bsz, uint8_t* q, kvrelay::gguf_lanes::Sub& s) const {
+    const uint8_t* blk = wrow + b * bsz;
+    const __m256i v = T == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
+                                 : unpack_q4(blk + (T == kQ4_1 ? 4 : 2));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q), v);
+    s.d = half_to_float(blk);
+    s.lo = T == kQ4_1 ? half_to_float(blk + 2) : T == kQ4_0 ? -8.f * s.d : 0.f;
+    s.qs = T == kQ8_0 ? signed_byte_sum(v) : byte_sum(v);
+  }
+};
+
+template <int64_t T>
+struct LaneKQuants {  // sub-block b % 8 of super-block b / 8
+  static constexpr bool kHalves = T == kquants::kQ6_K;
+  void operator()(const uint8_t* wrow, int64_t b, int64_t bsz, uint8_t* q, kvrelay::gguf_lanes::Sub& s) const {
+    const uint8_t* sb = wrow + (b / 8) * bsz;
+    const int j = static_cast<int>(b % 8);
+    const __m256i v = kq_sub(sb, T, j);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q), v);
+    if constexpr (T == kquants::kQ6_K) {  // w = d sc (q - 32), sc per half; q here already less 32
+      const __m256i sums = _mm256_sad_epu8(_mm256_xor_si256(v, _mm256_set1_epi8(-128)), _mm256_setzero_si256());
+      const __m128i lo = _mm256_castsi256_si128(sums), hi = _mm256_extracti128_si256(sums, 1);
+      s.d = half_to_float(sb + 208);
+      s.lo = 0.f;
+      s.qs = static_cast<int32_t>(_mm_cvtsi128_si64(lo) + _mm_extract_epi64(lo, 1)) - 16 * 128;
+      s.qs_hi = static_cast<int32_t>(_mm_cvtsi128_si64(hi) + _mm_extract_epi64(hi, 1)) - 16 * 128;
+      s.sc = static_cast<int8_t>(sb[192 + 2 * j]);
+      s.sc_hi = static_cast<int8_t>(sb[192 + 2 * j + 1]);
+    } else {  // w = (d sc_j) q - dmin m_j
+      alignas(16) uint8_t sm[16];
+      kquants::scales_and_mins(sb + 4, sm);
+      s.d = half_to_float(sb) * static_cast<float>(sm[j]);
+      s.lo = -(half_to_float(sb + 2) * static_cast<float>(sm[8 + j]));
+      s.qs = byte_sum(v);
+    }
+  }
+};
+
 // From this many rows of x, the lanes kernel: 30 SmolLM2-shaped layers of Q4_1 (bf16 x, 2 threads, Zen 4) took
 // 13.2 against the row tiles' 12.7 ms at 8 rows, 16.5 against 25.4 at 16, 22.1 against 48.5 at 32, 80.6 against
-// 197 at 128.
-constexpr int64_t kLaneRows = 8;
+// 197 at 128. The K-quants unpack each sub-block's scales too: 16 Q4_K_M-shaped layers (1024 wide, Q4_K and Q6_K)
+// took 28.5 against 22.3 ms at 8 rows, 30.2 against 32.1 at 12, 41.0 against 84.6 at 32, 73.9 against 168 at 64.
+constexpr int64_t kLaneRows = 8, kKQuantLaneRows = 12;
 #endif
 
 void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
@@ -389,22 +414,20 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
     if (yh) yh[at] = f32_to_bf16(v); else yf[at] = v;
   };
 #ifdef KVRELAY_GGUF_LANES
-  if (M >= kLaneRows && !kquants::is_kquant(qtype)) {
+  if (M >= (kquants::is_kquant(qtype) ? kKQuantLaneRows : kLaneRows)) {
     gguf_lanes::Packed packed;
     packed.pack(xq.data(), dx.data(), sx.data(), M, K);
     auto put = [&](int64_t m, int64_t n, float v) { store(m * N + n, n, v); };
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      // Lambdas, not the functions themselves: a function reference is called through a pointer, and every call
-      // spilled the tile's sums.
-      auto q8_0 = [](const uint8_t* b, uint8_t* q, float& d, float& lo) { return unpack_q8_0(b, q, d, lo); };
-      auto q4_1 = [](const uint8_t* b, uint8_t* q, float& d, float& lo) { return unpack_q4_1(b, q, d, lo); };
-      auto q4_0 = [](const uint8_t* b, uint8_t* q, float& d, float& lo) { return unpack_q4_0(b, q, d, lo); };
-      if (qtype == kQ8_0)
-        gguf_lanes::rows(wp, row_bytes, n0, n1, B, bsz, packed, M, q8_0, put);
-      else if (qtype == kQ4_1)
-        gguf_lanes::rows(wp, row_bytes, n0, n1, B, bsz, packed, M, q4_1, put);
-      else
-        gguf_lanes::rows(wp, row_bytes, n0, n1, B, bsz, packed, M, q4_0, put);
+      auto walk = [&](auto unpack) { gguf_lanes::rows(wp, row_bytes, n0, n1, B, bsz, packed, M, unpack, put); };
+      switch (qtype) {
+        case kQ4_0: walk(LaneBlocks<kQ4_0>{}); break;
+        case kQ4_1: walk(LaneBlocks<kQ4_1>{}); break;
+        case kQ8_0: walk(LaneBlocks<kQ8_0>{}); break;
+        case kquants::kQ4_K: walk(LaneKQuants<kquants::kQ4_K>{}); break;
+        case kquants::kQ5_K: walk(LaneKQuants<kquants::kQ5_K>{}); break;
+        default: walk(LaneKQuants<kquants::kQ6_K>{}); break;  // check_weight has refused any other type
+      }
     });
     return y;
   }

@@ -9,6 +9,9 @@
 // each 4-byte group broadcast, and 8 vpdpbusd give the exact int32 block sums of 16 rows. Converting, scaling
 // and accumulating then costs one instruction each per block for all 16 rows.
 //
+// The K-quants' sub-blocks of 32 are blocks here with their own d and lo (Q4_K, Q5_K: d sc_j and -dmin m_j); Q6_K's
+// halves of 16 have scales of their own, so its groups sum in two integers, each times its scale.
+//
 // A row's result is sum over blocks b, in order, of float(int32 sum) * (d_b * dx_b) + lo_b * sx_b: it depends on
 // its own x row only, so it is the same in any batch this kernel runs; it is not the bits of the row-at-a-time
 // tile, whose float sums split each block in 8 lanes (a step switches kernels at kLaneRows, gguf_gemm).
@@ -16,6 +19,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
@@ -58,42 +62,60 @@ struct Packed {
   }
 };
 
+// What unpacking a block of 32 weights gives besides its values: they stand for d q + lo; qs is the sum of the 32
+// (x + 128 meets them: 128 qs comes off). A type whose halves of 16 have scales of their own (Q6_K) gives sc and
+// sc_hi with the halves' sums qs and qs_hi, and the block's integer sum is sc (its first half's) + sc_hi (its
+// second's).
+struct Sub {
+  float d = 0.f, lo = 0.f;
+  int32_t qs = 0, qs_hi = 0, sc = 1, sc_hi = 1;
+};
+
 // NW weight rows (from wrow, row_bytes apart; B blocks of bsz bytes) against row blocks [j0, j0 + JB): out[w][j]
 // [lane] for weight row w and x row 16 (j0 + j) + lane. Each x vector loaded serves NW weight rows.
-// `unpack(blk, q, d, lo)` puts a block's 32 values in q (int8, in order), its value being d q + lo (Q4_0:
-// lo = -8 d; Q8_0: 0), and returns the sum of the 32 (x + 128 meets them: 128 times it comes off).
+// `unpack(wrow, b, q, sub)` puts block b's 32 values in q (int8, in order) and the rest in sub; Unpack::kHalves
+// says whether its halves have scales of their own.
 template <int NW, int JB, class Unpack>
 inline void tile(const uint8_t* wrow, int64_t row_bytes, int64_t B, int64_t bsz, const Packed& x, int64_t j0,
                  Unpack&& unpack, float (*out)[kMaxJ][kLanes]) {
   __m512 f[NW][JB];
   for (int r = 0; r < NW; ++r)
     for (int j = 0; j < JB; ++j) f[r][j] = _mm512_setzero_ps();
+  constexpr bool halves = std::decay_t<Unpack>::kHalves;
   alignas(64) int32_t q[NW][kGroups];
-  float d[NW], lo[NW];
-  int32_t qs[NW];
+  Sub sub[NW];
   const uint8_t* xp = reinterpret_cast<const uint8_t*>(x.xp.data());
   for (int64_t b = 0; b < B; ++b) {
     for (int r = 0; r < NW; ++r)
-      qs[r] = unpack(wrow + r * row_bytes + b * bsz, reinterpret_cast<uint8_t*>(q[r]), d[r], lo[r]);
+      unpack(wrow + r * row_bytes, b, bsz, reinterpret_cast<uint8_t*>(q[r]), sub[r]);
     // Each group of weights is broadcast from memory into its vpdpbusd ({1to16}), not shuffled out of a register.
     asm volatile("" : : "r"(q) : "memory");
-    __m512i acc[NW][JB];
+    __m512i acc[NW][JB], acc_hi[NW][JB];  // acc_hi: the second half's groups, for a type with halves
     for (int r = 0; r < NW; ++r)
-      for (int j = 0; j < JB; ++j) acc[r][j] = _mm512_setzero_si512();
+      for (int j = 0; j < JB; ++j) acc[r][j] = acc_hi[r][j] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int g = 0; g < kGroups; ++g) {
       for (int j = 0; j < JB; ++j) {
         const __m512i v = _mm512_loadu_si512(xp + (((j0 + j) * B + b) * kGroups + g) * 64);
-        for (int r = 0; r < NW; ++r) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], v, _mm512_set1_epi32(q[r][g]));
+        for (int r = 0; r < NW; ++r) {
+          __m512i& a = halves && g >= kGroups / 2 ? acc_hi[r][j] : acc[r][j];
+          a = _mm512_dpbusd_epi32(a, v, _mm512_set1_epi32(q[r][g]));
+        }
       }
     }
     for (int j = 0; j < JB; ++j) {
       const int64_t at = ((j0 + j) * B + b) * kLanes;
       const __m512 dxv = _mm512_loadu_ps(x.dxp.data() + at), sxv = _mm512_loadu_ps(x.sxp.data() + at);
       for (int r = 0; r < NW; ++r) {
-        const __m512i exact = _mm512_sub_epi32(acc[r][j], _mm512_set1_epi32(128 * qs[r]));  // x was + 128
-        f[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(_mm512_set1_ps(d[r]), dxv), f[r][j]);
-        if (lo[r] != 0.f) f[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(lo[r]), sxv, f[r][j]);
+        const Sub& w = sub[r];
+        __m512i exact = _mm512_sub_epi32(acc[r][j], _mm512_set1_epi32(128 * w.qs));  // x was + 128
+        if constexpr (halves)
+          exact = _mm512_add_epi32(
+              _mm512_mullo_epi32(exact, _mm512_set1_epi32(w.sc)),
+              _mm512_mullo_epi32(_mm512_sub_epi32(acc_hi[r][j], _mm512_set1_epi32(128 * w.qs_hi)),
+                                 _mm512_set1_epi32(w.sc_hi)));
+        f[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(_mm512_set1_ps(w.d), dxv), f[r][j]);
+        if (w.lo != 0.f) f[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(w.lo), sxv, f[r][j]);
       }
     }
   }
