@@ -136,7 +136,8 @@ def llama_server_greedy(binary: str, gguf: str, prompts: list[list[int]], max_to
         except httpx.HTTPError:
             return False
 
-    with ChildProcess.start("llama-server", argv) as server:
+    with tempfile.TemporaryDirectory(prefix="kvrelay-llama-server-") as logs, \
+            ChildProcess.start("llama-server", argv, log_dir=logs) as server:
         server.wait_ready(ready, timeout_s=120)
         out = []
         for prompt in prompts:

@@ -73,7 +73,8 @@ def bench_decision(num_nodes: int, num_tokens: int, iters: int, seed: int, lag_s
 
     model_id, rng = "bench-routing", random.Random(seed)
     work = index_workload(model_id, num_nodes, num_tokens, 500, seed)
-    with start_redis(os.path.join(tempfile.mkdtemp(prefix="kvrelay-bench-"), "redis.sock")) as server:
+    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp, \
+            start_redis(os.path.join(tmp, "redis.sock")) as server:
         index = create_index(server.url, model_id, backend="redis")
         work.store(index)
         mirror = create_index(server.url, model_id, backend="mirror")

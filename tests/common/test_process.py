@@ -172,9 +172,9 @@ def test_log_tail_of_a_missing_log(tmp_path):
     assert child.log_tail() == "(no log)"
 
 
-def test_pid_alive():
+def test_pid_alive(tmp_path):
     assert pid_alive(os.getpid())
-    child = ChildProcess.start("quick", ["true"])
+    child = ChildProcess.start("quick", ["true"], log_dir=tmp_path)
     pid = child.pid
     time.sleep(0.5)  # exited, not reaped: a zombie counts as gone
     assert not pid_alive(pid)
