@@ -11,11 +11,11 @@
 // result depends on its own x row only (no reduction across rows), so a decode gets the same logits alone or
 // batched with fewer than kLaneRows rows (12 for the K-quants); from there a CPU with AVX512-VNNI runs the lanes
 // kernel (gguf_lanes.h: 16 rows per vector, 2.1-2.5x faster from 32 rows), whose rows are as independent but whose
-// float sums are rounded otherwise. A block's integer sum is one vpdpbusd where the CPU has AVX512-VNNI, else maddubs + madd (the same
-// exact int32s). Each type has its own row tile (no branch on the type per block), and bf16 x is read and y written
-// in bf16 here (no conversion op on each side of each projection in a bf16 model; what these bought a single-stream
-// decode is in docs/benchmarks.md). gguf_dequantize turns blocks back into fp32 rows (an embedding's looked-up
-// rows, a prefill's tile).
+// float sums are rounded otherwise. A block's integer sum is one vpdpbusd where the CPU has AVX512-VNNI, else
+// maddubs + madd (the same exact int32s). Each type has its own row tile (no branch on the type per block), and
+// bf16 x is read and y written in bf16 here (no conversion op on each side of each projection in a bf16 model; what
+// these bought a single-stream decode is in docs/benchmarks.md). gguf_dequantize turns blocks back into fp32 rows
+// (an embedding's looked-up rows, a prefill's tile).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -23,6 +23,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "api.h"
@@ -313,12 +315,21 @@ TypeKernels kernels_for(int64_t qtype) {
 // Block b of a weight row for the lanes kernel (gguf_lanes.h): its 32 values as int8 in order into q, and
 // gguf_lanes::Sub. One functor type per block type, so that the kernel's call is inlined (through a function
 // pointer, every call spilled the tile's sums).
-inline int32_t byte_sum(__m256i v) {  // of 32 unsigned bytes
-  const __m256i s = _mm256_sad_epu8(v, _mm256_setzero_si256());
-  const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-  return static_cast<int32_t>(_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1));
+inline int32_t half_sum(__m128i sad) {  // of _mm_sad_epu8's two 64-bit sums
+  return static_cast<int32_t>(_mm_cvtsi128_si64(sad) + _mm_extract_epi64(sad, 1));
 }
-inline int32_t signed_byte_sum(__m256i v) { return byte_sum(_mm256_xor_si256(v, _mm256_set1_epi8(-128))) - 32 * 128; }
+// The sums of 32 bytes' two halves of 16, unsigned or (kSigned) signed.
+template <bool kSigned>
+inline std::pair<int32_t, int32_t> half_sums(__m256i v) {
+  const int32_t bias = kSigned ? 16 * 128 : 0;  // a signed byte + 128 is its unsigned one
+  const __m256i s = _mm256_sad_epu8(kSigned ? _mm256_xor_si256(v, _mm256_set1_epi8(-128)) : v, _mm256_setzero_si256());
+  return {half_sum(_mm256_castsi256_si128(s)) - bias, half_sum(_mm256_extracti128_si256(s, 1)) - bias};
+}
+template <bool kSigned>
+inline int32_t byte_sum(__m256i v) {
+  const auto [a, b] = half_sums<kSigned>(v);
+  return a + b;
+}
 
 template <int64_t T>
 struct LaneBlocks {  // Q4_0, Q4_1, Q8_0
@@ -330,7 +341,7 @@ struct LaneBlocks {  // Q4_0, Q4_1, Q8_0
     _mm256_store_si256(reinterpret_cast<__m256i*>(q), v);
     s.d = half_to_float(blk);
     s.lo = T == kQ4_1 ? half_to_float(blk + 2) : T == kQ4_0 ? -8.f * s.d : 0.f;
-    s.qs = T == kQ8_0 ? signed_byte_sum(v) : byte_sum(v);
+    s.qs = byte_sum<T == kQ8_0>(v);
   }
 };
 
@@ -343,20 +354,17 @@ struct LaneKQuants {  // sub-block b % 8 of super-block b / 8
     const __m256i v = kq_sub(sb, T, j);
     _mm256_store_si256(reinterpret_cast<__m256i*>(q), v);
     if constexpr (T == kquants::kQ6_K) {  // w = d sc (q - 32), sc per half; q here already less 32
-      const __m256i sums = _mm256_sad_epu8(_mm256_xor_si256(v, _mm256_set1_epi8(-128)), _mm256_setzero_si256());
-      const __m128i lo = _mm256_castsi256_si128(sums), hi = _mm256_extracti128_si256(sums, 1);
+      std::tie(s.qs, s.qs_hi) = half_sums<true>(v);
       s.d = half_to_float(sb + 208);
       s.lo = 0.f;
-      s.qs = static_cast<int32_t>(_mm_cvtsi128_si64(lo) + _mm_extract_epi64(lo, 1)) - 16 * 128;
-      s.qs_hi = static_cast<int32_t>(_mm_cvtsi128_si64(hi) + _mm_extract_epi64(hi, 1)) - 16 * 128;
       s.sc = static_cast<int8_t>(sb[192 + 2 * j]);
       s.sc_hi = static_cast<int8_t>(sb[192 + 2 * j + 1]);
     } else {  // w = (d sc_j) q - dmin m_j
-      alignas(16) uint8_t sm[16];
-      kquants::scales_and_mins(sb + 4, sm);
-      s.d = half_to_float(sb) * static_cast<float>(sm[j]);
-      s.lo = -(half_to_float(sb + 2) * static_cast<float>(sm[8 + j]));
-      s.qs = byte_sum(v);
+      uint8_t sc, m;  // this sub-block's only: the kernel asks for each of a super-block's 8 apart
+      kquants::scale_min(sb + 4, j, sc, m);
+      s.d = half_to_float(sb) * static_cast<float>(sc);
+      s.lo = -(half_to_float(sb + 2) * static_cast<float>(m));
+      s.qs = byte_sum<false>(v);
     }
   }
 };
@@ -364,7 +372,7 @@ struct LaneKQuants {  // sub-block b % 8 of super-block b / 8
 // From this many rows of x, the lanes kernel: 30 SmolLM2-shaped layers of Q4_1 (bf16 x, 2 threads, Zen 4) took
 // 13.2 against the row tiles' 12.7 ms at 8 rows, 16.5 against 25.4 at 16, 22.1 against 48.5 at 32, 80.6 against
 // 197 at 128. The K-quants unpack each sub-block's scales too: 16 Q4_K_M-shaped layers (1024 wide, Q4_K and Q6_K)
-// took 28.5 against 22.3 ms at 8 rows, 30.2 against 32.1 at 12, 41.0 against 84.6 at 32, 73.9 against 168 at 64.
+// took 28.5 against 22.3 ms at 8 rows, 29.0 against 32.1 at 12, 38.0 against 84.6 at 32, 69.8 against 168 at 64.
 constexpr int64_t kLaneRows = 8, kKQuantLaneRows = 12;
 #endif
 

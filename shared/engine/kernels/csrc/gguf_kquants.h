@@ -37,6 +37,17 @@ inline void scales_and_mins(const uint8_t* s, uint8_t out[16]) {
   std::memcpy(out, u, 16);
 }
 
+// Sub-block j's 6-bit scale and min alone (ggml's get_scale_min_k4): what scales_and_mins gives at j and 8 + j.
+inline void scale_min(const uint8_t* s, int j, uint8_t& sc, uint8_t& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
 // Element l (0..31) of 32-weight sub-block j of super-block `sb`, as an integer: 0..15 (Q4_K), 0..31 (Q5_K), or
 // -32..31 (Q6_K).
 inline int q_at(const uint8_t* sb, int64_t t, int j, int l) {
