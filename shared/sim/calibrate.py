@@ -6,7 +6,8 @@ For each CPU thread count (default: every core, and one: what a colocated node a
 dtype) runs steps of known shapes: prefill chunks of n tokens after a cached context of c tokens, decode steps
 of r rows at context c, and a mixed step. Each step is timed as a node runs it (schedule, forward pass and
 sampling, update) and its shape is read from the scheduler's output as the simulator reads it. A least-squares
-fit with non-negative coefficients gives the linear step model; its error on the measured steps is recorded.
+fit with non-negative coefficients gives the linear step model, at the GEMM tile height that fits best; its
+error on the measured steps is recorded.
 The same-host KV transfer is measured with `kvrelay bench kv-transfer` (shm) at two sizes: bandwidth and
 per-transfer overhead. Start-up is the engine's build time (model load and warm-up; process start excluded).
 Last, what serving adds to each thread count's steps and requests, on a real `kvrelay up` fleet
@@ -47,7 +48,9 @@ HELP = "measure this machine's engine and fit the local step-time profile"
 
 # (kind, tokens per chunk or rows, context): a grid small enough for a few minutes on 2 cores.
 GRID = [("prefill", n, c) for n in (16, 64, 256, 1024) for c in (0, 1024)] + \
-       [("decode", r, c) for r in (1, 8, 32) for c in (256, 1536)] + [("mixed", 8, 512)]
+       [("decode", r, c) for r in (1, 8, 32) for c in (256, 1536)] + [("decode", r, 256) for r in (2, 4, 6, 12, 16)] + \
+       [("mixed", 8, 512)]
+TILE_ROWS = (0, 4, 6, 8, 16)  # the GEMM tile heights calibration tries (0: no pass term); it keeps the best fit
 QUICK_GRID = [("prefill", 32, 0), ("prefill", 64, 64), ("decode", 1, 64), ("decode", 8, 128), ("mixed", 4, 64)]
 
 
@@ -162,10 +165,15 @@ def measure(core, threads: int, grid, repeats: int) -> list[Point]:
     return points
 
 
-def fit_linear(points: list[Point]) -> tuple[LinearStep, dict]:
+def fit_best(points: list[Point]) -> tuple[LinearStep, dict]:
+    """fit_linear at each of TILE_ROWS: the one with the smallest error."""
+    return min((fit_linear(points, rows) for rows in TILE_ROWS), key=lambda fit: fit[1]["mape"])
+
+
+def fit_linear(points: list[Point], tile_rows: int = 0) -> tuple[LinearStep, dict]:
     """Least squares with every coefficient >= 0 (a negative cost per token would mean nothing): terms that come
-    out negative are dropped and the rest refitted."""
-    x = np.array([linear_features(p.shape) for p in points], dtype=np.float64)
+    out negative are dropped and the rest refitted. `tile_rows`: the GEMM's tile height (timemodel), 0: none."""
+    x = np.array([linear_features(p.shape, tile_rows) for p in points], dtype=np.float64)
     y = np.array([p.seconds for p in points], dtype=np.float64)
     w = 1.0 / y  # relative error: small steps matter as much as big ones
     keep = list(range(x.shape[1]))
@@ -176,10 +184,10 @@ def fit_linear(points: list[Point]) -> tuple[LinearStep, dict]:
         keep = [k for k, c in zip(keep, coef) if c >= 0]
     full = np.zeros(x.shape[1])
     full[keep] = np.clip(coef, 0, None)
-    model = LinearStep(*(float(c) for c in full))
+    model = LinearStep(**{k: float(c) for k, c in zip(LINEAR_TERMS, full)}, tile_rows=tile_rows if full[-1] else 0)
     errors = [abs(model.time(p.shape) - p.seconds) / p.seconds for p in points]
     return model, {"points": len(points), "mape": round(float(np.mean(errors)), 4),
-                   "max_error": round(float(np.max(errors)), 4)}
+                   "max_error": round(float(np.max(errors)), 4), "tile_rows": model.tile_rows}
 
 
 def measure_transfer(tmp: Path) -> TransferModel:
@@ -236,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     steps, fits, points = {}, {}, []
     for t in threads:
         pts = measure(core, t, grid, args.repeats)
-        model, fit = fit_linear(pts)
+        model, fit = fit_best(pts)
         steps[t], fits[str(t)] = model, fit
         points += pts
         print(json.dumps({"threads": t, **fit, **{k: getattr(model, k) for k in LINEAR_TERMS}}), flush=True)

@@ -12,7 +12,9 @@ gets half):
 - ROWS streams at once: the gaps between tokens.
 
 `served_step_s + served_row_s * rows` is solved from the gaps' differences (real less simulated, medians) at 1
-and ROWS rows; `request_overhead_s` is then the lone requests' time to first token less the simulated one with
+and ROWS rows, neither below 0 (both came out below 0 in some calibrations here, and a simulator that used them
+was as far below the real gaps as it had been above: a difference of two medians of a few hundred gaps is that
+noisy on this VM); `request_overhead_s` is then the lone requests' time to first token less the simulated one with
 those step terms. None of it is fitted to a validation trace (kvrelay.sim.validate).
 """
 
@@ -28,10 +30,11 @@ import numpy as np
 
 from kvrelay.sim.fleet import FleetSpec
 from kvrelay.sim.run import simulate
-from kvrelay.sim.timemodel import LinearStep, Profile
+from kvrelay.sim.timemodel import SERVED_ROWS, LinearStep, Profile
 from kvrelay.sim.trace import TraceRequest
 
-LONE, LONE_WARMUP, ROWS, ROUNDS = 10, 2, 8, 2  # lone requests (the first ones not counted); streams at once, rounds
+LONE, LONE_WARMUP, ROUNDS = 26, 2, 4  # lone requests (the first ones not counted); rounds of ROWS streams at once
+ROWS = SERVED_ROWS
 OUTPUT, PROMPT = 24, 48  # tokens per stream: out, and the prompt (short: a decode node prefills it itself)
 
 

@@ -4,11 +4,16 @@ A step is described by its shape (`StepShape`): the tokens it computes, its rows
 pairs of its prefill chunks, and the context its decode rows read. Two step models:
 
 - `linear` (a calibrated machine, `kvrelay sim calibrate`): t = intercept + per_token * tokens + per_row * rows
-  + per_prefill_pair * prefill_pairs + per_decode_context * decode_context, fitted by least squares to measured
-  steps of the real engine, one fit per CPU thread count. On top, what serving adds (`kvrelay sim calibrate`
-  measures it on a real fleet of that placement): `served_step_s + served_row_s * rows` per step (streaming
-  each step's tokens through the node's RPCs, the gateway and the client takes CPU from the engine's threads),
-  and `request_overhead_s` per request (the gateway's HTTP and routing work, its RPCs, waking an idle node);
+  + per_tile_pass * ceil(tokens / tile_rows) + per_prefill_pair * prefill_pairs + per_decode_context *
+  decode_context, fitted by least squares to measured steps of the real engine, one fit per CPU thread count.
+  The tile passes are the CPU GEMM's: it computes a step's tokens in register tiles of a few rows (6 with
+  AVX-512), each tile reading every weight again, so one to six decode rows cost nearly the same and a seventh
+  costs a second pass (measured: 17.5 ms at 6 rows, 23.2 ms at 8, one thread). Calibration picks the tile rows
+  that fit best. On top, what serving adds (`kvrelay sim calibrate` measures it on a real fleet of that
+  placement): `served_step_s + served_row_s * min(rows, SERVED_ROWS)` per step (streaming each step's tokens
+  through the node's RPCs, the gateway and the client takes CPU from the engine's threads; the row term is
+  measured up to SERVED_ROWS rows and not extrapolated past them), and `request_overhead_s` per request (the
+  gateway's HTTP and routing work, its RPCs, waking an idle node);
 - `roofline` (a GPU we cannot measure here): t = overhead + max(FLOPs / (peak x efficiency), bytes /
   (bandwidth x efficiency)) + tensor-parallel all-reduces, from the model's shape and the GPU's datasheet.
 
@@ -66,11 +71,13 @@ def step_shape(sched, requests) -> StepShape:
     return StepShape.of((n, requests[rid].num_computed_tokens - n) for rid, n in sched.num_scheduled_tokens.items())
 
 
-LINEAR_TERMS = ("intercept_s", "per_token_s", "per_row_s", "per_prefill_pair_s", "per_decode_context_s")
+SERVED_ROWS = 8  # streams at once when calibration measures what serving adds per row (calibrate_served)
+LINEAR_TERMS = ("intercept_s", "per_token_s", "per_row_s", "per_prefill_pair_s", "per_decode_context_s",
+                "per_tile_pass_s")
 
 
-def linear_features(s: StepShape) -> tuple[float, ...]:
-    return (1.0, s.tokens, s.rows, s.prefill_pairs, s.decode_context)
+def linear_features(s: StepShape, tile_rows: int = 0) -> tuple[float, ...]:
+    return (1.0, s.tokens, s.rows, s.prefill_pairs, s.decode_context, -(-s.tokens // tile_rows) if tile_rows else 0)
 
 
 @dataclass(frozen=True)
@@ -84,11 +91,17 @@ class LinearStep:
     served_step_s: float = 0.0
     served_row_s: float = 0.0
     request_overhead_s: float = 0.0  # on each request's way in
+    per_tile_pass_s: float = 0.0  # per pass of the GEMM's register tiles over the weights
+    tile_rows: int = 0  # rows per tile (0: no pass term)
 
     def time(self, s: StepShape) -> float:
-        return (self.intercept_s + self.served_step_s + self.per_token_s * s.tokens
-                + (self.per_row_s + self.served_row_s) * s.rows
-                + self.per_prefill_pair_s * s.prefill_pairs + self.per_decode_context_s * s.decode_context)
+        rows = s.rows
+        t = (self.intercept_s + self.served_step_s + self.per_token_s * s.tokens + self.per_row_s * rows
+             + self.served_row_s * (rows if rows < SERVED_ROWS else SERVED_ROWS)
+             + self.per_prefill_pair_s * s.prefill_pairs + self.per_decode_context_s * s.decode_context)
+        if self.tile_rows:
+            t += self.per_tile_pass_s * -(-s.tokens // self.tile_rows)
+        return t
 
     def engine_only(self) -> LinearStep:
         """The fitted engine step, without what serving adds."""

@@ -4,9 +4,10 @@ For each fleet shape (`kvrelay up --colocated`, and 1 prefill + 1 decode node) a
 tenants with shared prefixes (kvrelay.sim.workloads, small enough for 2 cores) is replayed against the real fleet
 through its OpenAI API (streamed completions of the trace's token ids, `ignore_eos`, arrivals on the trace's
 clock) and simulated with the `local` profile (threads per node as `kvrelay up` places them, KV blocks as the
-fleet's nodes report). Reported per point: TTFT p50/p90, ITL p50/p90 and output throughput, real and simulated,
-and per metric the mean absolute percentage error over the points. Each rate uses its own prefix groups, so one
-point's cache does not help the next.
+fleet's nodes report), after `--warmup` seconds of unmeasured traffic on each fresh fleet. Reported per point:
+TTFT p50/p90, ITL p50/p90 and output throughput, real and simulated, and per metric the mean absolute
+percentage error over the points. Each rate uses its own prefix groups, so one point's cache does not help the
+next.
 
     kvrelay sim validate                               # needs `kvrelay sim calibrate` first
     kvrelay sim validate --rates 1,2,4 --duration 60 --output bench/results/sim-validate.json
@@ -49,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--up-args", default="", help="more `kvrelay up` flags")
+    p.add_argument("--warmup", type=float, default=10.0,
+                   help="seconds of traffic at the first rate, not measured, on each fresh fleet (a new fleet's first "
+                        "steps of each shape pay one-time costs that the simulator does not model)")
     p.add_argument("--output", default="bench/results/sim-validate.json")
 
 
@@ -120,9 +124,13 @@ def run(args: argparse.Namespace) -> int:
         with Server.up([*flags, *args.up_args.split()], log_dir=log_dir, name=f"up-{shape_name}") as server:
             model = asyncio.run(_served_model(server.base_url))
             blocks = _node_blocks(server)
+            shape = Shape(tenants=args.tenants, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                          output_len=args.output_len)
+            if args.warmup > 0:
+                warm = llmd(rates[0], args.warmup, args.seed + len(rates), shape)
+                asyncio.run(replay(server.base_url, model, [
+                    dataclasses.replace(r, prefix_group=f"warmup-{shape_name}-{r.prefix_group}") for r in warm]))
             for k, rate in enumerate(rates):
-                shape = Shape(tenants=args.tenants, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
-                              output_len=args.output_len)
                 trace = llmd(rate, args.duration, args.seed + k, shape)
                 trace = [dataclasses.replace(r, prefix_group=f"{shape_name}-{rate}-{r.prefix_group}") for r in trace]
                 real = asyncio.run(replay(server.base_url, model, trace))
@@ -134,9 +142,9 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps(point), flush=True)
     report = {"benchmark": "sim_validate", "machine": info, "profile": profile.name,
               "profile_fit": profile.fit, "load_average_at_end": list(os.getloadavg()), "points": points,
-              "mape": mape(points), "trace": {"tenants": args.tenants, "prefix_len": args.prefix_len,
-                                              "suffix_len": args.suffix_len, "output_len": args.output_len,
-                                              "duration_s": args.duration}}
+              "mape": mape(points),
+              "trace": {"tenants": args.tenants, "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
+                        "output_len": args.output_len, "duration_s": args.duration, "warmup_s": args.warmup}}
     emit(report, args.output)
     return 0
 

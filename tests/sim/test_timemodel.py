@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from kvrelay.sim.calibrate import Point, fit_linear
+from kvrelay.sim.calibrate import Point, fit_best, fit_linear
 from kvrelay.sim.gpus import H100, H200, SHIPPED, roofline_profile
-from kvrelay.sim.timemodel import PROFILES_DIR, LinearStep, Profile, StepShape, load_profile
+from kvrelay.sim.timemodel import PROFILES_DIR, SERVED_ROWS, LinearStep, Profile, StepShape, load_profile
 from tests.sim.helpers import tiny_profile
 
 
@@ -53,6 +53,8 @@ def test_what_serving_adds_is_apart_from_the_fitted_engine_step():
     shape = StepShape.of([(1, 100)] * 3 + [(20, 0)])  # 23 tokens, 4 rows
     assert engine.time(shape) == pytest.approx(0.01 + 0.023 + 0.002)
     assert served.time(shape) == pytest.approx(engine.time(shape) + 0.004 + 4 * 0.0002)
+    wide = StepShape.of([(1, 100)] * 12)  # the row term was measured up to SERVED_ROWS rows, not extrapolated
+    assert served.time(wide) == pytest.approx(engine.time(wide) + 0.004 + SERVED_ROWS * 0.0002)
     assert served.engine_only() == engine
 
 
@@ -67,14 +69,28 @@ def test_profile_json_round_trip(tmp_path):
                                                     "2": p.to_json()["steps"]["1"]}}).step_model(3)
 
 
+def test_each_tile_of_rows_passes_over_the_weights_once():
+    m = LinearStep(0.01, 0.001, 0.0, 0.0, 0.0, per_tile_pass_s=0.005, tile_rows=6)
+    assert m.time(StepShape.of([(1, 99)] * 6)) == pytest.approx(0.01 + 6 * 0.001 + 0.005)
+    assert m.time(StepShape.of([(1, 99)] * 7)) == pytest.approx(0.01 + 7 * 0.001 + 2 * 0.005)
+    assert m.time(StepShape.of([(1, 99)] * 3 + [(10, 0)])) == pytest.approx(0.01 + 13 * 0.001 + 3 * 0.005)
+    assert dataclasses.replace(m, tile_rows=0).time(StepShape.of([(1, 99)] * 7)) == pytest.approx(0.01 + 0.007)
+
+
 def test_fit_recovers_a_linear_model_and_keeps_coefficients_non_negative():
     truth = LinearStep(0.004, 2e-4, 5e-4, 3e-8, 2e-6)
     shapes = [StepShape.of([(n, c)]) for n in (16, 64, 256, 1024) for c in (0, 1024)] + \
-             [StepShape.of([(1, c)] * r) for r in (1, 8, 32) for c in (256, 1536)]
+             [StepShape.of([(1, c)] * r) for r in (1, 8, 32) for c in (256, 1536)] + \
+             [StepShape.of([(1, 256)] * r) for r in (2, 4, 6, 12, 16)]
     model, fit = fit_linear([Point(1, "x", s, truth.time(s)) for s in shapes])
     for a, b in zip(vars(model).values(), vars(truth).values()):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-12)
     assert fit["mape"] < 1e-6
+    # The tile height that fits best is kept, with its pass cost.
+    tiled = dataclasses.replace(truth, per_tile_pass_s=3e-3, tile_rows=6)
+    model, fit = fit_best([Point(1, "x", s, tiled.time(s)) for s in shapes])
+    assert model.tile_rows == 6 == fit["tile_rows"] and fit["mape"] < 1e-6
+    assert model.per_tile_pass_s == pytest.approx(3e-3, rel=1e-6)
     # A term the data says is negative is dropped, not kept below zero.
     skewed = [Point(1, "x", s, max(1e-4, truth.time(s) - 5e-4 * s.rows)) for s in shapes]
     model, _ = fit_linear(skewed)
