@@ -184,7 +184,8 @@ def fit_linear(points: list[Point], tile_rows: int = 0) -> tuple[LinearStep, dic
         keep = [k for k, c in zip(keep, coef) if c >= 0]
     full = np.zeros(x.shape[1])
     full[keep] = np.clip(coef, 0, None)
-    model = LinearStep(**{k: float(c) for k, c in zip(LINEAR_TERMS, full)}, tile_rows=tile_rows if full[-1] else 0)
+    terms = {k: float(c) for k, c in zip(LINEAR_TERMS, full)}
+    model = LinearStep(**terms, tile_rows=tile_rows if terms["per_tile_pass_s"] else 0)
     errors = [abs(model.time(p.shape) - p.seconds) / p.seconds for p in points]
     return model, {"points": len(points), "mape": round(float(np.mean(errors)), 4),
                    "max_error": round(float(np.max(errors)), 4), "tile_rows": model.tile_rows}
