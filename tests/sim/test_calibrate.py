@@ -75,7 +75,9 @@ def test_what_serving_adds_is_measured_against_the_simulated_engine(tmp_path, de
     # Free engine steps: the terms give back the real gaps, a lone stream's and ROWS streams' (neither below 0).
     assert 0.0 < served.served_step_s + served.served_row_s < 1.0
     assert served.served_row_s >= 0.0 and served.served_step_s + (ROWS - 1) * served.served_row_s < 1.0
-    assert 0.0 < served.request_overhead_s < 1.0
+    # The lone requests' time to first token less one served step: at least 0 (on a machine that other work
+    # loads, the gaps that gave the step terms can come out as long as the first token's wait).
+    assert 0.0 <= served.request_overhead_s < 1.0
     step = served.applied(free.steps[cores])
     assert (step.served_step_s, step.request_overhead_s) == (round(served.served_step_s, 6),
                                                              round(served.request_overhead_s, 6))
