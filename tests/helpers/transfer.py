@@ -38,7 +38,9 @@ class InspectableHost(PeerHost):
         return self.connectors[key].wait(transfer_id, timeout)
 
     def op_caches(self, key: str) -> list[torch.Tensor]:
-        return [c.cpu().clone() for c in self.caches[key]]  # compact: a view would carry its whole segment
+        # Compact (a view would carry its whole segment), as bytes: the tests compare bytes, and a float8 tensor
+        # pickled by some torch builds (2.11) does not load again.
+        return [c.cpu().clone().view(torch.uint8) for c in self.caches[key]]
 
     def op_metrics(self, key: str) -> dict[str, float]:
         return self.connectors[key].metrics.snapshot()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from kvrelay.common.sampling_params import SamplingParams
 from kvrelay.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -24,10 +25,10 @@ def tiny_dir(tmp_path_factory):
     return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny")))
 
 
-def _engine(path: str, budget: int = 64, blocks: int = 64, connector=None) -> EngineCore:
+def _engine(path: str, budget: int = 64, blocks: int = 64, connector=None, device: str = "cpu") -> EngineCore:
     """An engine; with a connector it registers its caches there (the receive side) and sends through it."""
     return EngineCore(EngineConfig(
-        model=ModelConfig(model=path, dtype="float32", device="cpu"),
+        model=ModelConfig(model=path, dtype="float32", device=device),
         cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, kv_lease_s=0.5),
     ), kv_sender=connector)
@@ -49,9 +50,10 @@ _ids = itertools.count()
 
 
 class Pair:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, device: str = "cpu") -> None:
         self.p_conn, self.d_conn = _connector(), _connector()
-        self.prefill, self.decode = _engine(path, connector=self.p_conn), _engine(path, connector=self.d_conn)
+        self.prefill = _engine(path, connector=self.p_conn, device=device)
+        self.decode = _engine(path, connector=self.d_conn, device=device)
 
     def run(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:
         rid = f"r{next(_ids)}"
@@ -76,10 +78,15 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=0.8, top_k=20, seed=99, max_tokens=12, ignore_eos=True)]
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                      reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])
-def test_disaggregated_equals_colocated(tiny_dir, params):
-    colocated = _engine(tiny_dir)
-    pair = Pair(tiny_dir)
+def test_disaggregated_equals_colocated(tiny_dir, params, device):
+    colocated = _engine(tiny_dir, device=device)
+    pair = Pair(tiny_dir, device)
     prompt = [(7 * i + 3) % 500 for i in range(150)]  # longer than the 64-token chunk budget
     colocated.add_request("c", prompt, params)
     expected = _drain(colocated)["c"]
