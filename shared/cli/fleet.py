@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 import httpx
 
 from kvrelay.cli.placement import MIN_CORES_PER_ENGINE, Placement, placement
+from kvrelay.cli.up_config import NODE_ENGINE_FIELDS
 from kvrelay.common.process import ChildProcess, kill_all, kvrelay_command, stop_all
 from kvrelay.common.system import format_cores, free_port
-from kvrelay.engine.args import OFFLOAD_FIELDS
 
 if TYPE_CHECKING:
     from kvrelay.cli.up_config import FleetModel, UpConfig
@@ -104,11 +104,7 @@ def engine_flags(config: UpConfig, model: FleetModel | None = None) -> list[str]
     defaults apply to the rest). The model and block size are what the gateway checks a node against."""
     model = model or config.fleet_models()[0]
     flags = ["--model", model.model, "--block-size", str(config.block_size), "--dtype", model.dtype or config.dtype,
-             *_set_flags(config, ("device", "quantization", "max_model_len", "kv_cache_memory", "kv_cache_dtype",
-                                  "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed",
-                                  "max_waiting_requests", "scheduling_policy", "max_loras", "max_lora_rank",
-                                  "max_cpu_loras", "max_pooling_tokens_per_step", "priority_step_gap",
-                                  *OFFLOAD_FIELDS))]
+             *_set_flags(config, (*NODE_ENGINE_FIELDS, "scheduling_policy"))]
     names = [n.partition("=")[0] for n in model.served_model_names]
     if names:
         flags += ["--served-model-name", names[0]]  # a node labels its metrics with one name

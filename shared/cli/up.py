@@ -29,12 +29,11 @@ from kvrelay.cli.fleet import MIN_CORES_PER_ENGINE, Child, Fleet, FleetPorts, In
 from kvrelay.cli.fleet_file import read_fleet_file
 from kvrelay.cli.preflight import check_at_least, check_engine, check_fleet_shape, check_port, derived_port
 from kvrelay.cli.run_logs import RunLogs
-from kvrelay.cli.up_config import FleetModel, UpConfig
+from kvrelay.cli.up_config import NODE_ENGINE_FIELDS, FleetModel, UpConfig
 from kvrelay.common.hashing import KV_CACHE_DTYPES
 from kvrelay.common.system import format_cores, usable_cores
 from kvrelay.common.units import byte_size
 from kvrelay.engine.args import (
-    OFFLOAD_FIELDS,
     QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
     add_offload_args,
@@ -124,11 +123,7 @@ def node_engine(config: UpConfig, model: FleetModel | None = None) -> EngineConf
     """The engine config each node of `model` (None: the first) will run (its own defaults, with what `up` passes
     on set over them)."""
     model = model or config.fleet_models()[0]
-    names = ("device", "quantization", "max_model_len", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization",
-             "max_num_seqs", *OFFLOAD_FIELDS,
-             "max_num_batched_tokens", "enable_prefix_caching", "max_waiting_requests", "seed", "max_loras",
-             "max_pooling_tokens_per_step", "priority_step_gap",
-             "max_lora_rank", "max_cpu_loras")
+    names = (*NODE_ENGINE_FIELDS, "enable_prefix_caching")
     values = {name: getattr(config, name) for name in names if getattr(config, name) is not None}
     if config.scheduling_policy is not None:
         values["policy"] = config.scheduling_policy

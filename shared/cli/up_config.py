@@ -5,10 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrelay.common.hashing import DEFAULT_BLOCK_SIZE
+from kvrelay.engine.args import OFFLOAD_FIELDS
 from kvrelay.gateway.config import GatewayConfig
 from kvrelay.node.config import NodeConfig
 
 _NODE, _GATEWAY = NodeConfig(), GatewayConfig()
+
+# UpConfig's fields every node's engine takes as they are, when set (the engine field and flag of the same name).
+NODE_ENGINE_FIELDS = ("device", "quantization", "max_model_len", "kv_cache_memory", "kv_cache_dtype",
+                      "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "seed",
+                      "max_waiting_requests", "max_loras", "max_lora_rank", "max_cpu_loras",
+                      "max_pooling_tokens_per_step", "priority_step_gap", *OFFLOAD_FIELDS)
 
 
 @dataclass(frozen=True)

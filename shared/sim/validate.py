@@ -19,7 +19,9 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -29,9 +31,11 @@ import numpy as np
 from kvrelay.sim.fleet import FleetSpec
 from kvrelay.sim.results import pct
 from kvrelay.sim.run import simulate
-from kvrelay.sim.timemodel import load_profile
+from kvrelay.sim.timemodel import Profile, load_profile
 from kvrelay.sim.trace import PromptSource, TraceRequest
 from kvrelay.sim.workloads import Shape, llmd
+
+logger = logging.getLogger(__name__)
 
 HELP = "the simulator against real `kvrelay up` fleets here: TTFT, ITL, throughput errors"
 SHAPES = {"colocated": (["--colocated"], {"colocated": 1}),
@@ -107,39 +111,54 @@ def mape(points: list[dict]) -> dict:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def _validate_shape(args: argparse.Namespace, profile: Profile, shape_name: str, rates: list[float],
+                    log_dir: Path) -> list[dict]:
+    """Each rate's trace served by a real fleet of this shape and simulated: one point per rate."""
     from kvrelay.bench.fleet import Server
+
+    flags, nodes = SHAPES[shape_name]
+    threads = len(os.sched_getaffinity(0)) // sum(nodes.values())
+    points = []
+    with Server.up([*flags, *args.up_args.split()], log_dir=log_dir, name=f"up-{shape_name}") as server:
+        model = asyncio.run(_served_model(server.base_url))
+        blocks = _node_blocks(server)
+        shape = Shape(tenants=args.tenants, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                      output_len=args.output_len)
+        if args.warmup > 0:
+            warm = llmd(rates[0], args.warmup, args.seed + len(rates), shape)
+            asyncio.run(replay(server.base_url, model, [
+                dataclasses.replace(r, prefix_group=f"warmup-{shape_name}-{r.prefix_group}") for r in warm]))
+        for k, rate in enumerate(rates):
+            trace = llmd(rate, args.duration, args.seed + k, shape)
+            trace = [dataclasses.replace(r, prefix_group=f"{shape_name}-{rate}-{r.prefix_group}") for r in trace]
+            real = asyncio.run(replay(server.base_url, model, trace))
+            spec = FleetSpec(**nodes, threads=threads if threads in profile.steps else None, kv_blocks=blocks)
+            sim = simulate(trace, spec, profile, args.seed).to_json()
+            point = {"shape": shape_name, "rate": rate, "requests": len(trace), "threads_per_node": threads,
+                     "kv_blocks": blocks, "real": real, "sim": {m: sim[m] for m in METRICS}}
+            points.append(point)
+            print(json.dumps(point), flush=True)
+    return points
+
+
+def run(args: argparse.Namespace) -> int:
     from kvrelay.bench.report import emit
     from kvrelay.sim.calibrate import machine_info
 
     profile = load_profile(args.profile)
-    cores = len(os.sched_getaffinity(0))
     rates = [float(r) for r in args.rates.split(",")]
-    points = []
+    points: list[dict] = []
     info = machine_info()
-    log_dir = Path(tempfile.mkdtemp(prefix="kvrelay-validate-"))
-    for shape_name in [s.strip() for s in args.shapes.split(",") if s.strip()]:
-        flags, nodes = SHAPES[shape_name]
-        threads = cores // sum(nodes.values())
-        with Server.up([*flags, *args.up_args.split()], log_dir=log_dir, name=f"up-{shape_name}") as server:
-            model = asyncio.run(_served_model(server.base_url))
-            blocks = _node_blocks(server)
-            shape = Shape(tenants=args.tenants, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
-                          output_len=args.output_len)
-            if args.warmup > 0:
-                warm = llmd(rates[0], args.warmup, args.seed + len(rates), shape)
-                asyncio.run(replay(server.base_url, model, [
-                    dataclasses.replace(r, prefix_group=f"warmup-{shape_name}-{r.prefix_group}") for r in warm]))
-            for k, rate in enumerate(rates):
-                trace = llmd(rate, args.duration, args.seed + k, shape)
-                trace = [dataclasses.replace(r, prefix_group=f"{shape_name}-{rate}-{r.prefix_group}") for r in trace]
-                real = asyncio.run(replay(server.base_url, model, trace))
-                spec = FleetSpec(**nodes, threads=threads if threads in profile.steps else None, kv_blocks=blocks)
-                sim = simulate(trace, spec, profile, args.seed).to_json()
-                point = {"shape": shape_name, "rate": rate, "requests": len(trace), "threads_per_node": threads,
-                         "kv_blocks": blocks, "real": real, "sim": {m: sim[m] for m in METRICS}}
-                points.append(point)
-                print(json.dumps(point), flush=True)
+    log_dir, done = Path(tempfile.mkdtemp(prefix="kvrelay-validate-")), False  # kept only if a fleet fails
+    try:
+        for shape_name in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+            points += _validate_shape(args, profile, shape_name, rates, log_dir)
+        done = True
+    finally:
+        if done:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        else:
+            logger.error("the fleets' logs: %s", log_dir)
     report = {"benchmark": "sim_validate", "machine": info, "profile": profile.name,
               "profile_fit": profile.fit, "load_average_at_end": list(os.getloadavg()), "points": points,
               "mape": mape(points),
