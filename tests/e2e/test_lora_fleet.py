@@ -5,7 +5,8 @@ The fleet (a fleet file): "alpha", a tiny Llama on two colocated engines with ad
 Every node runs with --enable-lora --max-loras 2. Checked:
 - /v1/models lists both models under their names and the adapters with vLLM's root and parent, as the SDK reads it;
 - greedy tokens equal HF transformers + PEFT for every adapter and both base models, requests of all of them at once
-  (colocated and disaggregated), and after the node streaming an adapter's request is killed mid-stream (it moves);
+  (colocated and disaggregated), and after the node streaming an adapter's request is killed as the stream begins (it
+  moves);
 - a prefix cached under one adapter is a hit for that adapter only;
 - an adapter loaded and unloaded through the gateway while other requests run: none fails; the unload waits for
   the adapter's running request; unknown models and adapters are 404 (model_not_found), malformed adapters a clear
