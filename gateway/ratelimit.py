@@ -1,9 +1,11 @@
 """Requests and tokens per minute per API key, one limit for the whole fleet however many gateways serve it.
 
 Each key with `rpm` or `tpm` (gateway.auth) has two token buckets in Redis, refilled continuously at the limit per
-minute: `kvr:rl:{<key>}:r` and `:t`. A bucket holds a burst of ten seconds' worth (at least 10 requests or 1000
+minute: `kvr:rl:{<key>}:r` and `:t`. A bucket holds a burst of two seconds' worth (at least 2 requests or 200
 tokens, and never more than the limit): a full minute's worth at once would let a key that was quiet flood the
-nodes with a minute of traffic in a second (OpenAI too enforces its per-minute limits over shorter periods).
+nodes with a minute of traffic in a second, and even ten seconds' worth, arriving at once, held another tenant's
+first tokens behind it (docs/security.md; OpenAI too enforces its per-minute limits over shorter periods, down to
+a second's worth).
 One server-side script reads and updates both in one round trip, with Redis's own clock, so every gateway sees
 the same buckets (AIBrix keeps its per-user RPM/TPM in Redis the same way).
 
@@ -79,12 +81,14 @@ return {1, '-1', tok[1], tok[2]}
 """
 
 
-def burst(limit: float, floor: float) -> float:
-    """What a bucket of `limit` per minute holds at most: ten seconds' worth, at least `floor`, at most the limit."""
-    return min(float(limit), max(limit / 6.0, floor))
+BURST_S = 2.0  # what a bucket holds: this many seconds of its limit,
+_FLOORS = {"r": 2.0, "t": 200.0}  # and at least this many requests ("r") or tokens ("t")
 
 
-_FLOORS = {"r": 10.0, "t": 1000.0}
+def burst(limit: float, kind: str = "r", share: float = 1.0) -> float:
+    """What a bucket of `limit` per minute holds at most: BURST_S seconds' worth, at least its kind's floor (a
+    gateway's `share` of it, where each keeps its own buckets), at most the limit."""
+    return min(float(limit), max(limit * BURST_S / 60.0, _FLOORS[kind] / share))
 
 
 @dataclass(frozen=True)
@@ -265,7 +269,7 @@ class RateLimiter:
 
     async def _run(self, principal: Principal, op: str, tokens: int):
         rpm, tpm = principal.rpm or 0, principal.tpm or 0
-        rcap, tcap = burst(rpm, _FLOORS["r"]), burst(tpm, _FLOORS["t"])
+        rcap, tcap = burst(rpm, "r"), burst(tpm, "t")
         if self._script is not None and time.monotonic() >= self._retry_at:
             keys = [f"{_PREFIX}{{{principal.key_id}}}:r", f"{_PREFIX}{{{principal.key_id}}}:t"]
             try:
@@ -292,7 +296,7 @@ class RateLimiter:
             if limit is None:
                 return True, None
             mine = max(1, limit // share)
-            cap = burst(mine, _FLOORS[kind] / share)
+            cap = burst(mine, kind, share)
             b = self._local.get((principal.key_id, kind))
             if b is None or b.limit != mine:
                 b = self._local[(principal.key_id, kind)] = _LocalBucket(mine, cap)

@@ -102,7 +102,7 @@ def _bodies(args: argparse.Namespace):
 
 
 def _refill_s(rpm: int) -> float:
-    return burst(rpm, 10.0) / rpm * 60.0 * 1.05
+    return burst(rpm) / rpm * 60.0 * 1.05
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             phases = alone_then_loaded(args.rounds, "flood", measure)
     floods = [p for p in phases if p["phase"] == "flood"]
     # What A may have had in one flood: a full bucket (its burst) plus the refill during the phase.
-    allowance = burst(args.a_rpm, 10.0) + args.a_rpm * args.duration / 60.0  # (a concurrency cap may admit less)
+    allowance = burst(args.a_rpm) + args.a_rpm * args.duration / 60.0  # (a concurrency cap may admit less)
     report = {
         "benchmark": "tenants", "machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "func"},
         "phases": phases,

@@ -125,10 +125,10 @@ def test_buckets_in_redis_are_shared_by_gateways_and_tokens_go_into_debt(redis_u
         one, two = RateLimiter(redis_url, "gw-1"), RateLimiter(redis_url, "gw-2")
         await one.start()
         await two.start()
-        key = Principal(key_id="k", rpm=4, tpm=100)
+        key = Principal(key_id="k", rpm=240, tpm=100)  # a burst of two seconds' worth: 8 requests
         try:
-            seen = [await gw.admit(key) for gw in (one, two, one, two)]
-            assert [d.requests.remaining for d in seen] == [3, 2, 1, 0]  # one bucket for both gateways
+            seen = [await gw.admit(key) for gw in (one, two) * 4]
+            assert [d.requests.remaining for d in seen] == [7, 6, 5, 4, 3, 2, 1, 0]  # one bucket for both gateways
             with pytest.raises(RateLimited) as e:
                 await two.admit(key)
             assert e.value.type == "requests" and e.value.retry_after >= 1
@@ -153,10 +153,11 @@ def test_redis_down_each_gateway_enforces_its_share():
         limiter = RateLimiter("redis://127.0.0.1:9/0", "gw-1")  # nobody listens there
         await limiter.start()
         limiter.gateways = 2
-        key = Principal(key_id="k", rpm=10)
+        key = Principal(key_id="k", rpm=240)
         try:
-            states = [await limiter.admit(key) for _ in range(5)]
-            assert [s.requests.remaining for s in states] == [4, 3, 2, 1, 0]  # half of 10
+            states = [await limiter.admit(key) for _ in range(4)]
+            # Half of 240 a minute, in a bucket of two seconds' worth of that half.
+            assert [(s.requests.limit, s.requests.remaining) for s in states] == [(120, n) for n in (3, 2, 1, 0)]
             with pytest.raises(RateLimited):
                 await limiter.admit(key)
             assert "Redis unreachable" in limiter.degraded_reason and "1/2" in limiter.degraded_reason
@@ -225,14 +226,15 @@ def test_rate_limit_headers_and_429(app_client):
         r = app_client.post("/v1/chat/completions", headers=bearer("tenant-a-key"), json=chat)
         codes.append(r.status_code)
         remaining.append(r.headers.get("x-ratelimit-remaining-requests"))
-    assert codes[:3] == [503, 503, 503] and codes[3] == 429  # no node behind: 503s, then the limit of 3
-    assert remaining[:3] == ["2", "1", "0"]
+    # No node behind: 503s, then 429 past the burst of 2 (two seconds' worth of 3 a minute, at least 2 requests).
+    assert codes == [503, 503, 429, 429]
+    assert remaining[:2] == ["1", "0"]
     assert r.json()["error"]["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1
     assert r.headers["x-ratelimit-limit-tokens"] == "1000"
     from kvrelay.common.prometheus import Metrics
 
     metrics = Metrics.parse(app_client.get("/metrics", headers=bearer("admin-key-123")).text)
-    assert metrics.value("kvrelay:rejected_requests_total", reason="rate_limit_exceeded") == 1
+    assert metrics.value("kvrelay:rejected_requests_total", reason="rate_limit_exceeded") == 2
     assert metrics.value("kvrelay:admission_saturation") == 0.0  # nothing in progress now
 
 
