@@ -81,8 +81,9 @@ return {1, '-1', tok[1], tok[2]}
 """
 
 
-BURST_S = 2.0  # what a bucket holds: this many seconds of its limit,
-_FLOORS = {"r": 2.0, "t": 200.0}  # and at least this many requests ("r") or tokens ("t")
+# A bucket holds BURST_S seconds of its limit, and at least its floor: requests ("r") or tokens ("t").
+BURST_S = 2.0
+_FLOORS = {"r": 2.0, "t": 200.0}
 
 
 def burst(limit: float, kind: str = "r", share: float = 1.0) -> float:
