@@ -34,7 +34,7 @@ def test_a_short_soak_on_a_tiny_model(tmp_path, default_model_dir, spawned):
     differs from the fault-free run, no block leaks, and no process is left behind."""
     model = make_tiny_with_tokenizer(tmp_path / "tiny-soak", Path(default_model_dir))
     args = parse_args(soak.__name__, [
-        "--model", str(model), "--duration", "11", "--kill-every", "5", "--concurrency", "3", "--num-prompts", "12",
+        "--model", str(model), "--duration", "8", "--kill-every", "5", "--concurrency", "3", "--num-prompts", "12",
         "--burst", "40", "--prefill", "1", "--decode", "2", "--kv-cache-memory", str(64 * 12288),
         "--settle-timeout", "60", "--output-dir", str(tmp_path)])
     code = soak.run(args)

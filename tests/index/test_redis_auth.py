@@ -47,7 +47,7 @@ def _tls_redis(tmp_path, port: int) -> ChildProcess:
 def test_rediss_with_the_servers_ca_serves_the_index_and_the_rate_limits(tmp_path):
     from kvrelay.common.system import free_port
     from kvrelay.gateway.auth import Principal
-    from kvrelay.gateway.ratelimit import RateLimiter
+    from kvrelay.gateway.ratelimit import RateLimiter, burst
     from kvrelay.index.redis_index import connect
 
     port = free_port()
@@ -82,7 +82,7 @@ def test_rediss_with_the_servers_ca_serves_the_index_and_the_rate_limits(tmp_pat
                     await limiter.stop()
             raise AssertionError(f"the limiter never reached the TLS Redis: {limiter.redis_error}")
 
-        assert asyncio.run(admit()) == 9  # a burst of 10, one taken, in the Redis behind TLS
+        assert asyncio.run(admit()) == burst(60) - 1  # a full burst, one taken, in the Redis behind TLS
         assert connect(url).exists("kvr:rl:{k-tls}:r")
         with pytest.raises(redis.ConnectionError):  # plain text to the TLS port
             connect(f"redis://:tls-pass@127.0.0.1:{port}/0", 0.5).ping()
