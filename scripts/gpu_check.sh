@@ -63,8 +63,8 @@ $PY -c "import kvrelay" || { log "kvrelay does not import: stopping"; exit 1; }
 PYTEST=($PY -m pytest -p no:cacheprovider -q -rs --timeout 300)
 # `kvrelay bench NAME` builds every benchmark's parser, and some import what only a fleet needs (redis, ...):
 # a benchmark here runs from its own module.
-bench() { $PY -c "import argparse, sys; from kvrelay.bench import $1 as m; p = argparse.ArgumentParser(); \
-m.add_arguments(p); sys.exit(m.run(p.parse_args(sys.argv[1:])))" "${@:2}"; }
+bench() { $PY -c "import importlib, sys; from kvrelay.bench import parse_args; m = 'kvrelay.bench.$1'; \
+sys.exit(importlib.import_module(m).run(parse_args(m, sys.argv[1:])))" "${@:2}"; }
 status=0
 
 if has tests; then

@@ -69,13 +69,13 @@ def profile_decode(out: Path, device: str, small: bool) -> None:
                     "== by host time (self)", _table(prof, "self_cpu_time_total")]
             (out / f"profile_decode_{name}.txt").write_text("\n".join(text))
             print(text[0], flush=True)
-            del runner.execute, driver, prof
+            del driver, prof
             if device == "cuda":
                 torch.cuda.empty_cache()
 
 
 def profile_serve(out: Path, device: str, small: bool, tokenizer: Path) -> None:
-    from kvrelay.bench import throughput
+    from kvrelay.bench import parse_args, throughput
     from kvrelay.bench.decode_step import write_random_llama
 
     shape = {**SMOLLM2, **({"num_hidden_layers": 2} if small else {})}
@@ -84,13 +84,11 @@ def profile_serve(out: Path, device: str, small: bool, tokenizer: Path) -> None:
         for f in tokenizer.iterdir():
             if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
                 shutil.copy(f, tmp)
-        p = argparse.ArgumentParser()
-        throughput.add_arguments(p)
         n = 16 if small else 256
-        args = p.parse_args(["--model", tmp, "--device", device, "--dtype", "bfloat16", "--num-requests", str(n),
-                             "--max-num-seqs", str(n), "--baseline", "none", "--matmul-seconds", "0.2",
-                             "--no-plot", "--no-progress", "--output", str(out / "profile_serve_throughput.json")]
-                            + (["--max-input", "128", "--max-output", "16"] if small else []))
+        flags = ["--model", tmp, "--device", device, "--dtype", "bfloat16", "--num-requests", str(n),
+                 "--max-num-seqs", str(n), "--baseline", "none", "--matmul-seconds", "0.2", "--no-plot",
+                 "--no-progress", "--output", str(out / "profile_serve_throughput.json")]
+        args = parse_args(throughput.__name__, flags + (["--max-input", "128", "--max-output", "16"] if small else []))
         prof = cProfile.Profile()
         start = time.perf_counter()
         prof.runcall(throughput.run, args)

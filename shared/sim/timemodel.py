@@ -76,8 +76,13 @@ LINEAR_TERMS = ("intercept_s", "per_token_s", "per_row_s", "per_prefill_pair_s",
                 "per_tile_pass_s")
 
 
+def tile_passes(tokens: int, tile_rows: int) -> int:
+    """Passes of the GEMM's register tiles of `tile_rows` rows over the weights for `tokens` rows (0: no tiles)."""
+    return -(-tokens // tile_rows) if tile_rows else 0
+
+
 def linear_features(s: StepShape, tile_rows: int = 0) -> tuple[float, ...]:
-    return (1.0, s.tokens, s.rows, s.prefill_pairs, s.decode_context, -(-s.tokens // tile_rows) if tile_rows else 0)
+    return (1.0, s.tokens, s.rows, s.prefill_pairs, s.decode_context, tile_passes(s.tokens, tile_rows))
 
 
 @dataclass(frozen=True)
@@ -99,9 +104,7 @@ class LinearStep:
         t = (self.intercept_s + self.served_step_s + self.per_token_s * s.tokens + self.per_row_s * rows
              + self.served_row_s * (rows if rows < SERVED_ROWS else SERVED_ROWS)
              + self.per_prefill_pair_s * s.prefill_pairs + self.per_decode_context_s * s.decode_context)
-        if self.tile_rows:
-            t += self.per_tile_pass_s * -(-s.tokens // self.tile_rows)
-        return t
+        return t + self.per_tile_pass_s * tile_passes(s.tokens, self.tile_rows)
 
     def engine_only(self) -> LinearStep:
         """The fitted engine step, without what serving adds."""
