@@ -57,10 +57,12 @@ class Node:
     refused: str | None = None  # why this node may never be routed to (model or block size mismatch)
     metrics_address: str = ""  # host:port of its /metrics ("": unknown)
     connector: str = ""  # its KV connector; "local": it takes no hand-offs, so it is a colocated engine
+    kv_tiers: tuple[str, ...] = ()  # the index entries of the offload tiers it loads from (NodeRegistration)
     # Folded from `load` once, not per request (routing reads them for every node of every request).
     queued_tokens: int = field(init=False, default=0)
     active_seqs: int = field(init=False, default=0)
     free_tokens: int | None = field(init=False, default=None)  # None: unknown
+    tier_token_cost: float | None = field(init=False, default=None)  # a load as a share of a compute; None: unmeasured
 
     def __post_init__(self) -> None:
         load = self.load
@@ -69,6 +71,8 @@ class Node:
             object.__setattr__(self, "active_seqs", load.num_running + load.num_waiting)
             if load.total_kv_blocks:
                 object.__setattr__(self, "free_tokens", load.free_kv_blocks * self.block_size)
+            if load.kv_tier_token_cost > 0:
+                object.__setattr__(self, "tier_token_cost", load.kv_tier_token_cost)
 
     @property
     def routable(self) -> bool:
@@ -360,6 +364,7 @@ class Discovery:
             vocab_size=int(getattr(reg, "vocab_size", 0) or (info.vocab_size if info else 0)),
             load=load, draining=bool(getattr(reg, "draining", False)),
             metrics_address=getattr(reg, "metrics_address", ""), connector=getattr(reg, "connector", ""),
+            kv_tiers=tuple(getattr(reg, "kv_tiers", ())),
         )
         return self._vet(node)
 

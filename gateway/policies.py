@@ -12,6 +12,9 @@ requests in flight) leaves a cached prefix for a shorter queue too readily, reco
 elsewhere, and near saturation that work is what the fleet lacks: on the llm-d shape at 8 nodes and 10 req/s,
 TTFT p90 0.53 s against 0.17 s, and one gateway hit 5 points less of the prompt than eight sharing the index
 (docs/fleet.md, Routing at scale).
+A prefix the node would load from its host's offload tier instead of computing counts as cached, plus each
+loaded token at the share of a computed token that the node measured (`tier_token_cost` when it has not yet): below
+a resident token, above a miss.
 Load is the larger of what the node last published and what this gateway has in flight there: the
 published number lags, and the gateway's own count misses other replicas, so neither alone is right.
 
@@ -57,16 +60,20 @@ class Weights:
     per_running_seq: float = 32.0  # one more sequence in a decode batch, in prompt tokens
     kv_full_penalty: float = 1e9  # a node that cannot hold the prompt goes last, but stays a fallback
     session_slack: float = 64.0  # how much costlier than the best a session's own node may be and still win
+    tier_token_cost: float = 0.1  # a token loaded from an offload tier, as a share of computing it (until measured)
 
 
 class Candidate:
-    """A node as one request sees it: its cached prefix and its load (published or in flight, the larger)."""
+    """A node as one request sees it: its cached prefix (`tier_tokens` of it in an offload tier, to load) and its
+    load (published or in flight, the larger)."""
 
-    __slots__ = ("node", "cached_tokens", "queued_tokens", "active_seqs", "extra_cost")
+    __slots__ = ("node", "cached_tokens", "tier_tokens", "queued_tokens", "active_seqs", "extra_cost")
 
-    def __init__(self, node: Node, cached_tokens: int, inflight: int = 0, inflight_tokens: int = 0) -> None:
+    def __init__(self, node: Node, cached_tokens: int, inflight: int = 0, inflight_tokens: int = 0,
+                 tier_tokens: int = 0) -> None:
         self.node = node
         self.cached_tokens = cached_tokens
+        self.tier_tokens = tier_tokens
         self.extra_cost = 0.0  # what else running the request here costs (a LoRA adapter to load), in tokens
         queued, active = node.queued_tokens, node.active_seqs
         self.queued_tokens = queued if queued >= inflight_tokens else inflight_tokens
@@ -74,7 +81,8 @@ class Candidate:
 
     def fits(self, num_tokens: int) -> bool:
         free = self.node.free_tokens
-        return free is None or free >= num_tokens - self.cached_tokens  # None: unknown, let the node decide
+        # Loaded blocks take room like computed ones. None: unknown, let the node decide.
+        return free is None or free >= num_tokens - self.cached_tokens + self.tier_tokens
 
 
 @dataclass(frozen=True)
@@ -146,19 +154,27 @@ class CacheAware(CostPolicy):
     uses_cache = True
 
     def prefill_cost(self, c: Candidate, prompt: Prompt) -> float:
-        return self.weights.compute_weight * (prompt.num_tokens - c.cached_tokens) + c.queued_tokens
+        w = self.weights
+        return w.compute_weight * (prompt.num_tokens - c.cached_tokens + self.loading(c)) + c.queued_tokens
 
     def decode_cost(self, c: Candidate, prompt: Prompt) -> float:
         w = self.weights
         uncached = prompt.num_tokens - c.cached_tokens
         if not decode_is_local(c, prompt):
-            work = w.transfer_per_token * uncached
+            work = w.transfer_per_token * uncached + self.loading(c)
         elif prompt.can_disaggregate:  # a few tokens computed here, weighed against a transfer, not a queue
-            work = uncached + c.queued_tokens
+            work = uncached + self.loading(c) + c.queued_tokens
         else:  # every decode node computes the prompt itself: compute against queue, as on prefill nodes
-            work = w.compute_weight * uncached + c.queued_tokens
+            work = w.compute_weight * (uncached + self.loading(c)) + c.queued_tokens
         penalty = 0.0 if c.fits(prompt.num_tokens) else w.kv_full_penalty
         return work + w.per_running_seq * c.active_seqs + penalty
+
+    def loading(self, c: Candidate) -> float:
+        """The candidate's tier tokens to load, in computed-token equivalents."""
+        if not c.tier_tokens:
+            return 0.0
+        cost = c.node.tier_token_cost
+        return c.tier_tokens * (self.weights.tier_token_cost if cost is None else cost)
 
 
 class LeastLoaded(CostPolicy):

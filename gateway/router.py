@@ -11,6 +11,11 @@ information, and the next lookups are skipped for a while (1 s, doubling up to 1
 failing; 1 s once discovery reads the registry, on the same Redis, again), so an index outage costs each
 request nothing but its cache affinity, and routing finds the prefixes again soon after Redis returns.
 
+A node with an offload tier names the tier's index entries (`kv_tiers`, one per tier, shared by the host's nodes
+that use it). Its cached prefix is its resident one, then the run of blocks its tier holds from there: read from the
+same lookup when nothing is resident, and with one more lookup per distinct resident length otherwise (at most
+`_MAX_TIER_LOOKUPS`, the longest). The policy weighs the loaded part by the node's measured load cost.
+
 A request for a LoRA adapter hashes its blocks with the adapter (a prefix is shared within one adapter only), and
 its candidates are the nodes that can run the adapter, each costing what `lora_costs` says its residency adds
 (gateway.adapters: loaded, room to load it, or only by evicting another).
@@ -38,6 +43,8 @@ from kvrelay.gateway.policies import Candidate, Policy, Prompt, decode_is_local
 logger = logging.getLogger(__name__)
 
 _AFFINITY_BLOCKS = 8  # leading blocks that name a prompt's "tenant" for tie-breaks
+_MAX_TIER_LOOKUPS = 4  # lookups of tier runs past resident prefixes, per request
+TierHits = dict[int, dict[str, int]]  # resident blocks -> tier entry -> the blocks it holds from there on
 
 
 @dataclass(frozen=True)
@@ -133,7 +140,11 @@ class Router:
                              "is up; retry later")
         hashes = self._hashes(prompt_token_ids, cache_salt, lora_name, images)
         hits = await self._lookup(hashes) if hashes and self.policy.uses_cache else {}
-        decision = self.decide(prompt_token_ids, hashes, hits, prefill_nodes, decode_nodes, start, user, extra)
+        tier_hits: TierHits = {}
+        for offset, tiers in tier_lookups(hashes, hits, decode_nodes + prefill_nodes).items():
+            tier_hits[offset] = await self._lookup(hashes[offset:], tiers)
+        decision = self.decide(prompt_token_ids, hashes, hits, prefill_nodes, decode_nodes, start, user, extra,
+                               tier_hits)
         if self.metrics is not None:
             self.metrics.observe_route(decision)
         return decision
@@ -161,16 +172,16 @@ class Router:
         # The registry answers again: Redis is back, no need to sit out the rest of a long pause.
         return self.discovery.registry_error is not None or now < self._failed_at + _SKIP_MIN_S
 
-    async def _lookup(self, hashes: list[bytes]) -> dict[str, int]:
+    async def _lookup(self, hashes: list[bytes], nodes: Collection[str] | None = None) -> dict[str, int]:
         if self.index is None or self._skipping():
             return {}
         try:
             if self._lookup_is_async:
-                result = await asyncio.wait_for(self.index.lookup(hashes), self.lookup_timeout_s)
+                result = await asyncio.wait_for(self.index.lookup(hashes, nodes), self.lookup_timeout_s)
             else:
                 if self._pool is None:
                     self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvrelay-index")
-                call = asyncio.get_running_loop().run_in_executor(self._pool, self.index.lookup, hashes)
+                call = asyncio.get_running_loop().run_in_executor(self._pool, self.index.lookup, hashes, nodes)
                 result = await asyncio.wait_for(call, self.lookup_timeout_s)
         except Exception as e:  # route without cache knowledge rather than fail the request
             self._lookup_failed(e)
@@ -194,19 +205,22 @@ class Router:
 
     def decide(self, prompt_token_ids: Sequence[int], hashes: list[bytes], hits: dict[str, int],
                prefill_nodes: list[Node], decode_nodes: list[Node], start: float | None = None,
-               user: str | None = None, extra_costs: dict[str, float] | None = None) -> RouteDecision:
+               user: str | None = None, extra_costs: dict[str, float] | None = None,
+               tier_hits: TierHits | None = None) -> RouteDecision:
         """Score and pick; pure given its inputs (the benchmark times it without a network). `extra_costs`: what
-        each node's cost gains beyond cache and load (a LoRA adapter's residency)."""
+        each node's cost gains beyond cache and load (a LoRA adapter's residency); `tier_hits`: the lookups that
+        `tier_lookups` asked for (None: the tiers are not seen)."""
         start = time.perf_counter() if start is None else start
         n = len(prompt_token_ids)
         session = None if not user else b"user\x00" + user.encode()
         prompt = Prompt(n, _affinity_key(prompt_token_ids, hashes), self.local_prefill_threshold,
                         can_disaggregate=bool(prefill_nodes), session_key=session, block_hashes=hashes)
-        decode = self.policy.rank("decode", self._candidates(decode_nodes, hits, n, extra_costs), prompt)
+        decode = self.policy.rank("decode", self._candidates(decode_nodes, hits, n, extra_costs, tier_hits), prompt)
         best = decode[0]
         prefill: list[Candidate] = []
         if not decode_is_local(best, prompt):
-            prefill = self.policy.rank("prefill", self._candidates(prefill_nodes, hits, n, extra_costs), prompt)
+            prefill = self.policy.rank("prefill", self._candidates(prefill_nodes, hits, n, extra_costs, tier_hits),
+                                       prompt)
         fleet_cached = max(hits.values(), default=0) * self.block_size
         return RouteDecision(
             decode=best.node, prefill=prefill[0].node if prefill else None, num_prompt_tokens=n,
@@ -216,11 +230,15 @@ class Router:
         )
 
     def _candidates(self, nodes: list[Node], hits: dict[str, int], num_tokens: int,
-                    extra_costs: dict[str, float] | None = None) -> list[Candidate]:
-        if extra_costs:
+                    extra_costs: dict[str, float] | None = None, tier_hits: TierHits | None = None
+                    ) -> list[Candidate]:
+        if extra_costs or tier_hits is not None:
             out = self._candidates(nodes, hits, num_tokens)
             for c in out:
-                c.extra_cost = extra_costs.get(c.node.node_id, 0.0)
+                if extra_costs:
+                    c.extra_cost = extra_costs.get(c.node.node_id, 0.0)
+                if tier_hits is not None and c.node.kv_tiers:
+                    self._add_tier(c, hits, tier_hits, num_tokens)
             return out
         seqs, tokens, bs = self.inflight.seqs, self.inflight.prefill_tokens, self.block_size
         # A full-prompt hit still leaves the last token to compute (the engine needs its logits).
@@ -233,6 +251,17 @@ class Router:
         return [Candidate(node, c if (c := cached(node.node_id, 0) * bs) < cap else cap,
                           seqs.get(node.node_id, 0), tokens.get(node.node_id, 0)) for node in nodes]
 
+    def _add_tier(self, c: Candidate, hits: dict[str, int], tier_hits: TierHits, num_tokens: int) -> None:
+        resident = hits.get(c.node.node_id, 0)
+        runs = hits if resident == 0 else tier_hits.get(resident)
+        if not runs:
+            return
+        blocks = max(runs.get(t, 0) for t in c.node.kv_tiers)
+        if blocks:
+            total = min((resident + blocks) * self.block_size, max(num_tokens - 1, 0))
+            c.tier_tokens = max(total - c.cached_tokens, 0)
+            c.cached_tokens = max(total, c.cached_tokens)
+
     # ----------------------------------------------------------------------------------- in-flight
 
     def track_sequence(self, node_id: str) -> Count:
@@ -240,6 +269,21 @@ class Router:
 
     def track_prefill(self, node_id: str, num_tokens: int) -> Count:
         return Count(self.inflight.prefill_tokens, node_id, num_tokens)
+
+
+def tier_lookups(hashes: Sequence[bytes], hits: dict[str, int], nodes: Sequence[Node]) -> dict[int, set[str]]:
+    """The lookups that the nodes' tiers need beyond `hits`: resident blocks -> the tier entries whose run from
+    there some node with that resident prefix could load. A node with nothing resident reads its tiers' runs from
+    `hits` itself. At most `_MAX_TIER_LOOKUPS`, for the longest resident prefixes."""
+    out: dict[int, set[str]] = {}
+    for node in nodes:
+        if node.kv_tiers:
+            resident = hits.get(node.node_id, 0)
+            if 0 < resident < len(hashes):
+                out.setdefault(resident, set()).update(node.kv_tiers)
+    if len(out) > _MAX_TIER_LOOKUPS:
+        out = {k: out[k] for k in sorted(out)[-_MAX_TIER_LOOKUPS:]}
+    return out
 
 
 def _affinity_key(prompt_token_ids: Sequence[int], hashes: list[bytes]) -> bytes:

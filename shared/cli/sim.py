@@ -82,6 +82,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                         "recomputed (the real one: --kv-offload-bytes); 0: none")
     p.add_argument("--offload-gbps", type=float, default=d.offload_bytes_per_s / 1e9,
                    help="loading from the tier, GB/s (host to device)")
+    p.add_argument("--tier-routing", action=argparse.BooleanOptionalAction, default=d.tier_routing,
+                   help="the tiers publish their blocks to the index and routing weighs them between resident and "
+                        "missing (as in production); --no-tier-routing: routing blind to them")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -93,7 +96,8 @@ def spec_from_args(args: argparse.Namespace, **overrides):
                                 max_num_seqs=args.max_num_seqs)
     values = dict(prefill=args.prefill, decode=args.decode, colocated=args.colocated, gateways=args.gateways,
                   threads=args.threads, kv_blocks=args.kv_blocks, scheduler=sched,
-                  offload_blocks=args.kv_offload_blocks, offload_bytes_per_s=args.offload_gbps * 1e9)
+                  offload_blocks=args.kv_offload_blocks, offload_bytes_per_s=args.offload_gbps * 1e9,
+                  tier_routing=args.tier_routing)
     values.update(overrides)
     try:
         return FleetSpec(**values)

@@ -142,6 +142,9 @@ class NodeLoad(JsonRecord):
     lora_resident: tuple[str, ...] = ()  # those in its memory now
     lora_paths: tuple[str, ...] = ()  # where each of lora_adapters was read from, in the same order
     lora_capacity: int = 0  # adapters it keeps in memory without evicting one (0: LoRA is off)
+    # With an offload tier: what loading a prompt token from it costs, as a fraction of computing one, measured on
+    # the node (0.0: not measured yet).
+    kv_tier_token_cost: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("lora_adapters", "lora_resident", "lora_paths"):

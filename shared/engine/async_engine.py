@@ -58,6 +58,8 @@ class AsyncEngine:
         hooks = hooks or EngineHooks()
         self.metrics = hooks.observer
         self._block_events = hooks.block_events
+        if hooks.tier_events:
+            core.publish_tiers(hooks.tier_events)
         self._on_lease_expired = hooks.on_lease_expired
         self.idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -15,8 +15,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
+from typing import Protocol
 
 from kvrelay.common.records import BlockEvent, BlockEventKind, BlockHash
+
+
+class BlockEventSink(Protocol):
+    """Takes a cache's changes in order: the prefix cache's, on the engine thread, or an offload tier's, on its
+    writer thread (a node's index publisher for the node's entry, or the tier's)."""
+
+    @property
+    def snapshot_wanted(self) -> bool: ...
+
+    def submit(self, events: Sequence[BlockEvent]) -> None: ...
+
+    def submit_snapshot(self, hashes: Sequence[BlockHash]) -> None: ...
+
 
 # A BlockEvent from its two fields as one tuple, without the named tuple's Python-level __new__: a node makes one
 # per block it fills or evicts.

@@ -27,7 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from kvrelay.common.hashing import kv_dtype_key
@@ -37,6 +37,7 @@ from kvrelay.common.system import TORCH_THP_ENV, huge_pages_for_tensors, keep_fr
 from kvrelay.engine.beam_search import BeamGroup, num_candidates
 from kvrelay.engine.block_pool import BlockPool
 from kvrelay.engine.config import EngineConfig, dtype_name
+from kvrelay.engine.engine_hooks import BlockEventSink
 from kvrelay.engine.image_inputs import checked_images
 from kvrelay.engine.kv_cache_manager import KVCacheManager
 from kvrelay.engine.kv_handoff import KVHandoff
@@ -442,6 +443,8 @@ class EngineCore:
 
     def load(self) -> NodeLoad:
         load = self.scheduler.load()
+        if self.offload is not None:
+            load = replace(load, kv_tier_token_cost=self.offload.token_cost())
         if self.lora is None:
             return load
         names = self.lora.names()
@@ -494,8 +497,22 @@ class EngineCore:
             # Only compiles to wait for: sleep on them rather than spin.
             concurrent.futures.wait(list(self._compiling.values()), timeout=0.01,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
-        result = self.runner.execute(sched)
+        if self.offload is None:
+            result = self.runner.execute(sched)
+        else:  # its loads are weighed against what computing a token costs here
+            t0 = time.perf_counter()
+            result = self.runner.execute(sched)
+            self.offload.observe_step(sched.total_num_scheduled_tokens, time.perf_counter() - t0)
         return failed + self.scheduler.update_from_output(sched, result)
+
+    def offload_tier_ids(self) -> dict[str, str]:
+        """Each offload tier's entry in the block index, by tier name ({} without a tier)."""
+        return self.offload.tier_ids() if self.offload is not None else {}
+
+    def publish_tiers(self, sinks: Mapping[str, BlockEventSink]) -> None:
+        """Keep each tier's index entry (`offload_tier_ids`) told what the tier holds, from its writer thread."""
+        if self.offload is not None:
+            self.offload.publish_to(sinks)
 
     def shutdown(self) -> None:
         self.grammars.shutdown()

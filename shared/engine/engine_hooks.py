@@ -4,11 +4,12 @@ implements these; the engine knows nothing of nodes, so they are declared here, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvrelay.common.records import BlockEvent, BlockHash, NodeLoad
+from kvrelay.common.records import NodeLoad
+from kvrelay.engine.block_pool import BlockEventSink
 from kvrelay.engine.lora import LoRAStats
 from kvrelay.engine.offload.tier import OffloadReport
 from kvrelay.engine.scheduler_output import EngineCoreOutput, EngineCounters
@@ -40,21 +41,13 @@ class EngineObserver(Protocol):
     def observe_finished(self, reason: str, seconds: float) -> None: ...
 
 
-class BlockEventSink(Protocol):
-    """Takes the prefix cache's changes, in order, on the engine thread (a node's index publisher)."""
-
-    @property
-    def snapshot_wanted(self) -> bool: ...
-
-    def submit(self, events: Sequence[BlockEvent]) -> None: ...
-
-    def submit_snapshot(self, hashes: Sequence[BlockHash]) -> None: ...
-
-
 @dataclass(frozen=True)
 class EngineHooks:
     """The AsyncEngine's collaborators, all optional, all called on the engine thread."""
 
     observer: EngineObserver | None = None
     block_events: BlockEventSink | None = None
+    # With an offload tier: each tier's index entries, by tier name (`EngineCore.offload_tier_ids`); called on the
+    # tier's writer thread, not the engine's.
+    tier_events: Mapping[str, BlockEventSink] | None = None
     on_lease_expired: Callable[[list[str]], None] | None = None  # ids whose reservation or held blocks expired

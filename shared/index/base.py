@@ -8,7 +8,7 @@ Both backends keep the same semantics; the memory one exists for unit tests of t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,8 +35,13 @@ class NodeRegistration(JsonRecord):
     capacity_tokens: int
     metrics_address: str = ""
     started_at: float = 0.0
+    # The index entries of the offload tiers the node loads from (kvrelay.engine.offload: "tier:<name>:<id>"), in
+    # the order it reads them. Every node of a host that shares a tier names the same entry.
+    kv_tiers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kv_tiers, tuple):  # JSON gives a list
+            object.__setattr__(self, "kv_tiers", tuple(self.kv_tiers))
         if self.role not in ROLES:
             raise ValueError(f"role: must be one of {ROLES}, got {self.role!r}")
         if not self.node_id:
@@ -52,6 +57,22 @@ HASH_LEN = 16
 def check_block_hashes(block_hashes: Sequence[bytes]) -> None:
     if set(map(len, block_hashes)) - {HASH_LEN}:
         raise ValueError(f"block hashes must be {HASH_LEN} bytes each")
+
+
+TIER_PREFIX = "tier:"  # index entries of an offload tier, not of a node (NodeRegistration.kv_tiers)
+
+
+def is_tier(entry_id: str) -> bool:
+    return entry_id.startswith(TIER_PREFIX)
+
+
+def spare_named_tiers(dead: list[str], live: Callable[[], list[LiveNode]]) -> list[str]:
+    """The entries of `dead` (no lease) to purge: a tier's entry has no lease of its own and stays while a live
+    node names it (`kv_tiers`); `live` is read only when a tier is among them."""
+    if not any(map(is_tier, dead)):
+        return dead
+    named = {t for reg, _ in live() for t in reg.kv_tiers}
+    return [n for n in dead if n not in named]
 
 
 def role_matches(role: str, wanted: str | Collection[str] | None) -> bool:

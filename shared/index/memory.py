@@ -19,6 +19,7 @@ from kvrelay.index.base import (
     RegistryBackend,
     check_block_hashes,
     role_matches,
+    spare_named_tiers,
 )
 
 
@@ -185,4 +186,5 @@ class MemoryRegistry(RegistryBackend):
         with self.store.lock:
             state = self.store.model(model_id)
             dead = [n for n in sorted(state.known) if not self.store.registered(state, n)]
+            dead = spare_named_tiers(dead, lambda: self.live_nodes(model_id))
             return [n for n in dead if self.store.clear(model_id, n, only_if_dead=True)]

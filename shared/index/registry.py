@@ -26,6 +26,7 @@ from kvrelay.index.base import (
     NodeRegistration,
     RegistryBackend,
     role_matches,
+    spare_named_tiers,
 )
 from kvrelay.index.redis_index import CLEAR_LUA, REDIS_ERRORS, SLOT_FN, Keys, clear_node_entries, connect
 
@@ -116,6 +117,7 @@ class Registry(RegistryBackend):
         keys = Keys(model_id)
         try:
             dead = [n.decode() for n in self._nodes(keys=[keys.slots], args=[keys.reg_prefix, "0"])]
+            dead = spare_named_tiers(dead, lambda: self.live_nodes(model_id))
             # Each clear step re-checks the lease: a node that re-registers meanwhile keeps its entries.
             purged = [n for n in dead if clear_node_entries(keys, self._clear, n, only_if_dead=True)]
         except REDIS_ERRORS as exc:

@@ -9,6 +9,11 @@ Registration lifecycle:
    janitor may have purged our entries) or a failed start makes the publisher ask the engine for a snapshot.
 3. `Registration.stop()` on graceful shutdown: stop the heartbeat, flush and stop the publisher, deregister
    (which also drops the node's index entries).
+With an offload tier, each tier's entry in the index ("tier:<name>:<id>", shared by the host's nodes that name
+its folder) has a publisher too (`open_tier_publishers`), fed from the tier's writer thread. It clears and
+republishes the tier's listing when it starts and whenever it resyncs; the registration names the entries
+(`kv_tiers`) and the janitor keeps them while a live node names them. Stopping a node leaves them: the store
+outlives it, and so do its other users.
 Redis being down never stops the node: start-up logs it and the heartbeat and publisher keep retrying.
 """
 
@@ -17,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvrelay.common import wire
@@ -40,6 +45,7 @@ class Registration:
     publisher: IndexPublisher
     node_id: str
     model_id: str
+    tier_publishers: tuple[IndexPublisher, ...] = ()
 
     async def stop(self) -> None:
         await asyncio.to_thread(self._stop)
@@ -47,6 +53,9 @@ class Registration:
     def _stop(self) -> None:
         self.heartbeat.stop()
         self.publisher.close(timeout_s=2.0)
+        for tier in self.tier_publishers:
+            tier.close(timeout_s=2.0)
+            tier.index.close()
         try:
             self.registry.deregister(self.node_id, self.model_id)
             logger.info("deregistered %s", self.node_id)
@@ -63,21 +72,33 @@ def open_publisher(config: RegistryConfig, node_id: str, model_id: str) -> Index
     return IndexPublisher(create_index(config.redis_url, model_id), node_id, clear_on_start=False, start=False)
 
 
+def open_tier_publishers(config: RegistryConfig, model_id: str, tier_ids: Mapping[str, str]
+                         ) -> dict[str, IndexPublisher]:
+    """A publisher, not started, for each offload tier's index entry, by tier name ({} without a Redis URL)."""
+    if not config.redis_url:
+        return {}
+    return {name: IndexPublisher(create_index(config.redis_url, model_id), entry_id, start=False)
+            for name, entry_id in tier_ids.items()}
+
+
 async def start_registration(
     config: RegistryConfig, info: wire.NodeInfo, load_fn: Callable[[], NodeLoad], publisher: IndexPublisher | None,
+    tier_publishers: Mapping[str, IndexPublisher] | None = None,
 ) -> Registration | None:
     if not config.redis_url or publisher is None:
         logger.info("no --redis-url: running unregistered (reach this node by its address)")
         return None
-    return await asyncio.to_thread(_start, config, info, load_fn, publisher)
+    tiers = tuple((tier_publishers or {}).values())
+    return await asyncio.to_thread(_start, config, info, load_fn, publisher, tiers)
 
 
 def _start(config: RegistryConfig, info: wire.NodeInfo, load_fn: Callable[[], NodeLoad],
-           publisher: IndexPublisher) -> Registration:
+           publisher: IndexPublisher, tiers: tuple[IndexPublisher, ...]) -> Registration:
     reg = NodeRegistration(
         node_id=info.node_id, role=info.role, grpc_address=info.grpc_address, kv_address=info.kv_address,
         connector=info.connector, model_id=info.model_id, block_size=info.block_size, dtype=info.dtype,
         capacity_tokens=info.capacity_tokens, metrics_address=info.metrics_address, started_at=time.time(),
+        kv_tiers=tuple(t.node_id for t in tiers),
     )
     index, registry = publisher.index, create_registry(config.redis_url)
     try:
@@ -88,6 +109,12 @@ def _start(config: RegistryConfig, info: wire.NodeInfo, load_fn: Callable[[], No
         publisher.request_resync()  # clears and republishes once Redis answers
         logger.warning("registry unreachable at start, will keep trying: %s", e)
     publisher.start()
-    heartbeat = Heartbeat(registry, reg, config.ttl_s, load_fn, on_lapse=publisher.request_resync,
-                          interval_s=config.heartbeat_s).start()
-    return Registration(registry, index, heartbeat, publisher, reg.node_id, reg.model_id)
+    for tier in tiers:  # after the registration that keeps the janitor off their entries
+        tier.start()
+
+    def resync() -> None:  # the janitor may have purged our entries, and the tiers' when no one else names them
+        for p in (publisher, *tiers):
+            p.request_resync()
+
+    heartbeat = Heartbeat(registry, reg, config.ttl_s, load_fn, on_lapse=resync, interval_s=config.heartbeat_s).start()
+    return Registration(registry, index, heartbeat, publisher, reg.node_id, reg.model_id, tiers)

@@ -38,7 +38,7 @@ from kvrelay.engine.core import EngineCore
 from kvrelay.kv_transfer import KVConnector, create_connector
 from kvrelay.node.config import NodeConfig
 from kvrelay.node.metrics import MetricsServer, NodeMetrics
-from kvrelay.node.registration import Registration, open_publisher, start_registration
+from kvrelay.node.registration import Registration, open_publisher, open_tier_publishers, start_registration
 from kvrelay.node.server import NodeServer, NodeSettings
 from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2_grpc as pb_grpc
 
@@ -162,12 +162,14 @@ async def start_node(config: NodeConfig, server_cls: type[NodeServer]) -> Node:
     tracing.setup_tracing(f"kvrelay-{server_cls.role}", config.otlp_traces_endpoint,
                           {"kvrelay.node_id": settings.node_id})
     publisher = open_publisher(config.registry, settings.node_id, core.info.model_id)
-    servicer = server_cls(core, connector, metrics, settings, block_events=publisher)
+    tier_publishers = open_tier_publishers(config.registry, core.info.model_id, core.offload_tier_ids())
+    servicer = server_cls(core, connector, metrics, settings, block_events=publisher, tier_events=tier_publishers)
     pb_grpc.add_EngineServicer_to_server(servicer, grpc_server)
     servicer.start()
     await grpc_server.start()
     metrics_server.start(metrics, servicer.health)
-    registration = await start_registration(config.registry, servicer.node_info(), servicer.engine.load, publisher)
+    registration = await start_registration(config.registry, servicer.node_info(), servicer.engine.load, publisher,
+                                            tier_publishers)
     logger.info("%s node %s serving gRPC on %s, KV on %s (%s), metrics on http://%s/metrics, %d torch threads on "
                 "cores %s", server_cls.role, settings.node_id, settings.grpc_address, connector.address,
                 config.connector.name, settings.metrics_address, torch.get_num_threads(), format_cores(usable_cores()))

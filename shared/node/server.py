@@ -21,7 +21,7 @@ import concurrent.futures
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import aclosing, contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -129,19 +129,21 @@ class NodeSettings:
 
 class NodeServer(pb_grpc.EngineServicer):
     """The role servers' base. It runs the engine on its own thread (AsyncEngine), wired at construction to
-    the metrics, the index publisher (`block_events`) and the role's lease hook."""
+    the metrics, the index publishers (`block_events`; `tier_events`, its offload tiers') and the role's lease
+    hook."""
 
     role = "node"
 
     def __init__(
         self, core: EngineCore, connector: KVConnector, metrics: NodeMetrics, settings: NodeSettings,
-        block_events: BlockEventSink | None = None,
+        block_events: BlockEventSink | None = None, tier_events: Mapping[str, BlockEventSink] | None = None,
     ) -> None:
         self.core = core
         self.connector = connector
         self.metrics = metrics
         self.settings = settings
-        hooks = EngineHooks(observer=metrics, block_events=block_events, on_lease_expired=self.leases_expired)
+        hooks = EngineHooks(observer=metrics, block_events=block_events, tier_events=tier_events,
+                            on_lease_expired=self.leases_expired)
         self.engine = AsyncEngine(core, hooks)
         # Transfer waits block a thread each (up to a lease): keep them off the default executor.
         self.waits = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvrelay-wait")

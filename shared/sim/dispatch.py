@@ -42,7 +42,7 @@ class FleetView(Protocol):
     block_size: int
     max_model_len: int
 
-    def publish(self, node: SimNode, events: list) -> None: ...
+    def publish(self, node: SimNode, events: list, entry_id: str | None = None) -> None: ...
 
     def cached_anywhere(self, hashes: Sequence[bytes], num_tokens: int) -> int: ...
 
@@ -286,8 +286,8 @@ class Dispatcher:
             if req is not None and not req.outcome and node.role != "prefill":
                 self._fail(req, "lease_expired")
 
-    def on_block_events(self, node: SimNode, events: list) -> None:
-        self.fleet.publish(node, events)
+    def on_block_events(self, node: SimNode, events: list, entry_id: str | None = None) -> None:
+        self.fleet.publish(node, events, entry_id)
 
     # -- the client's side ------------------------------------------------------------------------------
 

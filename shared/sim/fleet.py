@@ -56,6 +56,7 @@ class FleetSpec:
     odd_block_size_nodes: int = 0  # nodes started with another block size (the gateways must refuse them)
     offload_blocks: int = 0  # per node: an offload tier in its host's memory (kvrelay.sim.tier); 0: none
     offload_bytes_per_s: float = 25e9  # loading from it: a GPU's host-to-device link (PCIe 5 x16, in practice)
+    tier_routing: bool = True  # the tiers publish to the index and routing weighs them (False: as if it could not)
 
     def __post_init__(self) -> None:
         if self.colocated and (self.prefill or self.decode):
@@ -111,8 +112,9 @@ class Fleet:
     def add_node(self, role: str, startup_s: float | None = None, block_size: int | None = None) -> SimNode:
         """A node that starts now and serves (registers) `startup_s` later (None: the profile's start-up)."""
         node_id = f"{role}-{next(self._ids[role]):03d}"
-        tier = (SimTier(self.spec.offload_blocks, self.profile.kv_bytes_per_block, self.spec.offload_bytes_per_s)
-                if self.spec.offload_blocks else None)
+        entry_id = f"tier:memory:{node_id}" if self.spec.tier_routing else ""
+        tier = (SimTier(self.spec.offload_blocks, self.profile.kv_bytes_per_block, self.spec.offload_bytes_per_s,
+                        entry_id) if self.spec.offload_blocks else None)
         node = SimNode(node_id, role, self.loop, self.dispatcher, self.step_model, self.spec.scheduler,
                        self.num_blocks, block_size or self.block_size, MODEL_ID, self.max_model_len, tier)
         self.nodes[node_id] = node
@@ -127,7 +129,7 @@ class Fleet:
         if node.draining:
             return
         self._serving[node.node_id] = node
-        self.registry.register(node.registration(), self.spec.lease_ttl_s, node.scheduler.load())
+        self.registry.register(node.registration(), self.spec.lease_ttl_s, node.load())
         # Heartbeats of different nodes fall at different phases, as independent processes' do.
         phase = (len(self._next_heartbeat) * 0.618) % 1.0 * self.spec.heartbeat_s
         self._next_heartbeat[node.node_id] = self.loop.now + phase
@@ -140,7 +142,8 @@ class Fleet:
             del self._serving[node_id]
             self._next_heartbeat.pop(node_id, None)
             self.registry.deregister(node_id, MODEL_ID)
-            self.stream.forget_node(node_id, list(node.pool.cached), self.loop.now)
+            for entry_id, hashes in node.index_holdings().items():  # its host's tier goes with it
+                self.stream.forget_node(entry_id, hashes, self.loop.now)
         self._retire_if_idle(node)
 
     def _retire_if_idle(self, node: SimNode) -> None:
@@ -161,7 +164,7 @@ class Fleet:
         i = next(self._gateway_ids)
         gw = SimGateway(f"gateway-{i}", self.spec.policy, self.seed * 1000 + i, MODEL_ID, self.block_size,
                         self.spec.local_prefill_threshold, self.stream)
-        gw.load_snapshot({n.node_id: list(n.pool.cached) for n in self._serving.values()})
+        gw.load_snapshot({k: v for n in self._serving.values() for k, v in n.index_holdings().items()})
         gw.refresh(self.registry.live_nodes(MODEL_ID))
         return gw
 
@@ -179,9 +182,9 @@ class Fleet:
 
     # -- the index ----------------------------------------------------------------------------------------
 
-    def publish(self, node: SimNode, events: list) -> None:
+    def publish(self, node: SimNode, events: list, entry_id: str | None = None) -> None:
         if node.node_id in self._serving:
-            self.stream.publish(self.loop.now, node.node_id, events)
+            self.stream.publish(self.loop.now, entry_id or node.node_id, events)
 
     def cached_anywhere(self, hashes: Sequence[bytes], num_tokens: int) -> int:
         """Prompt tokens some node held when the request was routed (the prefix the best node could reuse)."""
@@ -208,7 +211,7 @@ class Fleet:
         for node_id, due in self._next_heartbeat.items():
             if due <= now:
                 node = self._serving[node_id]
-                self.registry.register(node.registration(), self.spec.lease_ttl_s, node.scheduler.load())
+                self.registry.register(node.registration(), self.spec.lease_ttl_s, node.load())
                 self._next_heartbeat[node_id] = due + self.spec.heartbeat_s
         rows = self.registry.live_nodes(MODEL_ID)
         for gw in self.gateways:

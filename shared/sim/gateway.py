@@ -22,7 +22,7 @@ from kvrelay.gateway.errors import NoCapacity
 from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.node_client import NodeClients
 from kvrelay.gateway.policies import make_policy
-from kvrelay.gateway.router import RouteDecision, Router
+from kvrelay.gateway.router import RouteDecision, Router, TierHits, tier_lookups
 from kvrelay.index.mirror import MirrorState
 
 STORED = BlockEventKind.STORED
@@ -129,10 +129,13 @@ class SimGateway:
         prefill = self.discovery.routable("prefill")
         hashes = prompt_block_hashes(prompt, self.router.model_id, self.router.block_size)
         hits: dict[str, int] = {}
+        tier_hits: TierHits = {}
         if hashes and self.mirror is not None:
             self.cursor = self.stream.follow(self.mirror, self.cursor, now)
             hits = self.mirror.lookup(hashes)
-        decision = self.router.decide(prompt, hashes, hits, prefill, decode, 0.0, user)
+            for offset, tiers in tier_lookups(hashes, hits, decode + prefill).items():
+                tier_hits[offset] = self.mirror.lookup(hashes[offset:], tiers)
+        decision = self.router.decide(prompt, hashes, hits, prefill, decode, 0.0, user, tier_hits=tier_hits)
         self.metrics.observe_route(decision)
         return decision, hashes
 

@@ -10,9 +10,10 @@ fleet, and steps again while it has work. Time is the simulator's clock (kvrelay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
+from kvrelay.common.records import NodeLoad
 from kvrelay.engine.block_pool import BlockPool
 from kvrelay.engine.config import SchedulerConfig
 from kvrelay.engine.kv_cache_manager import KVCacheManager
@@ -31,7 +32,8 @@ class NodeListener(Protocol):
     def on_step(self, node: SimNode, outputs: list[EngineCoreOutput], sends: tuple[KVSend, ...],
                 expired: list[str]) -> None: ...
 
-    def on_block_events(self, node: SimNode, events: list) -> None: ...
+    def on_block_events(self, node: SimNode, events: list, entry_id: str | None = None) -> None:
+        """The node's prefix-cache events (`entry_id` None), or its offload tier's, for that index entry."""
 
 
 @dataclass
@@ -74,7 +76,16 @@ class SimNode:
         return NodeRegistration(node_id=self.node_id, role=role, grpc_address=f"sim://{self.node_id}",
                                 kv_address=f"sim://{self.node_id}/kv", connector=connector, model_id=self.model_id,
                                 block_size=self.block_size, dtype="simulated",
-                                capacity_tokens=self.pool.num_blocks * self.block_size)
+                                capacity_tokens=self.pool.num_blocks * self.block_size,
+                                kv_tiers=(self.tier.entry_id,) if self.tier is not None and self.tier.entry_id else ())
+
+    def load(self) -> NodeLoad:
+        """What its heartbeat publishes: the scheduler's load, and with a tier what a loaded token costs."""
+        load = self.scheduler.load()
+        if self.tier is None:
+            return load
+        compute_s_per_token = self.step_model.time(StepShape.of([(512, 0)])) / 512
+        return replace(load, kv_tier_token_cost=self.tier.token_cost(self.block_size, compute_s_per_token))
 
     @property
     def idle(self) -> bool:
@@ -132,3 +143,14 @@ class SimNode:
         events = self.pool.drain_events()
         if events:
             self.listener.on_block_events(self, events)
+        if self.tier is not None:
+            events = self.tier.drain_events()
+            if events:
+                self.listener.on_block_events(self, events, self.tier.entry_id)
+
+    def index_holdings(self) -> dict[str, list[bytes]]:
+        """Its entries in the index: its own and its tier's."""
+        out = {self.node_id: list(self.pool.cached)}
+        if self.tier is not None and self.tier.entry_id:
+            out[self.tier.entry_id] = self.tier.hashes()
+        return out

@@ -4,12 +4,13 @@ routing-quality metrics: what could have hit, load imbalance, block-size mismatc
 from __future__ import annotations
 
 import logging
+import uuid
 
 import pytest
 
 from kvrelay.common.hashing import prompt_block_hashes
 from kvrelay.common.prometheus import Metrics
-from kvrelay.common.records import NodeLoad
+from kvrelay.common.records import BlockEvent, BlockEventKind, NodeLoad
 from kvrelay.gateway.config import ROUTING_POLICIES
 from kvrelay.gateway.discovery import Discovery, DiscoveryConfig
 from kvrelay.gateway.metrics import GatewayMetrics, imbalance
@@ -17,7 +18,8 @@ from kvrelay.gateway.node_client import NodeClients
 from kvrelay.gateway.policies import POLICIES, ApproximatePrefix, make_policy
 from kvrelay.gateway.router import Router
 from kvrelay.index.base import NodeRegistration
-from tests.gateway.test_unit import BS, MODEL, FakeDiscovery, FakeIndex, fleet, node, prompt
+from kvrelay.index.memory import MemoryIndex, get_store
+from tests.gateway.test_unit import BS, MODEL, FakeDiscovery, FakeIndex, fleet, node, prompt, route
 
 
 def decide(router: Router, tokens: list[int], hits: dict[str, int] | None = None):
@@ -134,3 +136,48 @@ def test_a_block_size_mismatch_is_logged_counted_and_never_routed_to(caplog):
     assert m.value("kvrelay:node_config_mismatches_total", node_id="d1", field="block_size") == 1
     assert m.value("kvrelay:node_config_mismatches_total", node_id="d2", field="model") == 1
     assert sum("block size 32 differs" in r.message for r in caplog.records) == 1
+
+
+def _tiered_router(loads: dict[str, NodeLoad], tiered: bool = True, resident: dict[str, int] | None = None
+                   ) -> tuple[Router, list[int]]:
+    """Three colocated nodes of one host sharing an offload tier, which holds a 400-token prompt's 25 blocks; d0
+    holds its first 10 in memory (and each node of `resident` that many)."""
+    tokens = prompt(1, 400)
+    hashes = prompt_block_hashes(tokens, MODEL, BS)
+    index = MemoryIndex(get_store(f"memory://tiers-{uuid.uuid4().hex[:8]}"), MODEL)
+    for node_id, n in {"d0": 10, **(resident or {})}.items():
+        index.apply(node_id, [BlockEvent(BlockEventKind.STORED, h) for h in hashes[:n]])
+    index.apply(TIER, [BlockEvent(BlockEventKind.STORED, h) for h in hashes])
+    tiers = (TIER,) if tiered else ()
+    nodes = [node(f"d{i}", "decode", loads.get(f"d{i}"), kv_tiers=tiers) for i in range(3)]
+    return Router(FakeDiscovery(nodes), make_policy("cache_aware"), index, 16), tokens
+
+
+TIER = "tier:memory:0123456789abcdef"
+
+
+def test_a_prefix_in_the_tier_counts_below_a_resident_one_and_above_a_miss():
+    """Each node can load the prompt from the tier: d0 the 15 blocks past its resident 10, the others all 25.
+    Loading a token costs a tenth of computing it until a node has measured its own, so d0 (15 blocks to load)
+    beats d1 and d2 (25 each), which beat computing the prompt; a node holding all 25 in memory beats them all."""
+    router, tokens = _tiered_router({})
+    d = route(router, tokens)
+    assert (d.decode.node_id, d.decode_cached_tokens) == ("d0", 399)
+    assert {n.node_id for n in d.decode_fallbacks} == {"d1", "d2"}
+    router, tokens = _tiered_router({}, resident={"d2": 25})
+    d = route(router, tokens)
+    assert (d.decode.node_id, d.decode_cached_tokens) == ("d2", 399)
+    assert [n.node_id for n in d.decode_fallbacks] == ["d0", "d1"]
+    blind, _ = _tiered_router({}, tiered=False)
+    d = route(blind, tokens)
+    assert (d.decode.node_id, d.decode_cached_tokens) == ("d0", 160)  # only what it holds in memory
+
+
+def test_the_tier_is_weighed_by_what_each_node_measured():
+    """d0 measured loading as dear as computing (a slow disk): its resident 10 blocks still count, but d1, which
+    loads at a hundredth of a computed token, now costs less than d0's 239 tokens to load."""
+    router, tokens = _tiered_router({"d0": NodeLoad(kv_tier_token_cost=1.0), "d1": NodeLoad(kv_tier_token_cost=0.01),
+                                     "d2": NodeLoad(kv_tier_token_cost=1.0)})
+    d = route(router, tokens)
+    assert d.decode.node_id == "d1"
+    assert [n.node_id for n in d.decode_fallbacks] == ["d0", "d2"]

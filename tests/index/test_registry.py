@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import uuid
@@ -225,3 +226,17 @@ def test_heartbeat_and_publisher_survive_redis_restart(tmp_path):
         pub.close()
     finally:
         server.stop()
+
+
+def test_a_tier_entry_stays_while_a_live_node_names_it_and_goes_with_the_last(registry, index):
+    """An offload tier's entry has no lease of its own: the janitor keeps it while a live registration names it
+    (the store outlives the node that wrote it), and purges it once none does."""
+    tier = "tier:memory:0123456789abcdef"
+    registry.register(dataclasses.replace(reg("reader"), kv_tiers=(tier,)), ttl_s=0.3)
+    index.apply(tier, stored(*H[:3]))
+    assert [r.kv_tiers for r, _ in registry.live_nodes(MODEL)] == [(tier,)]  # through JSON: a tuple again
+    assert registry.purge_dead_nodes(MODEL) == []
+    assert index.lookup(H[:3]) == {tier: 3}
+    assert wait_until(lambda: live_ids(registry) == [], 3.0)
+    assert registry.purge_dead_nodes(MODEL) == ["reader", tier]
+    assert index.lookup(H[:3]) == {}

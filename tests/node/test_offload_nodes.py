@@ -1,6 +1,7 @@
 """The offload tier across real node processes of one host: blocks one node evicted are loaded by another,
 after the writer was killed with SIGKILL, colocated and disaggregated, and the tokens (greedy and seeded) are
-the ones an engine without a tier gives. The nodes share a store folder under the test's tmp path."""
+the ones an engine without a tier gives; the tier's blocks reach the block index in Redis, where routing sees
+them. The nodes share a store folder under the test's tmp path."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import signal
 
 import pytest
 
+from kvrelay.common.hashing import kv_dtype_key, prompt_block_hashes
 from kvrelay.common.sampling_params import SamplingParams
+from kvrelay.index import create_index, create_registry
+from kvrelay.proto_gen.kvrelay.engine.v1 import engine_pb2 as pb
 from tests.helpers.models import make_tiny_checkpoint
 from tests.helpers.nodes import (
     colocated_engine,
@@ -38,9 +42,10 @@ def model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def nodes(model, tmp_path_factory):
+def nodes(model, tmp_path_factory, redis_server):
     store = str(tmp_path_factory.mktemp("offload"))
     args = tiny_args(model, "ucx", "--kv-offload-bytes", "64MiB", "--kv-offload-path", store, blocks=BLOCKS)
+    args += ["--redis-url", redis_server.url]
     writer, prefill, decode = start_nodes([("decode", args), ("prefill", args), ("decode", args)])
     yield writer, prefill, decode, store
     writer.stop(2.0)
@@ -97,3 +102,33 @@ def test_disaggregated_output_is_colocated_output_with_the_tier(model, nodes):
     again = disaggregated(prefill, decode, "d-again", prompts[0], GREEDY)
     assert again.tokens == want
     assert _loaded(prefill) + _loaded(decode) >= before + 9  # the prompt came back from the tier, not recomputed
+
+
+@pytest.mark.timeout(120)
+def test_the_index_holds_the_tier_and_the_nodes_name_it_and_measure_its_cost(nodes, redis_server):
+    """After the tests above: the store holds the first disaggregated prompt's blocks, which both live nodes
+    loaded from it. Both name the one tier entry; the index answers for it like for a node; the janitor keeps it;
+    each node publishes what a loaded token cost it against a computed one."""
+    _, prefill, decode, _ = nodes
+    model_id = decode.stub().GetNodeInfo(pb.NodeInfoRequest(), timeout=5).model_id
+    registry = create_registry(redis_server.url)
+    live = {reg.node_id: reg for reg, _ in registry.live_nodes(model_id)}
+    ids = [n.info["node_id"] for n in (prefill, decode)]
+    regs = [live[i] for i in ids]
+    ((tier,),) = {reg.kv_tiers for reg in regs}
+    assert tier.startswith("tier:memory:")
+    index = create_index(redis_server.url, model_id)
+    hashes = prompt_block_hashes(_prompt(10), model_id, regs[0].block_size, kv_dtype=kv_dtype_key("auto"))
+    try:
+        assert wait_for(lambda: index.lookup(hashes, [tier]) == {tier: 9}, 10, "the tier's entry in the index")
+        assert tier not in registry.purge_dead_nodes(model_id)
+        assert index.lookup(hashes, [tier]) == {tier: 9}
+
+        def measured() -> bool:
+            loads = {reg.node_id: load for reg, load in registry.live_nodes(model_id)}
+            return all(0 < loads[i].kv_tier_token_cost <= 1 for i in ids)
+
+        wait_for(measured, 15, "each node's measured cost of a loaded token in its heartbeat")
+    finally:
+        index.close()
+        registry.close()

@@ -18,12 +18,12 @@ from kvrelay.gateway.policies import CacheAware, make_policy
 from kvrelay.gateway.router import Router
 from kvrelay.index.memory import MemoryRegistry
 from kvrelay.index.mirror import MirrorState
-from kvrelay.sim.fleet import Fleet, FleetSpec
+from kvrelay.sim.fleet import MODEL_ID, Fleet, FleetSpec
 from kvrelay.sim.results import Collector
 from kvrelay.sim.run import simulate
 from kvrelay.sim.timemodel import load_profile
 from kvrelay.sim.trace import PromptSource, TraceRequest
-from kvrelay.sim.workloads import Shape, llmd
+from kvrelay.sim.workloads import Shape, chat, llmd
 from tests.sim.helpers import tiny_profile
 
 
@@ -191,3 +191,21 @@ def test_an_offload_tier_gives_back_evicted_prefixes_at_the_links_cost():
     without = Collector()
     simulate(trace, FleetSpec(colocated=1, hop_s=0.0), tiny_profile(blocks=20), collector=without)
     assert without.ttft[2] == pytest.approx(0.010 + 0.001 * (272 - 16 * (16 - loaded)))
+
+
+def test_routing_that_sees_the_tiers_sends_a_conversation_back_to_the_host_that_kept_it():
+    """Chat sessions on two nodes whose KV caches are too small, each with a tier on its own host: the tiers
+    publish to the index, and a turn goes back where its earlier turns wait in the tier, instead of wherever
+    load sends it (their blocks then recomputed). Measured: more of the prompts hit, and TTFT p50 falls."""
+    trace = chat(1.0, 60.0, seed=0)
+    spec = FleetSpec(colocated=2, kv_blocks=600, offload_blocks=3000)
+    fleets: list[Fleet] = []
+    seen = simulate(trace, spec, load_profile("h100"), setup=fleets.append)
+    blind = simulate(trace, dataclasses.replace(spec, tier_routing=False), load_profile("h100"))
+    assert seen.completed == blind.completed == len(trace)
+    assert seen.prefix_hit_ratio > blind.prefix_hit_ratio + 0.02
+    assert seen.ttft_p50_s < blind.ttft_p50_s
+    node = next(iter(fleets[0].nodes.values()))
+    registered = {reg.node_id: reg.kv_tiers for reg, _ in fleets[0].registry.live_nodes(MODEL_ID)}
+    assert registered[node.node_id] == (f"tier:memory:{node.node_id}",)
+    assert fleets[0].gateways[0].mirror.lookup(node.tier.hashes()[:1]) == {f"tier:memory:{node.node_id}": 1}

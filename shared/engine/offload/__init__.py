@@ -64,4 +64,4 @@ def create_offload(cache: CacheConfig, namespace: str, io: BlockIO, block_bytes:
         held = tier.used_bytes()
         logger.info("KV offload tier %s at %s: %.0f MiB, %.0f MiB held already (shared by every node of this host "
                     "that names the folder)", tier.name, tier.path, tier.capacity / 2**20, held / 2**20)
-    return KVOffload(TieredStore(tiers), namespace, io, block_bytes)
+    return KVOffload(TieredStore(tiers), namespace, io, block_bytes, cache.block_size)

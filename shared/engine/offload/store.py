@@ -182,6 +182,11 @@ class DirTier:
     def used_bytes(self) -> int:
         return used_in(self.path)
 
+    def keys(self, prefix: str) -> list[str]:
+        """The keys of the blocks in the folder that start with `prefix` (a listing: no file is opened)."""
+        n = len(_SUFFIX)
+        return [name[:-n] for name in os.listdir(self.path) if name.startswith(prefix) and name.endswith(_SUFFIX)]
+
     @contextmanager
     def _locked(self):
         fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)

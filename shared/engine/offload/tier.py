@@ -11,30 +11,40 @@ Lifecycle of a block through the tier:
 3. Loaded: `allocate_slots` gives the hit's new blocks to `load(ids, hashes)`, which copies the staged bytes
    into them; they are then hashed and cached like computed blocks.
 
-Keys: xxh3-128 of the KV layout (model and weights' form, dtype, block size, layers, heads, head size) and the
-block hash (which chains the cache salt, adapter and KV dtype), so no block is ever found for another layout.
+Keys: an xxh3-64 of the namespace (the KV layout: model and weights' form, dtype, block size, layers, heads, head
+size; and the weight files), then the block hash in hex (which chains the cache salt, adapter and KV dtype), so no
+block is ever found for another layout, and a folder's listing names the blocks of a namespace.
 The scheduler only ever sees counts and ids; tensors stay behind `BlockIO` (the model runner).
+
+Routing sees the tier (`publish_to`): each tier of the store is one entry in the block index (`tier_ids`: the
+same id on every node of the host that names the folder and runs the namespace). The writer thread lists the
+folder after each write and every `interval_s`, and sends what appeared and went since its last listing, whoever
+wrote or evicted it, as STORED/EVICTED events (a snapshot when the index asks for one) to that tier's sink.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 import xxhash
 
-from kvrelay.common.records import BlockHash
-from kvrelay.engine.offload.store import Buffer, TieredStore, TierStats
+from kvrelay.common.records import BlockEvent, BlockEventKind, BlockHash
+from kvrelay.engine.block_pool import BlockEventSink
+from kvrelay.engine.offload.store import Buffer, DirTier, TieredStore, TierStats
 
 logger = logging.getLogger(__name__)
 
-_FORMAT = b"kvrelay-offload-1\x00"
+_FORMAT = b"kvrelay-offload-2\x00"
+_LIST = object()  # a writer-queue item: list the tiers' folders for the index now
+_RATE_MIN_TOKENS = 64  # a step this large is mostly prompt: it measures a computed token's cost
 
 
 class BlockIO(Protocol):
@@ -78,16 +88,23 @@ class OffloadReport:
 
 
 class KVOffload:
-    """`namespace`: what every key starts with (offload.namespace); `block_bytes`: a block's payload;
+    """`namespace`: what every key starts with (offload.namespace); `block_bytes`: a block's payload, of
+    `block_size` tokens;
     `max_staged_bytes`: read ahead of their load at most (a prompt loads at most that much of its prefix);
     `max_pending_bytes`: evicted bytes waiting for the writer at most (more are dropped, counted)."""
 
-    def __init__(self, store: TieredStore, namespace: str, io: BlockIO, block_bytes: int,
+    def __init__(self, store: TieredStore, namespace: str, io: BlockIO, block_bytes: int, block_size: int = 16,
                  max_staged_bytes: int = 256 << 20, max_pending_bytes: int = 256 << 20) -> None:
         self.store = store
+        self._block_size = block_size
+        self._compute_s_per_token: float | None = None
         self.io = io
         self.stats = OffloadStats()
         self._prefix = _FORMAT + namespace.encode()
+        self._key_prefix = xxhash.xxh3_64_hexdigest(self._prefix) + "-"
+        self._sinks: dict[DirTier, BlockEventSink] = {}  # publish_to: each tier's index entries
+        self._views: dict[DirTier, set[BlockHash]] = {}  # what each sink was last told its tier holds
+        self._list_every: float | None = None  # seconds between listings when no write comes (None: no index)
         self._staged: OrderedDict[BlockHash, Buffer] = OrderedDict()
         self._block_bytes = block_bytes
         self._max_staged = max(1, max_staged_bytes // block_bytes)
@@ -105,7 +122,74 @@ class KVOffload:
             TierReport(t.name, replace(t.stats), t.used, t.capacity, t.enabled) for t in self.store.tiers))
 
     def key(self, block_hash: BlockHash) -> str:
-        return xxhash.xxh3_128_hexdigest(self._prefix + block_hash)
+        return self._key_prefix + block_hash.hex()
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step's forward took `seconds` for `num_tokens` tokens: steps of at least `_RATE_MIN_TOKENS` (prompt
+        chunks) measure what computing a token costs, against which `token_cost` weighs a load."""
+        if num_tokens >= _RATE_MIN_TOKENS:
+            rate = seconds / num_tokens
+            self._compute_s_per_token = rate if self._compute_s_per_token is None else (
+                0.9 * self._compute_s_per_token + 0.1 * rate)
+
+    def token_cost(self) -> float:
+        """What loading a prompt token from the tier costs as a fraction of computing it, as measured on this
+        engine: the engine thread's time per loaded block (reading and verifying it, the lookups that missed
+        included, copying it in) over a computed token's share of a prompt step. 0.0 until both are measured."""
+        s, compute = self.stats, self._compute_s_per_token
+        if not s.loaded_blocks or not compute:
+            return 0.0
+        per_token = (s.fetch_seconds + s.load_seconds) / (s.loaded_blocks * self._block_size)
+        return min(1.0, per_token / compute)
+
+    # -- the block index: routing sees the tier ------------------------------------------------------------
+    def tier_ids(self) -> dict[str, str]:
+        """Each tier's id in the block index, by tier name: one id for every node of this host that names the
+        tier's folder and runs this namespace, so they keep one set of entries that any of them can load."""
+        host = socket.gethostname()
+        return {t.name: f"tier:{t.name}:" + xxhash.xxh3_64_hexdigest(f"{host}|{t.path.resolve()}|".encode()
+                                                                     + self._prefix) for t in self.store.tiers}
+
+    def publish_to(self, sinks: Mapping[str, BlockEventSink], interval_s: float = 1.0) -> None:
+        """From now on, keep `sinks[tier name]` told what the tier holds of this namespace: the writer thread lists
+        the folder after each write and every `interval_s`, and sends the blocks that appeared and went since the
+        last listing (or all of them, when the sink wants a snapshot). Call once, before the first offload."""
+        self._sinks = {t: sinks[t.name] for t in self.store.tiers if t.name in sinks}
+        self._views = {t: set() for t in self._sinks}
+        self._list_every = interval_s if self._sinks else None
+        self._queue.put(_LIST)
+
+    def _publish_tiers(self) -> None:
+        """Writer thread: list each published tier's folder and tell its sink what changed."""
+        for tier, sink in self._sinks.items():
+            try:
+                now = self._listed(tier.keys(self._key_prefix))
+            except FileNotFoundError:  # the folder was removed: so were its blocks
+                now = set()
+            except OSError:  # unreadable for now: keep the last view
+                continue
+            old = self._views[tier]
+            try:
+                if sink.snapshot_wanted:
+                    sink.submit_snapshot(list(now))
+                elif now != old:
+                    sink.submit([BlockEvent(BlockEventKind.EVICTED, h) for h in old - now]
+                                + [BlockEvent(BlockEventKind.STORED, h) for h in now - old])
+            except Exception:  # noqa: BLE001 - the index is soft state: the tier goes on without it
+                logger.exception("offload: publishing the %s tier's blocks failed", tier.name)
+                continue
+            self._views[tier] = now
+
+    def _listed(self, keys: list[str]) -> set[BlockHash]:
+        n, out = len(self._key_prefix), set()
+        for key in keys:
+            try:
+                block_hash = bytes.fromhex(key[n:])
+            except ValueError:  # not a name this code wrote
+                continue
+            if len(block_hash) == 16:
+                out.add(block_hash)
+        return out
 
     # -- out: eviction -------------------------------------------------------------------------------
     def offload(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
@@ -132,9 +216,15 @@ class KVOffload:
 
     def _write_loop(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self._list_every)
+            except queue.Empty:  # a quiet while: other nodes of the host may have written or evicted
+                item = _LIST
             if item is None:
                 return
+            if item is _LIST:
+                self._publish_tiers()
+                continue
             size, batch = item
             while True:  # everything queued so far goes in one locked pass over the directory
                 try:
@@ -144,13 +234,16 @@ class KVOffload:
                 if more is None:
                     self._queue.put(None)
                     break
-                size += more[0]
-                batch.extend(more[1])
+                if more is not _LIST:  # listed after this write anyway
+                    size += more[0]
+                    batch.extend(more[1])
             try:
                 self.store.write(batch)
             except Exception:  # noqa: BLE001 - the tier is an optimisation: serving goes on without it
                 logger.exception("offload: writing %d blocks failed", len(batch))
             self._written(size)
+            if self._sinks:
+                self._publish_tiers()
 
     def _written(self, size: int) -> None:
         """`size` bytes queued for the writer are off its hands (written, or given up)."""

@@ -1,0 +1,84 @@
+"""Routing sees the offload tier: each tier of a host's store is one entry of the block index, which the tier's
+writer thread keeps equal to the folder's blocks of its namespace, whoever wrote or evicted them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+
+from kvrelay.engine.offload.store import DirTier, TieredStore
+from kvrelay.engine.offload.tier import KVOffload
+from kvrelay.index.memory import MemoryIndex, get_store
+from kvrelay.index.publisher import IndexPublisher
+
+BLOCK_BYTES = 4096
+H = [bytes([i]) * 16 for i in range(8)]
+
+
+class Blocks:
+    """A KV cache of numbered blocks in host memory (what the model runner's BlockIO gives the tier)."""
+
+    def __init__(self, n: int) -> None:
+        self.data = [bytes([i]) * BLOCK_BYTES for i in range(n)]
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[memoryview]:
+        return [memoryview(self.data[i]) for i in block_ids]
+
+    def write_blocks(self, block_ids: Sequence[int], payloads) -> None:
+        for i, p in zip(block_ids, payloads):
+            self.data[i] = bytes(p)
+
+
+def _offload(folder, namespace: str = "model|float32|16") -> KVOffload:
+    tier = DirTier("memory", folder, 3 * (BLOCK_BYTES + 20))  # three blocks and their headers
+    return KVOffload(TieredStore([tier]), namespace, Blocks(8), BLOCK_BYTES)
+
+
+def _until(cond, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_the_index_entry_follows_the_folder_whoever_writes_or_evicts(tmp_path):
+    index = MemoryIndex(get_store(f"memory://tier-{uuid.uuid4().hex[:8]}"), "model")
+    a, b = _offload(tmp_path / "shm"), _offload(tmp_path / "shm")  # two nodes of one host
+    other = _offload(tmp_path / "shm", "model|bfloat16|16")
+    tier_id = a.tier_ids()["memory"]
+    assert tier_id.startswith("tier:memory:") and b.tier_ids() == a.tier_ids() != other.tier_ids()
+    (tmp_path / "shm" / (a.key(H[0])[:-32] + "not-hex.kvb")).write_bytes(b"")  # a stray name is passed over
+    publisher = IndexPublisher(index, tier_id)
+    a.publish_to({"memory": publisher}, interval_s=0.05)
+    try:
+        a.offload([0, 1], H[:2])
+        assert _until(lambda: index.lookup(H[:2]) == {tier_id: 2})
+        b.offload([2, 3], H[2:4])  # the other node's writer evicts the oldest block, h0, to make room
+        b.flush()
+        assert _until(lambda: index.lookup(H[:1]) == {} and index.lookup(H[1:4]) == {tier_id: 3})
+        index.clear_node(tier_id)  # as a Redis restart would: the publisher's resync brings the listing back
+        publisher.request_resync()
+        assert _until(lambda: index.lookup(H[1:4]) == {tier_id: 3})
+    finally:
+        for t in (a, b, other):
+            t.close()
+        publisher.close()
+
+
+def test_a_loaded_token_is_weighed_against_a_computed_one_as_measured(tmp_path):
+    tier = _offload(tmp_path / "shm")
+    assert tier.token_cost() == 0.0  # nothing measured yet
+    tier.offload([0], H[:1])
+    tier.flush()
+    tier.observe_step(32, 1.0)  # a decode-sized step measures nothing
+    assert tier.token_cost() == 0.0
+    assert tier.fetch(H[:1]) == 1
+    tier.load([5], H[:1])
+    tier.observe_step(128, 0.128)  # 1 ms per computed token
+    s = tier.stats
+    assert tier.token_cost() == min(1.0, (s.fetch_seconds + s.load_seconds) / 16 / 0.001)
+    assert 0.0 < tier.token_cost() <= 1.0
+    tier.close()
