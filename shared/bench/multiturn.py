@@ -9,8 +9,9 @@ evicted its context. Without the tier that context is computed again; with it, i
 The same conversations (same seeds; greedy, fixed answer lengths) run on a node without the tier, then on one with
 it (`--rounds` pairs, alternating which goes first). Reported per arm: TTFT p50/p90 over the turns after the
 first, output tokens per second over the whole run, the node's prefix-cache hit tokens and blocks loaded; and
-the ratios against the no-tier arm of the same round. The total context is printed against the KV capacity (the
-issue's workload: about 4x).
+the ratios against the no-tier arm of the same round. The KV cache is sized from the model and KV dtype so that
+the total context is `--context-over-capacity` (4, the issue's workload) times what it holds; the result gives
+the capacity the node reported.
 
     kvrelay bench multiturn                                   # default model, 8 sessions x 6 turns
     kvrelay bench multiturn --sessions 4 --turns 4 --rounds 1
@@ -49,9 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user-tokens", type=int, default=200, help="tokens of each new user message")
     p.add_argument("--output-tokens", type=int, default=32, help="tokens of each answer (greedy, ignore_eos)")
     p.add_argument("--think-time", type=float, default=1.0, help="seconds between an answer and the next turn")
-    p.add_argument("--kv-cache-memory", type=byte_size, default=128 * 2**20,
-                   help="the node's KV cache (small, so that the conversations outgrow it: the defaults' contexts "
-                        "are about 4x what 128 MiB holds of the default model in float32)")
+    p.add_argument("--kv-cache-memory", type=byte_size, default=None,
+                   help="the node's KV cache (default: sized from the model and dtype so that the conversations' "
+                        "total context is --context-over-capacity times what it holds)")
+    p.add_argument("--context-over-capacity", type=float, default=4.0,
+                   help="the conversations' total context over the KV cache's capacity, when --kv-cache-memory is "
+                        "not given (the issue's workload: 4)")
     p.add_argument("--kv-offload-bytes", type=byte_size, default=2**30, help="the tier's shared memory")
     p.add_argument("--num-threads", type=int, default=2, help="torch threads of the node")
     p.add_argument("--rounds", type=int, default=1, help="pairs of arms, alternating which runs first")
@@ -143,6 +147,7 @@ def run_arm(args: argparse.Namespace, tier: bool) -> dict:
         "blocks_loaded": metrics.value("kvrelay:kv_offload_blocks_total", event="loaded") or 0,
         "blocks_offloaded": metrics.value("kvrelay:kv_offload_blocks_total", event="offloaded") or 0,
         "checksum_failures": metrics.value("kvrelay:kv_offload_tier_blocks_total", event="checksum_failures") or 0,
+        "load_token_cost": metrics.value("kvrelay:kv_offload_token_cost") or 0,  # what routing weighs a tier hit by
         "engine_seconds_on_tier": {stage: metrics.value("kvrelay:kv_offload_engine_seconds_total", stage=stage) or 0
                                    for stage in ("offload", "fetch", "load")},
         "turns": turns,
@@ -152,7 +157,22 @@ def run_arm(args: argparse.Namespace, tier: bool) -> dict:
     return arm
 
 
+def kv_memory_for(args: argparse.Namespace) -> int:
+    """The KV cache that holds 1 / --context-over-capacity of the conversations' total context, in the node's KV
+    dtype (`--dtype auto` resolved as the node will)."""
+    from kvrelay.engine.auto_dtype import auto_dtype
+    from kvrelay.engine.config import parse_dtype
+    from kvrelay.engine.model_info import read_model_shape
+
+    dtype = auto_dtype("cpu") if args.dtype == "auto" else parse_dtype(args.dtype)
+    per_token = read_model_shape(args.model).kv_bytes_per_token(dtype.itemsize)
+    context = args.sessions * args.turns * (args.user_tokens + args.output_tokens)
+    return int(context / args.context_over_capacity) * per_token
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.kv_cache_memory is None:
+        args.kv_cache_memory = kv_memory_for(args)
     rounds = []
     for r in range(args.rounds):
         order = (False, True) if r % 2 == 0 else (True, False)

@@ -116,6 +116,9 @@ class NodeMetrics:
                                             ["tier"], registry=reg)
         self.offload_tier_bytes = Gauge("kvrelay:kv_offload_tier_bytes", "Bytes a tier holds (every node's "
                                         "blocks) as of this node's last write", ["tier"], registry=reg)
+        self.offload_token_cost = Gauge("kvrelay:kv_offload_token_cost", "What loading a prompt token from the "
+                                        "tier costs as a share of computing one, as this node measured it (routing "
+                                        "weighs the tier's tokens by it; 0 until measured)", registry=reg)
         self._last_offload: dict[tuple[str, ...], float] = {}
         self.max_loras = 0
         self._lora_labels: tuple[str, str, str] | None = None
@@ -192,6 +195,7 @@ class NodeMetrics:
     def observe_offload(self, report) -> None:
         """After each engine iteration with an offload tier (kvrelay.engine.offload.tier.OffloadReport)."""
         st = report.stats
+        self.offload_token_cost.set(report.token_cost)
         now: dict[tuple[str, ...], float] = {
             ("offloaded",): st.offloaded_blocks, ("dropped",): st.dropped_blocks, ("loaded",): st.loaded_blocks,
             ("seconds", "offload"): st.offload_seconds, ("seconds", "fetch"): st.fetch_seconds,

@@ -29,4 +29,15 @@ def test_both_arms_run_the_same_turns_and_only_the_tier_loads(tmp_path):
         assert all(t["output_tokens"] == 8 and t["ttft_s"] > 0 for t in arm["turns"])
         assert arm["kv_capacity_tokens"] == 320 and arm["context_over_capacity"] == pytest.approx(576 / 320)
     assert base["blocks_loaded"] == 0 and tier["blocks_loaded"] > 0 and tier["checksum_failures"] == 0
+    assert base["load_token_cost"] == 0 and 0 < tier["load_token_cost"] <= 1  # what routing weighs its hits by
     assert tier["prefix_cache_hit_tokens"] > base["prefix_cache_hit_tokens"]
+
+
+def test_the_cache_is_sized_to_a_quarter_of_the_conversations(tmp_path):
+    """Without --kv-cache-memory the cache holds 1/4 of the total context, in the KV dtype asked for: 2 x 4 turns of
+    72 tokens are 576, so 144 tokens at 768 bytes each (3 layers x K and V x 2 heads x 16 dims x 4 bytes)."""
+    model = str(make_tiny_checkpoint("llama", tmp_path / "tiny", max_position_embeddings=1024))
+    flags = ["--model", model, "--sessions", "2", "--turns", "4", "--user-tokens", "64", "--output-tokens", "8"]
+    assert multiturn.kv_memory_for(parse_args("kvrelay.bench.multiturn", [*flags, "--dtype", "float32"])) == 144 * 768
+    assert multiturn.kv_memory_for(parse_args("kvrelay.bench.multiturn", [
+        *flags, "--dtype", "bfloat16", "--context-over-capacity", "2"])) == 288 * 384

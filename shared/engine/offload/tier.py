@@ -85,6 +85,7 @@ class OffloadReport:
 
     stats: OffloadStats
     tiers: tuple[TierReport, ...]
+    token_cost: float = 0.0  # KVOffload.token_cost
 
 
 class KVOffload:
@@ -119,7 +120,8 @@ class KVOffload:
 
     def report(self) -> OffloadReport:
         return OffloadReport(replace(self.stats), tuple(
-            TierReport(t.name, replace(t.stats), t.used, t.capacity, t.enabled) for t in self.store.tiers))
+            TierReport(t.name, replace(t.stats), t.used, t.capacity, t.enabled) for t in self.store.tiers),
+            self.token_cost())
 
     def key(self, block_hash: BlockHash) -> str:
         return self._key_prefix + block_hash.hex()
