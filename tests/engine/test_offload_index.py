@@ -3,7 +3,6 @@ writer thread keeps equal to the folder's blocks of its namespace, whoever wrote
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Sequence
 
@@ -11,6 +10,7 @@ from kvrelay.engine.offload.store import DirTier, TieredStore
 from kvrelay.engine.offload.tier import KVOffload
 from kvrelay.index.memory import MemoryIndex, get_store
 from kvrelay.index.publisher import IndexPublisher
+from tests.helpers.nodes import wait_for
 
 BLOCK_BYTES = 4096
 H = [bytes([i]) * 16 for i in range(8)]
@@ -35,15 +35,6 @@ def _offload(folder, namespace: str = "model|float32|16") -> KVOffload:
     return KVOffload(TieredStore([tier]), namespace, Blocks(8), BLOCK_BYTES)
 
 
-def _until(cond, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
 def test_the_index_entry_follows_the_folder_whoever_writes_or_evicts(tmp_path):
     index = MemoryIndex(get_store(f"memory://tier-{uuid.uuid4().hex[:8]}"), "model")
     a, b = _offload(tmp_path / "shm"), _offload(tmp_path / "shm")  # two nodes of one host
@@ -55,13 +46,14 @@ def test_the_index_entry_follows_the_folder_whoever_writes_or_evicts(tmp_path):
     a.publish_to({"memory": publisher}, interval_s=0.05)
     try:
         a.offload([0, 1], H[:2])
-        assert _until(lambda: index.lookup(H[:2]) == {tier_id: 2})
+        wait_for(lambda: index.lookup(H[:2]) == {tier_id: 2}, 5, "the written blocks in the index")
         b.offload([2, 3], H[2:4])  # the other node's writer evicts the oldest block, h0, to make room
         b.flush()
-        assert _until(lambda: index.lookup(H[:1]) == {} and index.lookup(H[1:4]) == {tier_id: 3})
+        wait_for(lambda: index.lookup(H[:1]) == {} and index.lookup(H[1:4]) == {tier_id: 3}, 5,
+                 "the other node's eviction in the index")
         index.clear_node(tier_id)  # as a Redis restart would: the publisher's resync brings the listing back
         publisher.request_resync()
-        assert _until(lambda: index.lookup(H[1:4]) == {tier_id: 3})
+        wait_for(lambda: index.lookup(H[1:4]) == {tier_id: 3}, 5, "the listing published again")
     finally:
         for t in (a, b, other):
             t.close()
