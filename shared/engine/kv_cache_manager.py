@@ -42,6 +42,9 @@ class PrefixTier(Protocol):
     """A tier below the KV cache (kvrelay.engine.offload.tier.KVOffload): how many of these blocks it has (ready to
     load, so the count cannot fail later), and their loading into the blocks allocated for them."""
 
+    def prefetch(self, hashes: Sequence[BlockHash]) -> None:
+        """A hint, when a request arrives: start reading these blocks ahead of `fetch`, off the engine thread."""
+
     def fetch(self, hashes: Sequence[BlockHash]) -> int: ...
 
     def load(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None: ...
@@ -99,6 +102,22 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> PrefixHit:
         if not self.enable_caching:
             return NO_HIT
+        hit, rest = self._resident(req)
+        loaded: tuple[BlockHash, ...] = ()
+        if self.tier is not None and rest:
+            loaded = tuple(rest[: self.tier.fetch(rest)])
+        return PrefixHit(tuple(hit), (len(hit) + len(loaded)) * self.block_size, loaded)
+
+    def prefetch(self, req: Request) -> None:
+        """A request arrived: the tier starts reading the blocks past its resident prefix now, off the engine thread,
+        so that its admission finds them read (admission reads whatever is not read by then)."""
+        if self.tier is not None and self.enable_caching:
+            _, rest = self._resident(req)
+            if rest:
+                self.tier.prefetch(rest)
+
+    def _resident(self, req: Request) -> tuple[list[KVBlock], Sequence[BlockHash]]:
+        """The cached blocks of the prompt's longest resident prefix, and the hashes of its full blocks past it."""
         self.update_block_hashes(req)
         # At least one token must be computed to produce logits, so a full hit gives back its last block.
         max_blocks = (req.num_tokens - 1) // self.block_size
@@ -108,11 +127,7 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        loaded: tuple[BlockHash, ...] = ()
-        if self.tier is not None and len(hit) < max_blocks:
-            rest = req.block_hashes[len(hit):max_blocks]
-            loaded = tuple(rest[: self.tier.fetch(rest)])
-        return PrefixHit(tuple(hit), (len(hit) + len(loaded)) * self.block_size, loaded)
+        return hit, req.block_hashes[len(hit):max_blocks]
 
     def blocks_to_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT,
                            num_lookahead_tokens: int = 0) -> int:

@@ -68,6 +68,8 @@ class RequestTable:
         self.requests[req.request_id] = req
         self.num_pooling += req.sampling_params.pooling is not None
         self.waiting.add(req)
+        if self._uses_cache(req):
+            self.kv.prefetch(req)
 
     def add_beam_group(self, group: BeamGroup, root: Request) -> None:
         """Queue a beam search: its root beam (the prompt), admitted with the rest of its group."""
@@ -150,13 +152,15 @@ class RequestTable:
     # -- admission and preemption --------------------------------------------------------------------
 
     def _lookup(self, req: Request) -> PrefixHit:
+        return self.kv.get_computed_blocks(req) if self._uses_cache(req) else NO_HIT
+
+    @staticmethod
+    def _uses_cache(req: Request) -> bool:
         # Prompt logprobs, and a mean or first-token pooling, need every prompt position computed: such a prompt
         # never starts from the cache.
         params = req.sampling_params
-        if req.num_computed_tokens or params.prompt_logprobs is not None or (
-                params.pooling is not None and params.pooling.needs_every_position):
-            return NO_HIT
-        return self.kv.get_computed_blocks(req)
+        return not (req.num_computed_tokens or params.prompt_logprobs is not None or (
+            params.pooling is not None and params.pooling.needs_every_position))
 
     def _admit(self, req: Request, hit: PrefixHit) -> None:
         if req.num_cached_tokens is None:

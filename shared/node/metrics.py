@@ -198,6 +198,7 @@ class NodeMetrics:
         self.offload_token_cost.set(report.token_cost)
         now: dict[tuple[str, ...], float] = {
             ("offloaded",): st.offloaded_blocks, ("dropped",): st.dropped_blocks, ("loaded",): st.loaded_blocks,
+            ("prefetched",): st.prefetched_blocks,
             ("seconds", "offload"): st.offload_seconds, ("seconds", "fetch"): st.fetch_seconds,
             ("seconds", "load"): st.load_seconds}
         for tier in report.tiers:

@@ -65,6 +65,9 @@ class SimTier:
         """A loaded token's cost as a share of a computed one's (what a node publishes as it measures it)."""
         return min(1.0, self.block_bytes / self.bytes_per_s / block_size / compute_s_per_token)
 
+    def prefetch(self, hashes: Sequence[BlockHash]) -> None:
+        """Reads ahead cost the simulated engine nothing: a load is priced in full when it happens."""
+
     def fetch(self, hashes: Sequence[BlockHash]) -> int:
         n = 0
         for h in hashes:

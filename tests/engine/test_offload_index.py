@@ -1,5 +1,6 @@
 """Routing sees the offload tier: each tier of a host's store is one entry of the block index, which the tier's
-writer thread keeps equal to the folder's blocks of its namespace, whoever wrote or evicted them."""
+writer thread keeps equal to the folder's blocks of its namespace, whoever wrote or evicted them. And the tier
+reads a request's blocks ahead of its admission, off the engine thread."""
 
 from __future__ import annotations
 
@@ -74,3 +75,19 @@ def test_a_loaded_token_is_weighed_against_a_computed_one_as_measured(tmp_path):
     assert tier.token_cost() == min(1.0, (s.fetch_seconds + s.load_seconds) / 16 / 0.001)
     assert 0.0 < tier.token_cost() <= 1.0
     tier.close()
+
+
+def test_blocks_read_ahead_are_counted_without_reading_them_again(tmp_path):
+    writer, reader = _offload(tmp_path / "shm"), _offload(tmp_path / "shm")
+    writer.offload([1, 2], H[:2])
+    writer.flush()
+    (tier,) = reader.store.tiers
+    reader.prefetch(H[:3])  # the third is not in the store: the read ahead stops there
+    wait_for(lambda: reader.stats.prefetched_blocks == 2, 5, "the blocks read ahead")
+    assert tier.stats.hits == 2
+    assert reader.fetch(H[:3]) == 2
+    assert tier.stats.hits == 2  # counted from what the reader staged, not read again
+    reader.load([6, 7], H[:2])
+    assert reader.io.read_blocks([6, 7]) == [memoryview(bytes([1]) * BLOCK_BYTES), memoryview(bytes([2]) * BLOCK_BYTES)]
+    for t in (writer, reader):
+        t.close()

@@ -5,9 +5,11 @@ Lifecycle of a block through the tier:
 1. Evicted: the block pool reuses a cached block's slot (`BlockPool.get_new_blocks`) and names it to
    `offload(ids, hashes)` before anything writes into it. Its bytes are copied out on the engine thread (a
    memcpy) and written to the store by a writer thread, in batches, without holding up the step.
-2. Found: `KVCacheManager.get_computed_blocks` asks `fetch(hashes)` how many of the prompt's blocks past the
-   resident hit the store has. Those are read and checksum-verified now and kept staged, so a block counted as
-   a hit can no longer fail: whatever fails is a miss, and the tokens are computed.
+2. Found: when a request arrives, `prefetch` has a reader thread read and checksum-verify the blocks of its
+   prompt past the resident prefix that the store has, while the engine steps. At admission
+   `KVCacheManager.get_computed_blocks` asks `fetch(hashes)` how many of them the store has: those the reader
+   staged count at once, the others are read now. Counted blocks stay staged, so a block counted as a hit can no
+   longer fail: whatever fails is a miss, and the tokens are computed.
 3. Loaded: `allocate_slots` gives the hit's new blocks to `load(ids, hashes)`, which copies the staged bytes
    into them; they are then hashed and cached like computed blocks.
 
@@ -24,6 +26,7 @@ wrote or evicted it, as STORED/EVICTED events (a snapshot when the index asks fo
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import socket
@@ -62,6 +65,7 @@ class OffloadStats:
     offloaded_blocks: int = 0
     dropped_blocks: int = 0  # evicted while the writer was too far behind: not kept
     loaded_blocks: int = 0
+    prefetched_blocks: int = 0  # read and verified ahead of their request's admission, off the engine thread
     lookups: int = 0  # blocks looked for past a resident hit
     hits: int = 0
     # Engine-thread time: copying evicted blocks out, reading and verifying found ones, copying them in.
@@ -106,7 +110,13 @@ class KVOffload:
         self._sinks: dict[DirTier, BlockEventSink] = {}  # publish_to: each tier's index entries
         self._views: dict[DirTier, set[BlockHash]] = {}  # what each sink was last told its tier holds
         self._list_every: float | None = None  # seconds between listings when no write comes (None: no index)
+        # Blocks read and verified ahead of their load, at most `_max_staged` when a fetch starts (twice that while
+        # it runs). The reader thread only adds (under the lock); the engine thread alone takes out, and trims only
+        # before it counts, so a block `fetch` counted is still there for `load`.
         self._staged: OrderedDict[BlockHash, Buffer] = OrderedDict()
+        self._staged_lock = threading.Lock()
+        self._reads: dict[BlockHash, concurrent.futures.Future] = {}  # prefetches under way (engine thread only)
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvrelay-offload-read")
         self._block_bytes = block_bytes
         self._max_staged = max(1, max_staged_bytes // block_bytes)
         self._max_pending = max_pending_bytes
@@ -259,25 +269,58 @@ class KVOffload:
         return self._idle.wait(timeout)
 
     def close(self) -> None:
+        self._reader.shutdown(wait=False, cancel_futures=True)
         self._queue.put(None)
         self._writer.join(timeout=10.0)
 
     # -- in: prefix hits -----------------------------------------------------------------------------
+    def prefetch(self, hashes: Sequence[BlockHash]) -> None:
+        """A request arrived (engine thread): a reader thread starts reading and verifying these blocks, in order up
+        to the first the store lacks, so that `fetch` finds them staged. Within the staging bound; a hint only."""
+        self._reads = {h: f for h, f in self._reads.items() if not f.done()}  # a request that never came to fetch
+        room = self._max_staged - len(self._staged) - len(self._reads)
+        todo = [h for h in hashes[: max(room, 0)] if h not in self._reads and h not in self._staged]
+        if todo:
+            future = self._reader.submit(self._read_ahead, todo)
+            for h in todo:
+                self._reads[h] = future
+
+    def _read_ahead(self, hashes: list[BlockHash]) -> None:
+        """Reader thread: it only adds to the staged blocks; the engine thread alone takes them out."""
+        for block_hash in hashes:
+            try:
+                found = self.store.read(self.key(block_hash))
+            except Exception:  # noqa: BLE001 - a read ahead that fails is a read `fetch` does itself
+                logger.exception("offload: reading a block ahead failed")
+                return
+            if found is None:
+                return
+            with self._staged_lock:
+                self._staged[block_hash] = found[0]
+                self.stats.prefetched_blocks += 1
+
     def fetch(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of `hashes` the store has, read and verified (kept staged for `load`)."""
         n = 0
         t0 = time.perf_counter()
+        with self._staged_lock:  # trimmed before counting: what this call counts stays until its load
+            while len(self._staged) > self._max_staged:
+                self._staged.popitem(last=False)
         for block_hash in hashes[: self._max_staged]:
             self.stats.lookups += 1
-            if block_hash in self._staged:
-                self._staged.move_to_end(block_hash)
-            else:
+            ahead = self._reads.pop(block_hash, None)
+            if ahead is not None:  # a read of it is under way: wait for it rather than read it twice
+                ahead.result()
+            with self._staged_lock:
+                staged = block_hash in self._staged
+                if staged:
+                    self._staged.move_to_end(block_hash)
+            if not staged:
                 found = self.store.read(self.key(block_hash))
                 if found is None:
                     break
-                self._staged[block_hash] = found[0]
-                while len(self._staged) > self._max_staged:
-                    self._staged.popitem(last=False)
+                with self._staged_lock:
+                    self._staged[block_hash] = found[0]
             self.stats.hits += 1
             n += 1
         self.stats.fetch_seconds += time.perf_counter() - t0
@@ -286,6 +329,8 @@ class KVOffload:
     def load(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
         """Copy staged blocks (from the `fetch` that counted them) into the KV cache's `block_ids`."""
         t0 = time.perf_counter()
-        self.io.write_blocks(block_ids, [self._staged.pop(h) for h in hashes])
+        with self._staged_lock:
+            payloads = [self._staged.pop(h) for h in hashes]
+        self.io.write_blocks(block_ids, payloads)
         self.stats.loaded_blocks += len(block_ids)
         self.stats.load_seconds += time.perf_counter() - t0
