@@ -42,9 +42,11 @@ class GatewayMetrics:
         # above the hits) and placement that left cache unused (fleet_cached above routed_cached).
         self.routed_prompt_tokens = Counter("kvrelay:routed_prompt_tokens", "Prompt tokens routed", m, registry=r)
         self.routed_cached_tokens = Counter("kvrelay:routed_cached_tokens",
-                                            "Prompt tokens the index said the chosen node held", m, registry=r)
+                                            "Prompt tokens the index said the chosen node held (in memory, or in "
+                                            "an offload tier it loads from)", m, registry=r)
         self.fleet_cached_tokens = Counter("kvrelay:fleet_cached_tokens",
-                                           "Prompt tokens some node held when routed (what could have hit)", m,
+                                           "Prompt tokens some node or offload tier held when routed (what "
+                                           "could have hit)", m,
                                            registry=r)
         self.index_staleness = Gauge("kvrelay:index_staleness_seconds",
                                      "How far the index mirror lags the events it applies (median of the last "

@@ -57,7 +57,7 @@ class RouteDecision:
     decode_fallbacks: tuple[Node, ...] = ()
     prefill_fallbacks: tuple[Node, ...] = ()
     seconds: float = 0.0
-    fleet_cached_tokens: int = 0  # the longest prefix any node held, as the index saw it (what could have hit)
+    fleet_cached_tokens: int = 0  # the longest prefix any node or tier held, as the index saw it (what could have hit)
 
     @property
     def local_prefill(self) -> bool:
