@@ -12,9 +12,11 @@ failing; 1 s once discovery reads the registry, on the same Redis, again), so an
 request nothing but its cache affinity, and routing finds the prefixes again soon after Redis returns.
 
 A node with an offload tier names the tier's index entries (`kv_tiers`, one per tier, shared by the host's nodes
-that use it). Its cached prefix is its resident one, then the run of blocks its tier holds from there: read from the
-same lookup when nothing is resident, and with one more lookup per distinct resident length otherwise (at most
-`_MAX_TIER_LOOKUPS`, the longest). The policy weighs the loaded part by the node's measured load cost.
+that use it). Its cached prefix is its resident one, then the run of blocks its tiers hold from there: read from
+the same lookup when nothing is resident, and with one more lookup per distinct resident length otherwise. With
+memory and disk tiers, a run that ends in one tier may go on in the other (a conversation's older blocks went down
+to disk first), so each lookup's end is looked up again, in both, until neither goes on; `_MAX_TIER_LOOKUPS` in
+all, for the longest prefixes. The policy weighs the loaded part by the node's measured load cost.
 
 A request for a LoRA adapter hashes its blocks with the adapter (a prefix is shared within one adapter only), and
 its candidates are the nodes that can run the adapter, each costing what `lora_costs` says its residency adds
@@ -43,8 +45,8 @@ from kvrelay.gateway.policies import Candidate, Policy, Prompt, decode_is_local
 logger = logging.getLogger(__name__)
 
 _AFFINITY_BLOCKS = 8  # leading blocks that name a prompt's "tenant" for tie-breaks
-_MAX_TIER_LOOKUPS = 4  # lookups of tier runs past resident prefixes, per request
-TierHits = dict[int, dict[str, int]]  # resident blocks -> tier entry -> the blocks it holds from there on
+_MAX_TIER_LOOKUPS = 6  # lookups of tier runs past resident prefixes, per request
+TierHits = dict[int, dict[str, int]]  # from this block on -> tier entry -> the blocks it holds in a row
 
 
 @dataclass(frozen=True)
@@ -141,8 +143,12 @@ class Router:
         hashes = self._hashes(prompt_token_ids, cache_salt, lora_name, images)
         hits = await self._lookup(hashes) if hashes and self.policy.uses_cache else {}
         tier_hits: TierHits = {}
-        for offset, tiers in tier_lookups(hashes, hits, decode_nodes + prefill_nodes).items():
-            tier_hits[offset] = await self._lookup(hashes[offset:], tiers)
+        while len(tier_hits) < _MAX_TIER_LOOKUPS:
+            wanted = tier_lookups(hashes, hits, tier_hits, decode_nodes + prefill_nodes)
+            if not wanted:
+                break
+            for offset, tiers in wanted.items():
+                tier_hits[offset] = await self._lookup(hashes[offset:], tiers)
         decision = self.decide(prompt_token_ids, hashes, hits, prefill_nodes, decode_nodes, start, user, extra,
                                tier_hits)
         if self.metrics is not None:
@@ -252,15 +258,11 @@ class Router:
                           seqs.get(node.node_id, 0), tokens.get(node.node_id, 0)) for node in nodes]
 
     def _add_tier(self, c: Candidate, hits: dict[str, int], tier_hits: TierHits, num_tokens: int) -> None:
-        resident = hits.get(c.node.node_id, 0)
-        runs = hits if resident == 0 else tier_hits.get(resident)
-        if not runs:
-            return
-        blocks = max(runs.get(t, 0) for t in c.node.kv_tiers)
-        if blocks:
-            total = min((resident + blocks) * self.block_size, max(num_tokens - 1, 0))
-            c.tier_tokens = max(total - c.cached_tokens, 0)
-            c.cached_tokens = max(total, c.cached_tokens)
+        end, _ = tier_walk(c.node, hits, tier_hits, num_tokens // self.block_size)
+        total = min(end * self.block_size, max(num_tokens - 1, 0))
+        if total > c.cached_tokens:
+            c.tier_tokens = total - c.cached_tokens
+            c.cached_tokens = total
 
     # ----------------------------------------------------------------------------------- in-flight
 
@@ -271,18 +273,37 @@ class Router:
         return Count(self.inflight.prefill_tokens, node_id, num_tokens)
 
 
-def tier_lookups(hashes: Sequence[bytes], hits: dict[str, int], nodes: Sequence[Node]) -> dict[int, set[str]]:
-    """The lookups that the nodes' tiers need beyond `hits`: resident blocks -> the tier entries whose run from
-    there some node with that resident prefix could load. A node with nothing resident reads its tiers' runs from
-    `hits` itself. At most `_MAX_TIER_LOOKUPS`, for the longest resident prefixes."""
+def tier_walk(node: Node, hits: dict[str, int], tier_hits: TierHits, num_blocks: int) -> tuple[int, bool]:
+    """Where the node's cached prefix ends (in blocks): its resident run, then its tiers' runs, each from where
+    the one before ended. And whether a lookup there is wanted: a run ended in one of two or more tiers, or
+    nothing was looked up yet from there."""
+    end, tiers = hits.get(node.node_id, 0), node.kv_tiers
+    while end < num_blocks:
+        runs = hits if end == 0 else tier_hits.get(end)
+        if runs is None:
+            return end, True
+        blocks = max(runs.get(t, 0) for t in tiers)
+        if not blocks:
+            break
+        end += blocks
+        if len(tiers) < 2:  # one tier's run ends where that tier lacks the block
+            break
+    return end, False
+
+
+def tier_lookups(hashes: Sequence[bytes], hits: dict[str, int], tier_hits: TierHits, nodes: Sequence[Node]
+                 ) -> dict[int, set[str]]:
+    """The lookups the nodes' tiers want beyond `hits` and `tier_hits`: from this block on -> the tier entries to
+    look up there (`tier_walk`). At most what `_MAX_TIER_LOOKUPS` leaves, for the longest prefixes."""
     out: dict[int, set[str]] = {}
     for node in nodes:
         if node.kv_tiers:
-            resident = hits.get(node.node_id, 0)
-            if 0 < resident < len(hashes):
-                out.setdefault(resident, set()).update(node.kv_tiers)
-    if len(out) > _MAX_TIER_LOOKUPS:
-        out = {k: out[k] for k in sorted(out)[-_MAX_TIER_LOOKUPS:]}
+            end, wanted = tier_walk(node, hits, tier_hits, len(hashes))
+            if wanted:
+                out.setdefault(end, set()).update(node.kv_tiers)
+    room = _MAX_TIER_LOOKUPS - len(tier_hits)
+    if len(out) > room:
+        out = {k: out[k] for k in sorted(out)[len(out) - room:]}
     return out
 
 

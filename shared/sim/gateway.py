@@ -133,8 +133,9 @@ class SimGateway:
         if hashes and self.mirror is not None:
             self.cursor = self.stream.follow(self.mirror, self.cursor, now)
             hits = self.mirror.lookup(hashes)
-            for offset, tiers in tier_lookups(hashes, hits, decode + prefill).items():
-                tier_hits[offset] = self.mirror.lookup(hashes[offset:], tiers)
+            while wanted := tier_lookups(hashes, hits, tier_hits, decode + prefill):
+                for offset, tiers in wanted.items():
+                    tier_hits[offset] = self.mirror.lookup(hashes[offset:], tiers)
         decision = self.router.decide(prompt, hashes, hits, prefill, decode, 0.0, user, tier_hits=tier_hits)
         self.metrics.observe_route(decision)
         return decision, hashes

@@ -181,3 +181,20 @@ def test_the_tier_is_weighed_by_what_each_node_measured():
     d = route(router, tokens)
     assert d.decode.node_id == "d1"
     assert [n.node_id for n in d.decode_fallbacks] == ["d0", "d2"]
+
+
+def test_a_prefix_split_between_the_memory_and_disk_tiers_counts_whole():
+    """A conversation's older blocks went down to disk first: its first 10 blocks are on disk, the next 15 in
+    memory, none resident. A node reading both tiers can load all 25 (the run from each tier's end is looked up in
+    both again); a node of another host, naming only a memory tier that holds them, none of the first."""
+    tokens = prompt(1, 400)
+    hashes = prompt_block_hashes(tokens, MODEL, BS)
+    index = MemoryIndex(get_store(f"memory://split-{uuid.uuid4().hex[:8]}"), MODEL)
+    disk, memory = "tier:disk:0123456789abcdef", TIER
+    index.apply(disk, [BlockEvent(BlockEventKind.STORED, h) for h in hashes[:10]])
+    index.apply(memory, [BlockEvent(BlockEventKind.STORED, h) for h in hashes[10:]])
+    nodes = [node("d0", "decode", kv_tiers=(memory, disk)), node("d1", "decode", kv_tiers=(memory,))]
+    d = route(Router(FakeDiscovery(nodes), make_policy("cache_aware"), index, 16), tokens)
+    assert (d.decode.node_id, d.decode_cached_tokens) == ("d0", 399)
+    nodes = [node("d1", "decode", kv_tiers=(memory,))]
+    assert route(Router(FakeDiscovery(nodes), make_policy("cache_aware"), index, 16), tokens).decode_cached_tokens == 0
