@@ -142,13 +142,15 @@ class Router:
                              "is up; retry later")
         hashes = self._hashes(prompt_token_ids, cache_salt, lora_name, images)
         hits = await self._lookup(hashes) if hashes and self.policy.uses_cache else {}
-        tier_hits: TierHits = {}
-        while len(tier_hits) < _MAX_TIER_LOOKUPS:
-            wanted = tier_lookups(hashes, hits, tier_hits, decode_nodes + prefill_nodes)
-            if not wanted:
-                break
-            for offset, tiers in wanted.items():
-                tier_hits[offset] = await self._lookup(hashes[offset:], tiers)
+        tier_hits: TierHits | None = None  # no node has a tier: the candidates' hot path stays as it was
+        if hits and (any(n.kv_tiers for n in decode_nodes) or any(n.kv_tiers for n in prefill_nodes)):
+            tier_hits = {}
+            while len(tier_hits) < _MAX_TIER_LOOKUPS:
+                wanted = tier_lookups(hashes, hits, tier_hits, decode_nodes + prefill_nodes)
+                if not wanted:
+                    break
+                for offset, tiers in wanted.items():
+                    tier_hits[offset] = await self._lookup(hashes[offset:], tiers)
         decision = self.decide(prompt_token_ids, hashes, hits, prefill_nodes, decode_nodes, start, user, extra,
                                tier_hits)
         if self.metrics is not None:

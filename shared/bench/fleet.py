@@ -104,7 +104,7 @@ class Server:
 
     def pids(self) -> dict[str, int]:
         """`kvrelay up`'s running children (nodes, gateway) by name, from its log (the latest start of each)."""
-        latest = dict(_STARTED.findall(self.process.log_path.read_text(errors="replace")))
+        latest = dict(_STARTED.findall(self.process.log_text()))
         return {name: int(pid) for name, pid in latest.items() if pid_alive(int(pid))}
 
     def node_channel(self, address: str, aio: bool = False):
@@ -119,7 +119,7 @@ class Server:
         return mod.secure_channel(address, tls.channel_credentials(), options=tls.channel_options())
 
     def fleet_tls(self) -> TLSFiles | None:
-        found = re.search(r"^  logs +: (.+)$", self.process.log_path.read_text(errors="replace"), re.MULTILINE)
+        found = re.search(r"^  logs +: (.+)$", self.process.log_text(), re.MULTILINE)
         folder = Path(found.group(1).strip()) / "tls" if found else None
         if folder is None or not (folder / "ca.pem").is_file():
             return None

@@ -215,7 +215,7 @@ class Faults:
         self.log[-1]["seconds"] = round(time.monotonic() - start, 1)
 
     def _rolls_ended(self) -> int:
-        text = self.fleet.process.log_path.read_text(errors="replace")
+        text = self.fleet.process.log_text()
         return text.count("rolling restart done") + text.count("rolling restart stopped")
 
 

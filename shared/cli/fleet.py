@@ -387,7 +387,7 @@ class Fleet:
         self._spawn(new)
         deadline = time.monotonic() + self.config.ready_timeout
         # Both listen on the port now: the new one is up once its own log says so (uvicorn's line).
-        while "Application startup complete" not in new.process.log_path.read_text(errors="replace"):
+        while "Application startup complete" not in new.process.log_text():
             if self.stop_requested or not new.process.alive() or time.monotonic() > deadline:
                 return self._give_up(new, old)
             time.sleep(0.25)

@@ -81,6 +81,7 @@ class ChildProcess:
         self.name = name
         self.popen = popen
         self.log_path = log_path
+        self.log_offset = 0  # where this child's part of the log starts (the file may hold earlier runs')
         self._terminated = False
 
     @classmethod
@@ -97,9 +98,12 @@ class ChildProcess:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         preexec = _die_with_parent if die_with_parent and sys.platform.startswith("linux") else None
         with open(log_path, "ab") as log:
+            offset = log.tell()
             popen = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      env=full_env, cwd=cwd, start_new_session=True, preexec_fn=preexec)
-        return cls(name, popen, log_path)
+        child = cls(name, popen, log_path)
+        child.log_offset = offset
+        return child
 
     @property
     def pid(self) -> int:
@@ -171,11 +175,19 @@ class ChildProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_text(self) -> str:
+        """What this child wrote to its log (not what an earlier run appended to the same file); "" without one."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace")
         except OSError:
-            return "(no log)"
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines this child wrote."""
+        text = self.log_text()
+        return "\n".join(text.splitlines()[-lines:]) if text else "(no log)"
 
     def __enter__(self) -> ChildProcess:
         return self

@@ -191,3 +191,16 @@ def _gone(pid: int) -> None:
     while pid_alive(pid):
         assert time.monotonic() < deadline, f"{pid} outlived its parent's stop"
         time.sleep(0.05)
+
+
+def test_a_child_reads_only_its_own_part_of_an_appended_log(tmp_path):
+    """A log folder reused by a second run: the first run's lines are not the second child's (a readiness probe
+    looking for a banner must not find the last run's)."""
+    say = [sys.executable, "-c", "import sys; print(sys.argv[1])"]
+    first = ChildProcess.start("job", [*say, "first run is up"], log_dir=tmp_path)
+    first.popen.wait(30)
+    second = ChildProcess.start("job", [*say, "second"], log_dir=tmp_path)
+    second.popen.wait(30)
+    assert "first run is up" in second.log_path.read_text()
+    assert second.log_text() == "second\n" and second.log_tail() == "second"
+    assert first.log_text() == "first run is up\nsecond\n"

@@ -97,7 +97,7 @@ class Up:
 
     @property
     def text(self) -> str:
-        return self.process.log_path.read_text(errors="replace")
+        return self.process.log_text()
 
     def read_banner(self) -> dict[str, str] | None:
         found = dict(re.findall(r"^  (OpenAI base URL|metrics|gRPC API|nodes|API key|logs) +: (.+)$", self.text,
