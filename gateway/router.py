@@ -142,13 +142,11 @@ class Router:
                              "is up; retry later")
         hashes = self._hashes(prompt_token_ids, cache_salt, lora_name, images)
         hits = await self._lookup(hashes) if hashes and self.policy.uses_cache else {}
-        tier_hits: TierHits | None = None  # no node has a tier: the candidates' hot path stays as it was
-        if hits and (any(n.kv_tiers for n in decode_nodes) or any(n.kv_tiers for n in prefill_nodes)):
+        nodes = decode_nodes + prefill_nodes
+        tier_hits: TierHits | None = None
+        if sees_tiers(hits, nodes):
             tier_hits = {}
-            while len(tier_hits) < _MAX_TIER_LOOKUPS:
-                wanted = tier_lookups(hashes, hits, tier_hits, decode_nodes + prefill_nodes)
-                if not wanted:
-                    break
+            while wanted := tier_lookups(hashes, hits, tier_hits, nodes):
                 for offset, tiers in wanted.items():
                     tier_hits[offset] = await self._lookup(hashes[offset:], tiers)
         decision = self.decide(prompt_token_ids, hashes, hits, prefill_nodes, decode_nodes, start, user, extra,
@@ -273,6 +271,12 @@ class Router:
 
     def track_prefill(self, node_id: str, num_tokens: int) -> Count:
         return Count(self.inflight.prefill_tokens, node_id, num_tokens)
+
+
+def sees_tiers(hits: dict[str, int], nodes: Sequence[Node]) -> bool:
+    """Whether the tiers can change a decision: the index holds some of the prompt and a candidate has a tier.
+    When not, `decide` gets no tier hits and the candidates' hot path stays as it is without tiers."""
+    return bool(hits) and any(n.kv_tiers for n in nodes)
 
 
 def tier_walk(node: Node, hits: dict[str, int], tier_hits: TierHits, num_blocks: int) -> tuple[int, bool]:

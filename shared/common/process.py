@@ -177,17 +177,20 @@ class ChildProcess:
 
     def log_text(self) -> str:
         """What this child wrote to its log (not what an earlier run appended to the same file); "" without one."""
+        return self._own_log() or ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines this child wrote."""
+        text = self._own_log()
+        return "(no log)" if text is None else "\n".join(text.splitlines()[-lines:])
+
+    def _own_log(self) -> str | None:
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(self.log_offset)
                 return f.read().decode(errors="replace")
         except OSError:
-            return ""
-
-    def log_tail(self, lines: int = 40) -> str:
-        """The last lines this child wrote."""
-        text = self.log_text()
-        return "\n".join(text.splitlines()[-lines:]) if text else "(no log)"
+            return None
 
     def __enter__(self) -> ChildProcess:
         return self

@@ -22,7 +22,7 @@ from kvrelay.gateway.errors import NoCapacity
 from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.node_client import NodeClients
 from kvrelay.gateway.policies import make_policy
-from kvrelay.gateway.router import RouteDecision, Router, TierHits, tier_lookups
+from kvrelay.gateway.router import RouteDecision, Router, TierHits, sees_tiers, tier_lookups
 from kvrelay.index.mirror import MirrorState
 
 STORED = BlockEventKind.STORED
@@ -129,13 +129,15 @@ class SimGateway:
         prefill = self.discovery.routable("prefill")
         hashes = prompt_block_hashes(prompt, self.router.model_id, self.router.block_size)
         hits: dict[str, int] = {}
-        tier_hits: TierHits = {}
+        tier_hits: TierHits | None = None
         if hashes and self.mirror is not None:
             self.cursor = self.stream.follow(self.mirror, self.cursor, now)
             hits = self.mirror.lookup(hashes)
-            while wanted := tier_lookups(hashes, hits, tier_hits, decode + prefill):
-                for offset, tiers in wanted.items():
-                    tier_hits[offset] = self.mirror.lookup(hashes[offset:], tiers)
+            if sees_tiers(hits, nodes := decode + prefill):
+                tier_hits = {}
+                while wanted := tier_lookups(hashes, hits, tier_hits, nodes):
+                    for offset, tiers in wanted.items():
+                        tier_hits[offset] = self.mirror.lookup(hashes[offset:], tiers)
         decision = self.router.decide(prompt, hashes, hits, prefill, decode, 0.0, user, tier_hits=tier_hits)
         self.metrics.observe_route(decision)
         return decision, hashes

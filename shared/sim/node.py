@@ -55,6 +55,8 @@ class SimNode:
         self.loop, self.listener, self.step_model = loop, listener, step_model
         self.block_size, self.model_id = block_size, model_id
         self.tier = tier
+        if tier is not None:  # what the node publishes a loaded token to cost, against a 512-token prompt step
+            self._tier_token_cost = tier.token_cost(block_size, step_model.time(StepShape.of([(512, 0)])) / 512)
         self.pool = BlockPool(num_blocks, enable_caching=True, record_events=True,
                               on_evict=tier.offload if tier is not None else None)
         self.kv = KVCacheManager(self.pool, block_size, model_id, enable_caching=True, tier=tier)
@@ -82,10 +84,7 @@ class SimNode:
     def load(self) -> NodeLoad:
         """What its heartbeat publishes: the scheduler's load, and with a tier what a loaded token costs."""
         load = self.scheduler.load()
-        if self.tier is None:
-            return load
-        compute_s_per_token = self.step_model.time(StepShape.of([(512, 0)])) / 512
-        return replace(load, kv_tier_token_cost=self.tier.token_cost(self.block_size, compute_s_per_token))
+        return load if self.tier is None else replace(load, kv_tier_token_cost=self._tier_token_cost)
 
     @property
     def idle(self) -> bool:
