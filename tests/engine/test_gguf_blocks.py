@@ -93,9 +93,31 @@ def test_bf16_in_and_out_is_the_fp32_result_rounded(rows):
     assert torch.equal(y, kernels.load().gguf_gemm(x.float(), blocks.raw, blocks.qtype, bias).to(torch.bfloat16))
 
 
+@pytest.mark.skipif(kernels.load() is None or not kernels.load().gguf_any_rows(int(Q.Q4_1)),
+                    reason="no AVX512-VNNI here: past KERNEL_ROWS rows run on dequantized tiles")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_the_wide_kernel_takes_any_row_count_with_vnni(qtype):
+    """Q4_0, Q4_1 and Q8_0 with AVX512-VNNI (gguf_wide.h): a prefill chunk past KERNEL_ROWS is the int8 product
+    too, and each row's result the same bits in a batch of 8 as in one of 300."""
+    assert gguf_blocks.on_kernel(int(qtype), 10_000)
+    blocks, w = _blocks(qtype, rows=45)  # two tiles of 16 output rows and a partial one
+    x = np.random.default_rng(4).standard_normal((gguf_blocks.KERNEL_ROWS + 172, blocks.cols)).astype(np.float32)
+    bias = torch.arange(45, dtype=torch.float32)
+    y = blocks.linear(torch.from_numpy(x), bias)
+    np.testing.assert_allclose(y.numpy(), _int8_reference(x, w) + bias.numpy(), rtol=2e-5, atol=2e-4)
+    others = np.random.default_rng(5).standard_normal((7, blocks.cols)).astype(np.float32)
+    for row in (0, 150, 299):
+        batch = torch.from_numpy(np.concatenate([others, x[row : row + 1]]))
+        assert torch.equal(blocks.linear(batch, bias)[-1], y[row])
+    xb = torch.from_numpy(x).to(torch.bfloat16)
+    assert torch.equal(blocks.linear(xb, bias), kernels.load().gguf_gemm(xb, blocks.raw, blocks.qtype, bias))
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_many_rows_run_on_dequantized_tiles(qtype, monkeypatch):
+    """Past KERNEL_ROWS, a type the kernel does not take at any count here (all of them without AVX512-VNNI)."""
     monkeypatch.setattr(gguf_blocks, "_TILE_ROWS", 16)  # 48 output rows: three tiles
+    monkeypatch.setattr(gguf_blocks, "on_kernel", lambda qtype, rows: False)
     blocks, w = _blocks(qtype)
     x = torch.randn(gguf_blocks.KERNEL_ROWS + 4, blocks.cols)
     y = blocks.linear(x.to(torch.bfloat16))
@@ -132,7 +154,7 @@ def tiny_models(tmp_path_factory):
     return dense, quantized
 
 
-def test_loader_keeps_blocks_where_a_kernel_exists_and_places_them_as_the_conversion(tiny_models):
+def test_loader_keeps_blocks_where_a_kernel_exists_and_places_them_as_the_conversion(tiny_models, monkeypatch):
     dense, quantized = tiny_models
     layer, dense_layer = quantized.model.layers[1], dense.model.layers[1]
     # q_proj is F32 in the file: the fused q|k|v is dense (its Q4_1 k and v dequantized into it).
@@ -150,6 +172,9 @@ def test_loader_keeps_blocks_where_a_kernel_exists_and_places_them_as_the_conver
     ids = torch.tensor([[0, 5, 259], [3, 3, 1]])
     assert torch.equal(quantized.model.embed_tokens(ids), dense.model.embed_tokens(ids))
     hidden = torch.randn(gguf_blocks.KERNEL_ROWS + 1, 64)
+    # On dequantized tiles (as without AVX512-VNNI): the dense GEMM on the same weights, so the head's placement
+    # shows as equal logits.
+    monkeypatch.setattr(gguf_blocks, "on_kernel", lambda qtype, rows: False)
     torch.testing.assert_close(quantized.compute_logits(hidden), dense.compute_logits(hidden), rtol=1e-5, atol=1e-5)
     assert torch.equal(quantized.greedy_tokens(hidden[:2]), quantized.compute_logits(hidden[:2]).argmax(-1))
 

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no native kernel
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
-    # Past the GGUF kernel's 128 rows: its prefill takes the Python path, its decode steps the stack.
+    # Past the GGUF kernel's 128 rows (but for Q4 types with AVX512-VNNI): its prefill takes the Python path, its
+    # decode steps the stack.
     "Tell me a long story about a lighthouse keeper. " * 14,
 ]
 
@@ -35,6 +36,11 @@ def _generate(kv_cache_dtype: str, model: str = "default", prompts: list[str] = 
     return tokens, logprobs, llm.engine.runner.model
 
 
+def _qtypes(layer) -> list[int]:
+    projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    return [p.blocks.qtype for p in projections]
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto"])
 def test_the_stack_gives_the_layers_own_tokens_and_logprobs(kv_cache_dtype, monkeypatch):
     calls = []
@@ -42,8 +48,10 @@ def test_the_stack_gives_the_layers_own_tokens_and_logprobs(kv_cache_dtype, monk
     monkeypatch.setattr(GGUFLayerStack, "forward", lambda self, *a: calls.append(forward(self, *a)) or calls[-1])
     tokens, logprobs, model = _generate(kv_cache_dtype)
     assert isinstance(model.gguf_stack, GGUFLayerStack)
-    # One prefill step of all three prompts (past 128 rows: the Python path), then 11 decode steps in the stack.
-    assert [c is None for c in calls] == [True] + [False] * 11
+    # One prefill step of all three prompts (past 128 rows: the Python path, unless the kernel takes the default
+    # model's Q4_1 projections at any row count), then 11 decode steps in the stack.
+    assert {q for layer in model.model.layers for q in _qtypes(layer)} == {3}
+    assert [c is None for c in calls] == [not kernels.load().gguf_any_rows(3)] + [False] * 11
     monkeypatch.setattr(GGUFLayerStack, "build", classmethod(lambda cls, model: None))
     python_tokens, python_logprobs, python_model = _generate(kv_cache_dtype)
     assert python_model.gguf_stack is None

@@ -6,8 +6,8 @@ the 4- or 8-bit values), and the K-quants Q4_K, Q5_K and Q6_K as their super-blo
 16 with their own scales; kernels/csrc/gguf_kquants.h): one uint8 row of blocks per output row, the file's bytes
 unchanged. A linear layer of up
 to KERNEL_ROWS rows (decode steps, short prefill chunks) runs on them in the native kernel
-(kernels/csrc/gguf_gemm.cpp: int8 activations and integer dot products, as llama.cpp does); more rows (long
-prefill chunks) dequantize the weight one tile of output rows at a time into a scratch buffer for the GEMM (in
+(kernels/csrc/gguf_gemm.cpp: int8 activations and integer dot products, as llama.cpp does), Q4_0 and Q4_1 at any
+number of rows where the CPU has AVX512-VNNI, Q8_0 too (`on_kernel`); more rows (long prefill chunks) otherwise dequantize the weight one tile of output rows at a time into a scratch buffer for the GEMM (in
 bf16 for a bf16 model: 2.1-2.2x fp32's on an AVX512-BF16 CPU, docs/quantization.md), so the dense weight never
 exists whole. Where every projection of a Llama-family model is such blocks, a step's
 layers run in one native call (gguf_stack.py). The embedding dequantizes only the rows looked up; a tied LM head shares
@@ -59,6 +59,14 @@ KERNEL_ROWS = 128
 _TILE_ROWS = 1024  # output rows dequantized at once past KERNEL_ROWS (1024 x 1536 fp32: 6 MiB)
 
 
+def on_kernel(qtype: int, rows: int) -> bool:
+    """Whether `rows` rows of x times blocks of ggml type `qtype` run on the native int8 kernel: up to KERNEL_ROWS,
+    and at any count for the types it takes at any count here (Q4_0, Q4_1, Q8_0 with AVX512-VNNI, `gguf_any_rows`:
+    faster than bf16's GEMM on dequantized tiles at every count, docs/quantization.md)."""
+    native = kernels.load()
+    return native is not None and (rows <= KERNEL_ROWS or native.gguf_any_rows(qtype))
+
+
 @dataclass
 class BlockWeight:
     """A [rows, cols] weight as GGUF blocks: `raw` is uint8 [rows, cols / 32 * block bytes]."""
@@ -93,9 +101,8 @@ class BlockWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T + bias in x's dtype."""
         shape, rows = x.shape, x.reshape(-1, self.cols)
-        native = kernels.load()
-        if native is not None and rows.shape[0] <= KERNEL_ROWS:
-            y = native.gguf_gemm(rows, self.raw, self.qtype, bias)
+        if on_kernel(self.qtype, rows.shape[0]):
+            y = kernels.load().gguf_gemm(rows, self.raw, self.qtype, bias)
         else:
             # A bf16 x runs bf16's GEMM (not fp32's) on the weights a dense bf16 model would hold.
             dt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32

@@ -31,6 +31,7 @@ class GGUFLayerStack:
                  parts: list[int], num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float) -> None:
         self._native, self._backend = native, backend
         self._tensors, self._qtypes, self._parts = tensors, qtypes, parts
+        self._kinds = sorted(set(qtypes))  # the block types: whether a step of so many rows runs here
         self._shape = (num_heads, num_kv_heads, head_dim)
         self._eps, self._scale = eps, scale
 
@@ -72,8 +73,9 @@ class GGUFLayerStack:
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden, residual) after the last layer, as the layers' own forwards give them; None when this step
         must take the Python path (rows past the GGUF kernel's, or attention off the native kernel)."""
-        if h.shape[0] > gguf_blocks.KERNEL_ROWS or not kv_caches or not self._backend.runs_native(
-                h.dtype, kv_caches[0], meta):
+        rows = h.shape[0]
+        if (not all(gguf_blocks.on_kernel(q, rows) for q in self._kinds) or not kv_caches
+                or not self._backend.runs_native(h.dtype, kv_caches[0], meta)):
             return None
         cos, sin, positions = rope
         num_heads, num_kv_heads, head_dim = self._shape

@@ -37,6 +37,9 @@ at::Tensor skinny_linear(TensorArg x, TensorArg w, OptTensorArg bias);
 // gguf_gemm.cpp), y in bf16 for bf16 x and in fp32 otherwise; and those rows back as fp32 [R, K].
 at::Tensor gguf_gemm(TensorArg x, TensorArg w, int64_t qtype, OptTensorArg bias);
 at::Tensor gguf_dequantize(TensorArg w, int64_t qtype, int64_t k);
+// Whether gguf_gemm runs blocks of this type on its int8 kernel at any number of rows (gguf_wide.h: Q4_0, Q4_1 and
+// Q8_0 with AVX512-VNNI); otherwise past 128 rows the caller's dequantized tiles are faster.
+bool gguf_any_rows(int64_t qtype);
 // Every decoder layer of a Llama-family model on GGUF blocks, as DecoderLayer.forward computes them (gguf_stack.cpp):
 // returns (hidden, residual) before the final norm.
 std::vector<at::Tensor> gguf_decoder_layers(TensorArg h, const std::vector<at::Tensor>& tensors,

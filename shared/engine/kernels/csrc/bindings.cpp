@@ -22,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_tiles", &kvrelay::amx_tiles, "whether bf16 kernels run on AMX tiles here");
   m.def("skinny_linear", &kvrelay::skinny_linear, nogil, "y = x w^T + b for a few rows, each independent of the others");
   m.def("gguf_gemm", &kvrelay::gguf_gemm, nogil, "y = x w^T + b, w in a GGUF block format (Q4_0, Q4_1, Q8_0)");
+  m.def("gguf_any_rows", &kvrelay::gguf_any_rows, "whether gguf_gemm takes blocks of this ggml type at any number of rows");
   m.def("gguf_dequantize", &kvrelay::gguf_dequantize, nogil, "GGUF block rows back to fp32");
   m.def("gguf_decoder_layers", &kvrelay::gguf_decoder_layers, nogil,
         "every decoder layer of a Llama-family model on GGUF blocks in one call -> (hidden, residual)");

@@ -7,11 +7,13 @@
 //   Q4_0  w = d (q - 8)  ->  d dx sum(q xq) - 8 d dx sum(xq)
 //   Q4_1  w = d q + m    ->  d dx sum(q xq) + m dx sum(xq)
 //   Q8_0  w = d q        ->  d dx sum(q xq)
-// Each thread takes a range of W's rows; every row's blocks are unpacked once for up to 4 rows of x. A row's
-// result depends on its own x row only (no reduction across rows), so a decode gets the same logits alone or
-// batched with fewer than kLaneRows rows (12 for the K-quants); from there a CPU with AVX512-VNNI runs the lanes
-// kernel (gguf_lanes.h: 16 rows per vector, 2.1-2.5x faster from 32 rows), whose rows are as independent but whose
-// float sums are rounded otherwise. A block's integer sum is one vpdpbusd where the CPU has AVX512-VNNI, else
+// Each thread takes a range of W's rows; every row's blocks are unpacked once for up to 4 rows of x (the row
+// tiles). A row's result depends on its own x row only (no reduction across rows). With AVX512-VNNI, Q4_0 and
+// Q4_1 run on the wide kernel at every row count (gguf_wide.h: W's rows in the lanes, 1.5-2x faster than what ran
+// before from 4 to 2,048 rows, docs/quantization.md), so a Q4 row's result is the same in a batch of any size;
+// Q8_0 does from kLaneRows (8) rows, the K-quants run on the lanes kernel from 12 (gguf_lanes.h: x's rows in the
+// lanes), each below on the row tiles, whose float sums are rounded otherwise: a decode gets the same logits
+// alone or batched below that count. A block's integer sum is one vpdpbusd where the CPU has AVX512-VNNI, else
 // maddubs + madd (the same exact int32s). Each type has its own row tile (no branch on the type per block), and
 // bf16 x is read and y written in bf16 here (no conversion op on each side of each projection in a bf16 model; what
 // these bought a single-stream decode is in docs/benchmarks.md). gguf_dequantize turns blocks back into fp32 rows
@@ -24,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -31,6 +34,7 @@
 #include "common.h"
 #include "gguf_kquants.h"
 #include "gguf_lanes.h"
+#include "gguf_wide.h"
 #include "gguf_xquant.h"
 
 namespace {
@@ -312,7 +316,7 @@ TypeKernels kernels_for(int64_t qtype) {
 }
 
 #ifdef KVRELAY_GGUF_LANES
-// Block b of a weight row for the lanes kernel (gguf_lanes.h): its 32 values as int8 in order into q, and
+// Sub-block b of a K-quant weight row for the lanes kernel (gguf_lanes.h): its 32 values as int8 in order into q, and
 // gguf_lanes::Sub. One functor type per block type, so that the kernel's call is inlined (through a function
 // pointer, every call spilled the tile's sums).
 inline int32_t half_sum(__m128i sad) {  // of _mm_sad_epu8's two 64-bit sums
@@ -331,19 +335,6 @@ inline int32_t byte_sum(__m256i v) {
   return a + b;
 }
 
-template <int64_t T>
-struct LaneBlocks {  // Q4_0, Q4_1, Q8_0
-  static constexpr bool kHalves = false;
-  void operator()(const uint8_t* wrow, int64_t b, int64_t bsz, uint8_t* q, kvrelay::gguf_lanes::Sub& s) const {
-    const uint8_t* blk = wrow + b * bsz;
-    const __m256i v = T == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
-                                 : unpack_q4(blk + (T == kQ4_1 ? 4 : 2));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(q), v);
-    s.d = half_to_float(blk);
-    s.lo = T == kQ4_1 ? half_to_float(blk + 2) : T == kQ4_0 ? -8.f * s.d : 0.f;
-    s.qs = byte_sum<T == kQ8_0>(v);
-  }
-};
 
 template <int64_t T>
 struct LaneKQuants {  // sub-block b % 8 of super-block b / 8
@@ -369,9 +360,9 @@ struct LaneKQuants {  // sub-block b % 8 of super-block b / 8
   }
 };
 
-// From this many rows of x, the lanes kernel: 30 SmolLM2-shaped layers of Q4_1 (bf16 x, 2 threads, Zen 4) took
-// 13.2 against the row tiles' 12.7 ms at 8 rows, 16.5 against 25.4 at 16, 22.1 against 48.5 at 32, 80.6 against
-// 197 at 128. The K-quants unpack each sub-block's scales too: 16 Q4_K_M-shaped layers (1024 wide, Q4_K and Q6_K)
+// From this many rows of x, the lanes kernel (Q8_0, the K-quants): 30 SmolLM2-shaped layers of Q4_1 (bf16 x, 2
+// threads, Zen 4), when it ran them, took 13.2 against the row tiles' 12.7 ms at 8 rows, 16.5 against 25.4 at 16,
+// 22.1 against 48.5 at 32, 80.6 against 197 at 128. The K-quants unpack each sub-block's scales too: 16 Q4_K_M-shaped layers (1024 wide, Q4_K and Q6_K)
 // took 28.5 against 22.3 ms at 8 rows, 29.0 against 32.1 at 12, 38.0 against 84.6 at 32, 69.8 against 168 at 64.
 constexpr int64_t kLaneRows = 8, kKQuantLaneRows = 12;
 #endif
@@ -421,17 +412,43 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
     v = bp ? v + bp[n] : v;
     if (yh) yh[at] = f32_to_bf16(v); else yf[at] = v;
   };
+#ifdef KVRELAY_GGUF_WIDE
+  // Q4 at every row count; Q8_0 from kLaneRows, below which its row tiles are faster (two transposes a block)
+  if (qtype == kQ4_0 || qtype == kQ4_1 || (qtype == kQ8_0 && M >= kLaneRows)) {
+    // 16 results of row m at columns [n, n + cols): + bias, rounded as f32_to_bf16 (and torch) round.
+    auto put = [&](int64_t m, int64_t n, int cols, __m512 v) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+      if (bp) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + n));
+      if (!yh) return _mm512_mask_storeu_ps(yf + m * N + n, mask, v);
+      const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
+      __m512i h = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(
+          _mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)))), 16);
+      h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+      _mm256_mask_storeu_epi16(yh + m * N + n, mask, _mm512_cvtepi32_epi16(h));
+    };
+    // Threads take whole tiles of 16 output rows.
+    at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
+      const int64_t n0 = 16 * t0, n1 = std::min(N, 16 * t1);
+      auto run = [&](auto type) {
+        gguf_wide::gemm<decltype(type)::value>(wp, row_bytes, N, n0, n1, B, xq.data(), dx.data(), sx.data(), M, put);
+      };
+      switch (qtype) {
+        case kQ4_0: run(std::integral_constant<int64_t, kQ4_0>{}); break;
+        case kQ4_1: run(std::integral_constant<int64_t, kQ4_1>{}); break;
+        default: run(std::integral_constant<int64_t, kQ8_0>{}); break;
+      }
+    });
+    return y;
+  }
+#endif
 #ifdef KVRELAY_GGUF_LANES
-  if (M >= (kquants::is_kquant(qtype) ? kKQuantLaneRows : kLaneRows)) {
+  if (M >= kKQuantLaneRows) {  // the K-quants (the others ran on the wide kernel above)
     gguf_lanes::Packed packed;
     packed.pack(xq.data(), dx.data(), sx.data(), M, K);
     auto put = [&](int64_t m, int64_t n, float v) { store(m * N + n, n, v); };
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       auto walk = [&](auto unpack) { gguf_lanes::rows(wp, row_bytes, n0, n1, B, bsz, packed, M, unpack, put); };
       switch (qtype) {
-        case kQ4_0: walk(LaneBlocks<kQ4_0>{}); break;
-        case kQ4_1: walk(LaneBlocks<kQ4_1>{}); break;
-        case kQ8_0: walk(LaneBlocks<kQ8_0>{}); break;
         case kquants::kQ4_K: walk(LaneKQuants<kquants::kQ4_K>{}); break;
         case kquants::kQ5_K: walk(LaneKQuants<kquants::kQ5_K>{}); break;
         default: walk(LaneKQuants<kquants::kQ6_K>{}); break;  // check_weight has refused any other type
@@ -460,6 +477,15 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
     }
   });
   return y;
+}
+
+bool gguf_any_rows(int64_t qtype) {
+#ifdef KVRELAY_GGUF_WIDE
+  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0;
+#else
+  (void)qtype;
+  return false;
+#endif
 }
 
 at::Tensor gguf_dequantize(TensorArg w, int64_t qtype, int64_t K) {

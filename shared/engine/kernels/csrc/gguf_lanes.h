@@ -1,5 +1,6 @@
 // The GGUF GEMM for a batch of x rows (a batched decode step, a short prefill chunk) with AVX512-VNNI: x's rows
-// are the vector's 16 lanes, and one weight block meets 16 rows at once.
+// are the vector's 16 lanes, and one weight block meets 16 rows at once. It runs the K-quants; Q4_0, Q4_1 and Q8_0
+// run on the wide kernel (gguf_wide.h), which turns this one around and is faster for them.
 //
 // The row-at-a-time tile (gguf_gemm.cpp) spends four more instructions per block and row than the dot product
 // itself (its int32 sums' conversion, the scale's product and broadcast, the accumulation), and 256-bit dot
