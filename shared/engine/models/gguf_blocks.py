@@ -4,14 +4,15 @@ dequantized whole.
 Q4_0, Q4_1 and Q8_0 tensors stay as their blocks of 32 weights (an fp16 scale, for Q4_1 an fp16 minimum, and
 the 4- or 8-bit values), and the K-quants Q4_K, Q5_K and Q6_K as their super-blocks of 256 (sub-blocks of 32 or
 16 with their own scales; kernels/csrc/gguf_kquants.h): one uint8 row of blocks per output row, the file's bytes
-unchanged. A linear layer of up
-to KERNEL_ROWS rows (decode steps, short prefill chunks) runs on them in the native kernel
-(kernels/csrc/gguf_gemm.cpp: int8 activations and integer dot products, as llama.cpp does), Q4_0 and Q4_1 at any
-number of rows where the CPU has AVX512-VNNI, Q8_0 too (`on_kernel`); more rows (long prefill chunks) otherwise dequantize the weight one tile of output rows at a time into a scratch buffer for the GEMM (in
-bf16 for a bf16 model: 2.1-2.2x fp32's on an AVX512-BF16 CPU, docs/quantization.md), so the dense weight never
-exists whole. Where every projection of a Llama-family model is such blocks, a step's
-layers run in one native call (gguf_stack.py). The embedding dequantizes only the rows looked up; a tied LM head shares
-the embedding's blocks.
+unchanged.
+
+A linear layer of up to KERNEL_ROWS rows (decode steps, short prefill chunks) runs on them in the native kernel
+(kernels/csrc/gguf_gemm.cpp: int8 activations and integer dot products, as llama.cpp does). Where the CPU has
+AVX512-VNNI, Q4_0, Q4_1 and Q8_0 run there at any number of rows (`on_kernel`). Otherwise more rows (long prefill
+chunks) dequantize the weight one tile of output rows at a time into a scratch buffer for the GEMM (in bf16 for a
+bf16 model: 2.1-2.2x fp32's on an AVX512-BF16 CPU, docs/quantization.md), so the dense weight never exists whole.
+Where every projection of a Llama-family model is such blocks, a step's layers run in one native call
+(gguf_stack.py). The embedding dequantizes only the rows looked up; a tied LM head shares the embedding's blocks.
 
 llama.cpp's converter permutes the rows of Q and K for its rotary layout; rows are independent of each other in
 every block format, so the same permutation is undone on the block rows (kvrelay.model_files.gguf).
