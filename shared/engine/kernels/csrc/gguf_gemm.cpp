@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -360,10 +361,13 @@ struct LaneKQuants {  // sub-block b % 8 of super-block b / 8
   }
 };
 
-// From this many rows of x, the lanes kernel (Q8_0, the K-quants): 30 SmolLM2-shaped layers of Q4_1 (bf16 x, 2
-// threads, Zen 4), when it ran them, took 13.2 against the row tiles' 12.7 ms at 8 rows, 16.5 against 25.4 at 16,
-// 22.1 against 48.5 at 32, 80.6 against 197 at 128. The K-quants unpack each sub-block's scales too: 16 Q4_K_M-shaped layers (1024 wide, Q4_K and Q6_K)
-// took 28.5 against 22.3 ms at 8 rows, 29.0 against 32.1 at 12, 38.0 against 84.6 at 32, 69.8 against 168 at 64.
+// From this many rows of x, the lanes kernel (the K-quants) and the wide one for Q8_0. 30 SmolLM2-shaped layers of
+// Q4_1 (bf16 x, 2 threads, Zen 4) took, on the lanes kernel when it ran them, 13.2 against the row tiles' 12.7 ms
+// at 8 rows, 16.5 against 25.4 at 16, 22.1 against 48.5 at 32, 80.6 against 197 at 128. The K-quants unpack each
+// sub-block's scales too: 16 Q4_K_M-shaped layers (1024 wide, Q4_K and Q6_K) took 28.5 against 22.3 ms at 8 rows,
+// 29.0 against 32.1 at 12, 38.0 against 84.6 at 32, 69.8 against 168 at 64. The default model's Q8_0 head (49,152
+// x 576) on the wide kernel: 0.87-1.42 against the row tile's 0.61-0.63 ms at 1 row, 2.1 against 1.8 at 4, 2.2-3.2
+// against the lanes kernel's 3.4-3.9 at 8, 4.8-6.0 against 6.3-6.5 at 32, 14.4-15.6 against 22.7-22.9 at 128.
 constexpr int64_t kLaneRows = 8, kKQuantLaneRows = 12;
 #endif
 
@@ -388,14 +392,26 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_weight(w, qtype, K);
   const int64_t B = K / kBlock, bsz = block_bytes(qtype), row_bytes = w.size(1);
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * B), sx(M * B);
+  // Not zeroed first (std::vector's would be: 3 MB a projection in a 2,048-token chunk, 1.8% of a served run)
+  const auto xq_buf = std::make_unique_for_overwrite<int8_t[]>(M * K);
+  const auto dx_buf = std::make_unique_for_overwrite<float[]>(M * B);
+  const auto sx_buf = std::make_unique_for_overwrite<float[]>(M * B);
+  int8_t* const xq = xq_buf.get();
+  float* const dx = dx_buf.get();
+  float* const sx = sx_buf.get();
   at::parallel_for(0, M, 16, [&](int64_t a, int64_t e) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (int64_t m = a; m < e; ++m) {  // bf16 widened in registers
+      if (bf16) gguf_x::quantize_row16(x.data_ptr<at::BFloat16>() + m * K, K, xq + m * K, dx + m * B, sx + m * B);
+      else gguf_x::quantize_row16(x.data_ptr<float>() + m * K, K, xq + m * K, dx + m * B, sx + m * B);
+    }
+#else
     std::vector<float> buf(bf16 ? K : 0);
     for (int64_t m = a; m < e; ++m) {
       const float* row = bf16 ? as_f32(x.data_ptr<at::BFloat16>() + m * K, buf.data(), K) : x.data_ptr<float>() + m * K;
-      gguf_x::quantize_row(row, K, xq.data() + m * K, dx.data() + m * B, sx.data() + m * B);
+      gguf_x::quantize_row(row, K, xq + m * K, dx + m * B, sx + m * B);
     }
+#endif
   });
   at::Tensor y = at::empty({M, N}, x.options());
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
@@ -423,14 +439,15 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
       const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
       __m512i h = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(
           _mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)))), 16);
-      h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+      const __m512i nan = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+      h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
       _mm256_mask_storeu_epi16(yh + m * N + n, mask, _mm512_cvtepi32_epi16(h));
     };
     // Threads take whole tiles of 16 output rows.
     at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
       const int64_t n0 = 16 * t0, n1 = std::min(N, 16 * t1);
       auto run = [&](auto type) {
-        gguf_wide::gemm<decltype(type)::value>(wp, row_bytes, N, n0, n1, B, xq.data(), dx.data(), sx.data(), M, put);
+        gguf_wide::gemm<decltype(type)::value>(wp, row_bytes, N, n0, n1, B, xq, dx, sx, M, put);
       };
       switch (qtype) {
         case kQ4_0: run(std::integral_constant<int64_t, kQ4_0>{}); break;
@@ -444,7 +461,7 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
 #ifdef KVRELAY_GGUF_LANES
   if (M >= kKQuantLaneRows) {  // the K-quants (the others ran on the wide kernel above)
     gguf_lanes::Packed packed;
-    packed.pack(xq.data(), dx.data(), sx.data(), M, K);
+    packed.pack(xq, dx, sx, M, K);
     auto put = [&](int64_t m, int64_t n, float v) { store(m * N + n, n, v); };
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       auto walk = [&](auto unpack) { gguf_lanes::rows(wp, row_bytes, n0, n1, B, bsz, packed, M, unpack, put); };
@@ -460,7 +477,7 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
   if (M == 1) {
     std::vector<float> acc(N);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      kernels.span(wp, row_bytes, n0, n1, B, bsz, xq.data(), dx.data(), sx.data(), K, acc.data());
+      kernels.span(wp, row_bytes, n0, n1, B, bsz, xq, dx, sx, K, acc.data());
       for (int64_t n = n0; n < n1; ++n) store(n, n, acc[n]);
     });
     return y;
@@ -471,7 +488,7 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
       const uint8_t* wrow = wp + n * row_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int64_t mt = std::min<int64_t>(kTileRows, M - m0);
-        kernels.tiles[mt - 1](wrow, B, bsz, xq.data() + m0 * K, dx.data() + m0 * B, sx.data() + m0 * B, K, out);
+        kernels.tiles[mt - 1](wrow, B, bsz, xq + m0 * K, dx + m0 * B, sx + m0 * B, K, out);
         for (int64_t m = 0; m < mt; ++m) store((m0 + m) * N + n, n, out[m]);
       }
     }

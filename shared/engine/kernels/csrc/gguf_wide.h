@@ -1,15 +1,16 @@
-// The GGUF GEMM for Q4_0 and Q4_1 with AVX512-VNNI, from a decode's single row to prefill chunks of any length:
-// the weights' output rows are the vector's 16 lanes ("wide"), x's groups of 4 int8 values the broadcast operand.
+// The GGUF GEMM for Q4_0, Q4_1 (from a decode's single row) and Q8_0 (from 8 rows) with AVX512-VNNI, prefill
+// chunks of any length included: the weights' output rows are the vector's 16 lanes ("wide"), x's groups of 4 int8 values the broadcast operand.
 //
 // The lanes kernel (gguf_lanes.h) puts x's rows in the lanes and broadcasts weights, so x, which is signed, sits on
 // vpdpbusd's unsigned side (+ 128) and every block pays for the weights' sum that takes it off again, besides its
-// unpacking per weight row. Here a 4-bit weight (0..15) is vpdpbusd's unsigned operand as it is and x its signed
-// one, broadcast from memory: a block of 16 output rows is put once per call into the instruction's layout
-// (16 rows' bytes transposed in 4-byte groups: each gives two groups, low and high nibbles), and then each x row costs 8 vpdpbusd
-// and three float instructions per block: convert, d dx, accumulate (and lo sx for the block's minimum).
+// unpacking per weight row. Here a 4-bit weight (0..15) is vpdpbusd's unsigned operand as it is (Q8_0's + 128,
+// taken off as its minimum) and x its signed one, broadcast from memory. A block of 16 output rows is put once per
+// call into the instruction's layout (16 rows' bytes transposed in 4-byte groups: for Q4 each gives two groups,
+// low and high nibbles); then each x row costs 8 vpdpbusd and three float instructions per block: convert, d dx,
+// accumulate (and lo sx for the block's minimum).
 //
-// Each result is the lanes kernel's to the bit: per block b in order, float(int32 sum) * (d_b dx_b) then + lo_b
-// sx_b, both fused multiply-adds; Q4_0's lo is -8 d.
+// For Q4, each result is the lanes kernel's to the bit: per block b in order, float(int32 sum) * (d_b dx_b) then
+// + lo_b sx_b, both fused multiply-adds; Q4_0's lo is -8 d.
 //
 // 30 layers of the default model's projections (Q4_1, bf16 x, 2 threads; Zen 4, EPYC family 25 model 17), against
 // what ran before in the same session: 1 row 2.7 against the row tile's 2.8 ms, 4 rows 3.8 against 6.4, 8 rows 5.6
