@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no native kernel
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
-    # Past the GGUF kernel's 128 rows (but for Q4 types with AVX512-VNNI): its prefill takes the Python path, its
+    # Past the GGUF kernel's 128 rows (but for Q4_1 with AVX512-VNNI): its prefill takes the Python path, its
     # decode steps the stack.
     "Tell me a long story about a lighthouse keeper. " * 14,
 ]

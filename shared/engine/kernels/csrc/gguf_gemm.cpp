@@ -8,13 +8,12 @@
 //   Q4_1  w = d q + m    ->  d dx sum(q xq) + m dx sum(xq)
 //   Q8_0  w = d q        ->  d dx sum(q xq)
 // Each thread takes a range of W's rows; every row's blocks are unpacked once for up to 4 rows of x (the row
-// tiles). A row's result depends on its own x row only (no reduction across rows). With AVX512-VNNI, Q4_0 and
-// Q4_1 run on the wide kernel at every row count (gguf_wide.h: W's rows in the lanes, 1.5-2x faster than what ran
-// before from 4 to 2,048 rows, docs/quantization.md), so a Q4 row's result is the same in a batch of any size;
-// Q8_0 does from kLaneRows (8) rows, the K-quants run on the lanes kernel from 12 (gguf_lanes.h: x's rows in the
-// lanes), each below on the row tiles, whose float sums are rounded otherwise: a decode gets the same logits
-// alone or batched below that count. A block's integer sum is one vpdpbusd where the CPU has AVX512-VNNI, else
-// maddubs + madd (the same exact int32s). Each type has its own row tile (no branch on the type per block), and
+// tiles). A row's result depends on its own x row only (no reduction across rows). From kLaneRows (8) rows, with
+// AVX512-VNNI, Q4_0, Q4_1 and Q8_0 run on the wide kernel (gguf_wide.h: W's rows in the lanes, 1.2-1.6x faster
+// than what ran before from 8 to 2,048 rows, docs/quantization.md), and the K-quants on the lanes kernel from 12
+// (gguf_lanes.h: x's rows in the lanes); below, on the row tiles, whose float sums are rounded otherwise: a decode
+// gets the same logits alone or batched below that count, and a row the same from it on. A block's integer sum
+// is one vpdpbusd where the CPU has AVX512-VNNI, else maddubs + madd (the same exact int32s). Each type has its own row tile (no branch on the type per block), and
 // bf16 x is read and y written in bf16 here (no conversion op on each side of each projection in a bf16 model; what
 // these bought a single-stream decode is in docs/benchmarks.md). gguf_dequantize turns blocks back into fp32 rows
 // (an embedding's looked-up rows, a prefill's tile).
@@ -360,7 +359,11 @@ struct LaneKQuants {  // sub-block b % 8 of super-block b / 8
   }
 };
 
-// From this many rows of x, the lanes kernel (the K-quants) and the wide one for Q8_0. 30 SmolLM2-shaped layers of
+// From this many rows of x, the lanes kernel (the K-quants) and the wide one (Q4_0, Q4_1, Q8_0). The wide kernel
+// reads a tile's 16 weight rows side by side, which the prefetchers follow badly when weights stream from memory:
+// 30 distinct layers of the default model's Q4_1 projections (66 MB, bf16 x, 2 threads, Zen 4) took 6.1-6.5 ms
+// against the row tiles' 2.95 at 1 row, 7.3-7.9 against 6.45 at 4, and 9.0-9.7 against the lanes kernel's 12.7 at
+// 8, 17.3-17.7 against 21.4 at 32 (with the same weights reused from cache, it was ahead from 1 row). 30 SmolLM2-shaped layers of
 // Q4_1 (bf16 x, 2 threads, Zen 4) took, on the lanes kernel when it ran them, 13.2 against the row tiles' 12.7 ms
 // at 8 rows, 16.5 against 25.4 at 16, 22.1 against 48.5 at 32, 80.6 against 197 at 128. The K-quants unpack each
 // sub-block's scales too: 16 Q4_K_M-shaped layers (1024 wide, Q4_K and Q6_K) took 28.5 against 22.3 ms at 8 rows,
@@ -438,8 +441,8 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
     if (yh) yh[at] = f32_to_bf16(v); else yf[at] = v;
   };
 #ifdef KVRELAY_GGUF_WIDE
-  // Q4 at every row count; Q8_0 from kLaneRows, below which its row tiles are faster (two transposes a block)
-  if (qtype == kQ4_0 || qtype == kQ4_1 || (qtype == kQ8_0 && M >= kLaneRows)) {
+  // From kLaneRows rows: below, the row tiles stream a model's weights from memory faster (see kLaneRows)
+  if (M >= kLaneRows && (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0)) {
     // 16 results of row m at columns [n, n + cols): + bias, rounded as f32_to_bf16 (and torch) round.
     auto put = [&](int64_t m, int64_t n, int cols, __m512 v) {
       const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);

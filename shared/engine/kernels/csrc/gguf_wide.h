@@ -1,5 +1,6 @@
-// The GGUF GEMM for Q4_0, Q4_1 (from a decode's single row) and Q8_0 (from 8 rows) with AVX512-VNNI, prefill
-// chunks of any length included: the weights' output rows are the vector's 16 lanes ("wide"), x's groups of 4 int8 values the broadcast operand.
+// The GGUF GEMM for Q4_0, Q4_1 and Q8_0 with AVX512-VNNI from 8 rows of x (gguf_gemm.cpp's kLaneRows), prefill
+// chunks of any length included: the weights' output rows are the vector's 16 lanes ("wide"), x's groups of 4
+// int8 values the broadcast operand.
 //
 // The lanes kernel (gguf_lanes.h) puts x's rows in the lanes and broadcasts weights, so x, which is signed, sits on
 // vpdpbusd's unsigned side (+ 128) and every block pays for the weights' sum that takes it off again, besides its
@@ -12,11 +13,8 @@
 // For Q4, each result is the lanes kernel's to the bit: per block b in order, float(int32 sum) * (d_b dx_b) then
 // + lo_b sx_b, both fused multiply-adds; Q4_0's lo is -8 d.
 //
-// 30 layers of the default model's projections (Q4_1, bf16 x, 2 threads; Zen 4, EPYC family 25 model 17), against
-// what ran before in the same session: 1 row 2.7 against the row tile's 2.8 ms, 4 rows 3.8 against 6.4, 8 rows 5.6
-// against the lanes kernel's 10.8, 32 rows 14.9 against 18.7, 128 rows 50.3 against 74.3, 2,048 rows 809 against
-// 1,266 for bf16's GEMM on dequantized tiles. A vpgatherdd per group pair instead of the transposed loads: 23.0 ms
-// at 32 rows (the gathers took a quarter of the time on this Zen 4).
+// What it bought, measured: docs/quantization.md. Asking for the next tile's bytes ahead (software prefetch) did
+// not speed up weights streamed from memory (8 rows: 9.07 against 9.0-9.7 ms for 30 layers), so it is not done.
 #pragma once
 
 #include <algorithm>
