@@ -8,9 +8,9 @@ same GGUF and text.
 - Perplexity on held-out text (the docstrings of the benchmark corpus's standard library modules, never a
   prompt of a test), computed as llama-perplexity does: chunks of --ctx tokens (the first replaced by BOS when
   the model adds one), each scoring the tokens of its second half given everything before them in the chunk.
-  The blocks' engine computes every row on its int8 kernel here, as its decode steps do (prefill chunks of more
-  than 128 rows dequantize tiles: float32's values, computed in the model's dtype), and as llama.cpp computes
-  all rows.
+  The blocks' engine computes every row on its int8 kernel here, as its decode steps do, and as llama.cpp
+  computes all rows (in serving, prefill chunks of more than 128 rows dequantize tiles, float32's values computed
+  in the model's dtype, but for Q4_0, Q4_1 and Q8_0 on a CPU with AVX512-VNNI, which run on the kernel).
 - Greedy agreement with the float32 engine, and with llama.cpp's own server when at hand (--llama-server):
   --prompts prompts of the same text generate --max-tokens tokens greedily under each; the share of tokens
   before the first divergence, and of positions equal.
