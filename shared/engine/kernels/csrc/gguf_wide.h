@@ -23,7 +23,7 @@
 
 #include <immintrin.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define KVRELAY_GGUF_WIDE 1
 
 namespace kvrelay::gguf_wide {
