@@ -13,9 +13,10 @@
 // than what ran before from 8 to 2,048 rows, docs/quantization.md), and the K-quants on the lanes kernel from 12
 // (gguf_lanes.h: x's rows in the lanes); below, on the row tiles, whose float sums are rounded otherwise: a decode
 // gets the same logits alone or batched below that count, and a row the same from it on. A block's integer sum
-// is one vpdpbusd where the CPU has AVX512-VNNI, else maddubs + madd (the same exact int32s). Each type has its own row tile (no branch on the type per block), and
-// bf16 x is read and y written in bf16 here (no conversion op on each side of each projection in a bf16 model; what
-// these bought a single-stream decode is in docs/benchmarks.md). gguf_dequantize turns blocks back into fp32 rows
+// is one vpdpbusd where the CPU has AVX512-VNNI, else maddubs + madd (the same exact int32s). Each type has its
+// own row tile (no branch on the type per block), and bf16 x is read and y written in bf16 here (no conversion op
+// on each side of each projection in a bf16 model; what these bought a single-stream decode is in
+// docs/benchmarks.md). gguf_dequantize turns blocks back into fp32 rows
 // (an embedding's looked-up rows, a prefill's tile).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -35,6 +36,7 @@
 #include "gguf_lanes.h"
 #include "gguf_wide.h"
 #include "gguf_xquant.h"
+#include "vec.h"
 
 namespace {
 
@@ -359,30 +361,21 @@ struct LaneKQuants {  // sub-block b % 8 of super-block b / 8
   }
 };
 
-// From this many rows of x, the lanes kernel (the K-quants) and the wide one (Q4_0, Q4_1, Q8_0). The wide kernel
-// reads a tile's 16 weight rows side by side, which the prefetchers follow badly when weights stream from memory:
-// 30 distinct layers of the default model's Q4_1 projections (66 MB, bf16 x, 2 threads, Zen 4) took 6.1-6.5 ms
-// against the row tiles' 2.95 at 1 row, 7.3-7.9 against 6.45 at 4, and 9.0-9.7 against the lanes kernel's 12.7 at
-// 8, 17.3-17.7 against 21.4 at 32 (with the same weights reused from cache, it was ahead from 1 row). 30 SmolLM2-shaped layers of
-// Q4_1 (bf16 x, 2 threads, Zen 4) took, on the lanes kernel when it ran them, 13.2 against the row tiles' 12.7 ms
-// at 8 rows, 16.5 against 25.4 at 16, 22.1 against 48.5 at 32, 80.6 against 197 at 128. The K-quants unpack each
-// sub-block's scales too: 16 Q4_K_M-shaped layers (1024 wide, Q4_K and Q6_K) took 28.5 against 22.3 ms at 8 rows,
-// 29.0 against 32.1 at 12, 38.0 against 84.6 at 32, 69.8 against 168 at 64. The default model's Q8_0 head (49,152
-// x 576) on the wide kernel: 0.87-1.42 against the row tile's 0.61-0.63 ms at 1 row, 2.1 against 1.8 at 4, 2.2-3.2
-// against the lanes kernel's 3.4-3.9 at 8, 4.8-6.0 against 6.3-6.5 at 32, 14.4-15.6 against 22.7-22.9 at 128.
+// From this many rows of x, the wide kernel (Q4_0, Q4_1, Q8_0) and the lanes kernel (the K-quants); below, the
+// row tiles. The wide kernel reads a tile's 16 weight rows side by side, which the prefetchers follow badly when a
+// model's weights stream from memory: at 1 row it took twice the row tile's time (docs/quantization.md). On the
+// lanes kernel, 30 SmolLM2-shaped layers of Q4_1 (bf16 x, 2 threads, Zen 4) took 13.2 against the row tiles' 12.7
+// ms at 8 rows, 16.5 against 25.4 at 16, 22.1 against 48.5 at 32, 80.6 against 197 at 128. The K-quants unpack
+// each sub-block's scales too: 16 Q4_K_M-shaped layers (1024 wide, Q4_K and Q6_K) took 28.5 against 22.3 ms at 8
+// rows, 29.0 against 32.1 at 12, 38.0 against 84.6 at 32, 69.8 against 168 at 64.
 constexpr int64_t kLaneRows = 8, kKQuantLaneRows = 12;
 #endif
 
-struct XScratch {
-  std::vector<int8_t> xq;
-  std::vector<float> dx, sx;
-
-  template <typename T>
-  T* take(std::vector<T>& v, int64_t n) {  // grows, never shrinks
-    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-    return v.data();
-  }
-};
+template <typename T>
+T* at_least(std::vector<T>& v, int64_t n) {  // v's memory, grown to n if shorter; never shrunk
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
 
 void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
@@ -407,23 +400,17 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
   const int64_t B = K / kBlock, bsz = block_bytes(qtype), row_bytes = w.size(1);
   // x's int8 rows and scales, in buffers this thread keeps from call to call: fresh ones were zeroed (3 MB a
   // projection in a 2,048-token chunk: 1.8% of a served run), or, not zeroed, first touched page by page.
-  thread_local XScratch scratch;
-  int8_t* const xq = scratch.take(scratch.xq, M * K);
-  float* const dx = scratch.take(scratch.dx, M * B);
-  float* const sx = scratch.take(scratch.sx, M * B);
+  thread_local std::vector<int8_t> xq_kept;
+  thread_local std::vector<float> dx_kept, sx_kept;
+  int8_t* const xq = at_least(xq_kept, M * K);
+  float* const dx = at_least(dx_kept, M * B);
+  float* const sx = at_least(sx_kept, M * B);
   at::parallel_for(0, M, 16, [&](int64_t a, int64_t e) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    for (int64_t m = a; m < e; ++m) {  // bf16 widened in registers
-      if (bf16) gguf_x::quantize_row16(x.data_ptr<at::BFloat16>() + m * K, K, xq + m * K, dx + m * B, sx + m * B);
-      else gguf_x::quantize_row16(x.data_ptr<float>() + m * K, K, xq + m * K, dx + m * B, sx + m * B);
-    }
-#else
-    std::vector<float> buf(bf16 ? K : 0);
+    std::vector<float> buf;
     for (int64_t m = a; m < e; ++m) {
-      const float* row = bf16 ? as_f32(x.data_ptr<at::BFloat16>() + m * K, buf.data(), K) : x.data_ptr<float>() + m * K;
-      gguf_x::quantize_row(row, K, xq + m * K, dx + m * B, sx + m * B);
+      if (bf16) gguf_x::quantize(x.data_ptr<at::BFloat16>() + m * K, K, xq + m * K, dx + m * B, sx + m * B, buf);
+      else gguf_x::quantize(x.data_ptr<float>() + m * K, K, xq + m * K, dx + m * B, sx + m * B, buf);
     }
-#endif
   });
   at::Tensor y = at::empty({M, N}, x.options());
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
@@ -443,17 +430,13 @@ at::Tensor gguf_gemm(TensorArg x_in, TensorArg w, int64_t qtype, OptTensorArg bi
 #ifdef KVRELAY_GGUF_WIDE
   // From kLaneRows rows: below, the row tiles stream a model's weights from memory faster (see kLaneRows)
   if (M >= kLaneRows && (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0)) {
-    // 16 results of row m at columns [n, n + cols): + bias, rounded as f32_to_bf16 (and torch) round.
+    // 16 results of row m at columns [n, n + cols): + bias, in y's dtype (bf16 rounded as torch rounds).
+    at::BFloat16* const ybf = bf16 ? y.data_ptr<at::BFloat16>() : nullptr;
     auto put = [&](int64_t m, int64_t n, int cols, __m512 v) {
       const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
       if (bp) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + n));
-      if (!yh) return _mm512_mask_storeu_ps(yf + m * N + n, mask, v);
-      const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
-      __m512i h = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(
-          _mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)))), 16);
-      const __m512i nan = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
-      h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
-      _mm256_mask_storeu_epi16(yh + m * N + n, mask, _mm512_cvtepi32_epi16(h));
+      if (ybf) store16(ybf + m * N + n, v, mask);
+      else store16(yf + m * N + n, v, mask);
     };
     // Threads take whole tiles of 16 output rows.
     at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {

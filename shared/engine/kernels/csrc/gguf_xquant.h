@@ -6,24 +6,21 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include <immintrin.h>
 
 #include "common.h"
+#include "vec.h"
 
 namespace kvrelay::gguf_x {
 
 constexpr int kBlock = 32;
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {  // widened exactly: a bf16 is the high half of its float
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// One row of x (fp32 or bf16, read in place) quantized per block, 16 lanes at a time: the AVX2 loop's arithmetic,
-// so the same bytes and scales (a max and an integer sum do not depend on their order).
+#if defined(KVRELAY_AVX512)
+// One row of x (fp32 or bf16, read in place: vec.h's load16) quantized per block, 16 lanes at a time: the AVX2
+// loop's arithmetic, so the same bytes and scales (a max and an integer sum do not depend on their order).
 template <typename T>
 inline void quantize_row16(const T* x, int64_t K, int8_t* xq, float* dx, float* sx) {
   const __m512 sign = _mm512_set1_ps(-0.f), one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f);
@@ -47,9 +44,7 @@ inline void quantize_row16(const T* x, int64_t K, int8_t* xq, float* dx, float* 
 
 // One row of x quantized per block: xq[K] int8, dx[B] (its scale), sx[B] (dx * sum of the block's xq).
 inline void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  quantize_row16(x, K, xq, dx, sx);
-#elif defined(KVRELAY_AVX2)
+#if defined(KVRELAY_AVX2)
   // 8 lanes at a time, each value rounded half away from zero as lround does (the scalar loop below).
   const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f), half = _mm256_set1_ps(0.5f);
   for (int64_t b = 0; b < K / kBlock; ++b) {
@@ -98,5 +93,18 @@ inline void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float
 #endif
 }
 
+
+// One row of x, fp32 or bf16 (what gguf_gemm calls): with AVX512, 16 lanes at a time, bf16 widened in registers;
+// else bf16 is widened into `buf` first.
+template <typename T>
+inline void quantize(const T* x, int64_t K, int8_t* xq, float* dx, float* sx, std::vector<float>& buf) {
+#if defined(KVRELAY_AVX512)
+  (void)buf;
+  quantize_row16(x, K, xq, dx, sx);
+#else
+  if constexpr (!std::is_same_v<T, float>) buf.resize(K);
+  quantize_row(as_f32(x, buf.data(), K), K, xq, dx, sx);
+#endif
+}
 
 }  // namespace kvrelay::gguf_x

@@ -110,6 +110,11 @@ inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(at::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits_rne16(v), 16)));
 }
+// Only the lanes of `mask` (a row's last, partial group of 16).
+inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits_rne16(v), 16)));
+}
 // A value as the dtype T holds it (bf16 rounds), kept in fp32.
 template <typename T>
 inline __m512 round_to16(__m512 v) {
