@@ -15,7 +15,14 @@ same GGUF and text.
   --prompts prompts of the same text generate --max-tokens tokens greedily under each; the share of tokens
   before the first divergence, and of positions equal.
 - The quantized KV caches (--kv-cache-dtypes, default fp8 and int8), each against the cache of the model's
-  dtype (--kv-compute-dtype, bfloat16) on the same dequantized weights: the same perplexity and agreement.
+  dtype (--kv-compute-dtype, bfloat16) on the same dequantized weights: the same perplexity, and agreement on
+  chat prompts (CHAT_QUESTIONS through the model's chat template, as users and the e2e checks send them), greedy
+  to --max-tokens or the end of the answer:
+  - free-running, as above. On a small model in bf16 this mostly measures noise: the same engine and cache,
+    one prompt at a time against batched, part ways early too (reported as the auto arm's
+    greedy_agreement_alone_vs_batched);
+  - teacher-forced (top1_agreement_with_auto): on the reference's own answers, the share of positions where the
+    quantized cache's most likely next token is the reference cache's. One flip does not count every later token.
 
     kvrelay bench accuracy
     kvrelay bench accuracy --model my.Q4_0.gguf --chunks 16
@@ -34,6 +41,17 @@ import tempfile
 from kvrelay.bench.llamacpp_baseline import find_tool, gguf_file
 from kvrelay.bench.report import emit, machine
 from kvrelay.bench.workload import iter_corpus_docs
+
+# What the KV cache arms ask: questions as users send them to a chat model.
+CHAT_QUESTIONS = (
+    "What is a KV cache?", "Explain photosynthesis in two sentences.", "Write a haiku about the sea.",
+    "What is the capital of France, and why is it famous?", "Give me three tips for learning Python.",
+    "How does a hash table work?", "Summarize the plot of Romeo and Juliet.", "What causes rain?",
+    "Write a short email asking for a meeting on Friday.", "What is the difference between TCP and UDP?",
+    "List five fruits that are high in vitamin C.", "How do I reverse a list in Python?",
+    "Why is the sky blue?", "What is machine learning?", "Translate 'good morning' into Spanish and French.",
+    "Describe a cat to someone who has never seen one.",
+)
 
 HELP = "perplexity and greedy agreement of --quantization gguf against float32 and llama.cpp on the same GGUF"
 
@@ -92,19 +110,44 @@ def perplexity(llm, chunks: list[list[int]]) -> float:
     return math.exp(nll / count)
 
 
-def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy(llm, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True) -> list[list[int]]:
     from kvrelay.common.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def chat_prompts(tokenizer) -> list[list[int]]:
+    """CHAT_QUESTIONS as the model's chat template renders them for the server."""
+    return [tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": q}]), add_special_tokens=False)
+            for q in CHAT_QUESTIONS]
+
+
 def agreement(ours: list[list[int]], reference: list[list[int]]) -> dict:
-    prefix = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(ours, reference))
+    """Over the reference's tokens: the share before each sequence's first divergence (an answer that ends early
+    or runs on diverges where the shorter ends), and the share of positions equal."""
+    def first_divergence(x: list[int], y: list[int]) -> int:
+        return next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+
+    prefix = sum(first_divergence(x, y) for x, y in zip(ours, reference))
     equal = sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y))
     total = sum(len(y) for y in reference)
     return {"tokens": total, "before_first_divergence": prefix / total, "positions_equal": equal / total}
+
+
+def top1(llm, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+    """Teacher-forced: the most likely next token at each position of each continuation, given the prompt and
+    the continuation's tokens before it (one prefill of prompt + continuation)."""
+    from kvrelay.common.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    outs = llm.generate([list(p) + list(c) for p, c in zip(prompts, continuations)], params, use_tqdm=False)
+    return [[lp.top[0][0] for lp in o.prompt_logprobs[len(p):]] for o, p in zip(outs, prompts)]
+
+
+def top1_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
+    return sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) / sum(len(y) for y in reference)
 
 
 def llama_perplexity(binary: str, gguf: str, text_file: str, ctx: int, chunks: int, threads: int) -> float:
@@ -209,28 +252,34 @@ def run(args: argparse.Namespace) -> int:
             report[name]["greedy_agreement_with_llamacpp"] = agreement(outputs[name], theirs)
     kv_dtypes = [] if args.kv_cache_dtypes == "none" else args.kv_cache_dtypes.split(",")
     if kv_dtypes:
-        report["kv_cache"] = kv_cache_arms(args, kv_dtypes, chunks, prompts)
+        report["kv_cache"] = kv_cache_arms(args, kv_dtypes, chunks, chat_prompts(tokenizer))
     emit(report, args.output)
     return 0
 
 
 def kv_cache_arms(args: argparse.Namespace, kv_dtypes: list[str], chunks: list[list[int]],
                   prompts: list[list[int]]) -> dict:
-    """Each quantized KV cache against the cache of the model's dtype, on the dense weights: perplexity, and
-    greedy agreement with the unquantized cache's tokens."""
+    """Each quantized KV cache against the cache of the model's dtype, on the dense weights: perplexity, and on
+    the chat prompts greedy agreement with the unquantized cache's answers, free-running and teacher-forced."""
     from kvrelay.engine.llm import LLM
 
-    out: dict = {"compute_dtype": args.kv_compute_dtype}
-    tokens = {}
+    out: dict = {"compute_dtype": args.kv_compute_dtype, "chat_prompts": len(prompts)}
+    tokens, tops = {}, {}
     for kv in ["auto", *kv_dtypes]:
         llm = LLM(model=args.model, dtype=args.kv_compute_dtype, kv_cache_dtype=kv, enable_prefix_caching=False,
-                  max_model_len=max(args.ctx + 1, args.prompt_tokens + args.max_tokens))
+                  max_model_len=max(args.ctx + 1, max(map(len, prompts)) + args.max_tokens))
         out[kv] = {"perplexity": perplexity(llm, chunks), "kv_cache_blocks": llm.engine.num_blocks}
-        tokens[kv] = greedy(llm, prompts, args.max_tokens)
+        tokens[kv] = greedy(llm, prompts, args.max_tokens, ignore_eos=False)
+        if kv == "auto":
+            alone = [greedy(llm, [p], args.max_tokens, ignore_eos=False)[0] for p in prompts]
+            out[kv]["greedy_agreement_alone_vs_batched"] = agreement(alone, tokens[kv])
+        tops[kv] = top1(llm, prompts, tokens["auto"])
         del llm
         gc.collect()
+    out["auto"]["top1_agreement_with_its_own_answers"] = top1_agreement(tops["auto"], tokens["auto"])
     for kv in kv_dtypes:
         out[kv]["perplexity_over_auto"] = out[kv]["perplexity"] / out["auto"]["perplexity"]
         out[kv]["greedy_agreement_with_auto"] = agreement(tokens[kv], tokens["auto"])
+        out[kv]["top1_agreement_with_auto"] = top1_agreement(tops[kv], tops["auto"])
         out[kv]["tokens_over_auto"] = out[kv]["kv_cache_blocks"] / out["auto"]["kv_cache_blocks"]
     return out

@@ -19,11 +19,16 @@ Scenarios, each a pair of arms compared with `bench serve --compare` (B/A ratios
   llamacpp A = llama.cpp's own `llama-server` (32 slots, continuous batching, no prompt cache reuse, as the peer
            kit's llamacpp_serve.sh starts it) on the GGUF, B = `kvrelay up --quantization gguf` on the same file;
            the vllm scenario's load and rounds. Concurrency 1: --serve-args "--concurrency 1 --num-requests 16".
+  kvcache  A = `kvrelay up` with the cache in the model's dtype, B = `--kv-cache-dtype int8` (or --kv-cache-dtype)
+           in the same bytes of KV cache (16 MiB: a few sequences fit), on long answers (64-256 prompt and
+           128-256 output tokens, concurrency 32): what a quantized cache buys where KV capacity bounds
+           concurrency. Rounds as the vllm scenario.
 
     kvrelay bench fleet --scenario disagg
     kvrelay bench fleet --scenario routing --prefill-nodes 3 --serve-args "--num-requests 96 --tenants 12"
     kvrelay bench fleet --scenario vllm --dtype float32
     kvrelay bench fleet --scenario llamacpp
+    kvrelay bench fleet --scenario kvcache --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -203,10 +208,14 @@ SERVE_DEFAULTS = {
             "--min-output 8 --max-output 256 --ignore-eos",
 }
 SERVE_DEFAULTS["llamacpp"] = SERVE_DEFAULTS["vllm"]
+SERVE_DEFAULTS["kvcache"] = ("--dataset random --concurrency 32 --num-requests 48 --warmup 2 --min-input 64 "
+                             "--max-input 256 --min-output 128 --max-output 256 --ignore-eos")
 LLAMACPP_SLOTS, LLAMACPP_CTX_PER_SLOT = 32, 2048  # the peer kit's llamacpp_serve.sh
 # KV cache per node: several nodes share the machine in the fleet scenarios; against vLLM, one engine each,
 # given as much as vLLM's CPU build gets.
-KV_CACHE_DEFAULTS = {"disagg": 512 * 2**20, "routing": 512 * 2**20, "vllm": 2 * 2**30, "llamacpp": 2 * 2**30}
+KV_CACHE_DEFAULTS = {"disagg": 512 * 2**20, "routing": 512 * 2**20, "vllm": 2 * 2**30, "llamacpp": 2 * 2**30,
+                     "kvcache": 16 * 2**20}
+PAIRED = ("vllm", "llamacpp", "kvcache")  # the scenarios run in --rounds
 HELP = "kvrelay up + bench serve: colocated vs disaggregated, routing policies, vs `vllm serve` or `llama-server`"
 
 
@@ -219,8 +228,11 @@ class Arm:
     kind: Kind = Kind.KVRELAY
 
 
-def scenario_arms(scenario: str, prefill_nodes: int = 3, decode_nodes: int = 1) -> tuple[Arm, Arm]:
+def scenario_arms(scenario: str, prefill_nodes: int = 3, decode_nodes: int = 1,
+                  kv_cache_dtype: str = "int8") -> tuple[Arm, Arm]:
     """(A, B): the baseline first, the configuration under test second."""
+    if scenario == "kvcache":
+        return Arm("kv-auto"), Arm(f"kv-{kv_cache_dtype}", ("--kv-cache-dtype", kv_cache_dtype))
     if scenario == "vllm":
         return Arm("vllm-serve", kind=Kind.VLLM), Arm("kvrelay-up")
     if scenario == "llamacpp":
@@ -300,8 +312,8 @@ def measure_arm(server: Server, arm: Arm, record: dict, args: argparse.Namespace
 
 
 def run_scenario(scenario: str, args: argparse.Namespace, serve_args: list[str]) -> dict:
-    rounds = args.rounds if scenario in ("vllm", "llamacpp") else 1
-    pairs = round_arms(*scenario_arms(scenario, args.prefill_nodes, args.decode_nodes), rounds)
+    rounds = args.rounds if scenario in PAIRED else 1
+    pairs = round_arms(*scenario_arms(scenario, args.prefill_nodes, args.decode_nodes, args.kv_cache_dtype), rounds)
     runs = {arm.label: run_arm(arm, args, serve_args) for arm in play_order(pairs)}
     summary = []
     for r, (a, b) in enumerate(pairs, start=1):
@@ -355,10 +367,11 @@ def resolved_dtype(dtype: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=["disagg", "routing", "vllm", "llamacpp", "all"], default="all",
+    p.add_argument("--scenario", choices=["disagg", "routing", "vllm", "llamacpp", "kvcache", "all"], default="all",
                    help="disagg: colocated vs 1P+1D; routing: round_robin vs cache_aware over several prefill "
                         "nodes; vllm: `vllm serve` vs `kvrelay up`; llamacpp: `llama-server` vs `kvrelay up "
-                        "--quantization gguf` on the same GGUF (all: disagg and routing)")
+                        "--quantization gguf` on the same GGUF; kvcache: the model dtype's KV cache vs "
+                        "--kv-cache-dtype in the same memory (all: disagg and routing)")
     p.add_argument("--model", default="default", help="passed to `kvrelay up --model` (and its folder to vLLM)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="passed to `kvrelay up --dtype`; vllm scenario: both servers get it, `auto` resolved to "
@@ -374,8 +387,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-server", default=None,
                    help="llamacpp scenario: llama.cpp's llama-server (default: $KVRELAY_LLAMACPP_BIN's, then the "
                         "peer kit's)")
+    p.add_argument("--kv-cache-dtype", default="int8", choices=["fp8", "fp8_e4m3", "int8"],
+                   help="kvcache scenario: the quantized cache of arm B")
     p.add_argument("--rounds", type=int, default=2,
-                   help="vllm and llamacpp scenarios: rounds of the pair, run A B, B A, ... (2: ABBA)")
+                   help="vllm, llamacpp and kvcache scenarios: rounds of the pair, run A B, B A, ... (2: ABBA)")
     p.add_argument("--tokenizer", default=None,
                    help="measure dataset lengths in this tokenizer's tokens (default: the model's, when local)")
     p.add_argument("--serve-args", default=None,

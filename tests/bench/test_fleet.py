@@ -34,6 +34,10 @@ def test_scenarios_compare_the_right_fleets():
     a, b = fleet.scenario_arms("llamacpp", 3)
     assert (a.label, a.kind, b.label, b.kind, b.up_flags) == (
         "llama-server", fleet.Kind.LLAMACPP, "kvrelay-up-gguf", fleet.Kind.KVRELAY, ("--quantization", "gguf"))
+    a, b = fleet.scenario_arms("kvcache", 3)
+    assert (a.label, a.up_flags, b.label, b.up_flags) == ("kv-auto", (), "kv-int8", ("--kv-cache-dtype", "int8"))
+    assert fleet.scenario_arms("kvcache", kv_cache_dtype="fp8")[1].up_flags == ("--kv-cache-dtype", "fp8")
+    assert fleet.KV_CACHE_DEFAULTS["kvcache"] == 16 * 2**20
 
 
 def test_the_llamacpp_scenario_needs_a_gguf_before_anything_starts(tmp_path):
