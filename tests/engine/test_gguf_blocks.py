@@ -198,3 +198,19 @@ def test_the_default_model_served_from_its_blocks_answers():
     assert out[0].outputs[0].text.startswith(" Paris")
     # Its KV is not the dense weights' KV: a transfer to or from a dense node is refused by the layout check.
     assert llm.engine.kv_layout().model_id == "SmolLM2-135M-Instruct (gguf weights)"
+
+
+@pytest.mark.parametrize("rows", [1, 32])
+def test_a_quantized_heads_greedy_token_is_the_first_of_equal_largest_logits_in_bf16(rows):
+    from kvrelay.engine.models.llama import LMHead
+
+    data = gguf.quants.quantize(np.random.default_rng(3).standard_normal((64, 96)).astype(np.float32), Q.Q8_0)
+    data[40] = data[7]  # two vocabulary rows of the same bytes: their logits tie exactly
+    head = LMHead(96, 64, torch.bfloat16)
+    head.use_blocks(BlockWeight(block_rows(data, int(Q.Q8_0), 96), int(Q.Q8_0), 96))
+    hidden = (torch.randn(rows, 96, generator=torch.Generator().manual_seed(1)) * 0.1).bfloat16()
+    hidden[0] = torch.from_numpy(gguf.quants.dequantize(data[7:8], Q.Q8_0)[0]).bfloat16()  # row 7's own direction
+    logits = head(hidden)
+    assert logits.dtype == torch.bfloat16 and logits[0, 7] == logits[0, 40] == logits[0].max()
+    assert head.greedy(hidden)[0].item() == 7
+    assert torch.equal(head.greedy(hidden), logits.argmax(dim=-1))

@@ -157,7 +157,9 @@ class LMHead(Linear):
         """argmax over the vocabulary of forward(hidden); ties resolve to the lowest token id, as in
         torch.argmax."""
         if self.blocks is not None:
-            return self.blocks.linear(hidden).argmax(dim=-1)
+            # max's indices, not argmax: the same first index of the largest, and on bf16 logits 5x faster (32 rows
+            # of SmolLM2's vocabulary: 0.46 against 2.57 ms, 3% of a served concurrency-32 run).
+            return self.blocks.linear(hidden).max(dim=-1).indices
         if self._small(hidden):
             return cpu_linear.greedy(hidden, self.packed)
         best_val = best_idx = None
