@@ -60,9 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="a .gguf file or 'default'")
     p.add_argument("--ctx", type=int, default=512, help="tokens per perplexity chunk (llama-perplexity's -c)")
     p.add_argument("--chunks", type=int, default=8, help="perplexity chunks (llama-perplexity's --chunks)")
-    p.add_argument("--prompts", type=int, default=8, help="prompts for the greedy agreement")
+    p.add_argument("--prompts", type=int, default=8,
+                   help="text prompts for the GGUF arms' greedy agreement (the KV cache arms ask CHAT_QUESTIONS)")
     p.add_argument("--prompt-tokens", type=int, default=128, help="tokens of text per agreement prompt")
-    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per agreement prompt")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="greedy tokens per agreement prompt (chat answers may end sooner)")
     p.add_argument("--llama-perplexity", default=None,
                    help="llama.cpp's llama-perplexity (default: $KVRELAY_LLAMACPP_BIN's, else the peer kit's; none: "
                         "left out)")

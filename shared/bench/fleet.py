@@ -47,6 +47,7 @@ import httpx
 
 from kvrelay.bench import parse_args, report, serve, vllm_baseline
 from kvrelay.bench.llamacpp_baseline import gguf_and_tool
+from kvrelay.common.hashing import KV_CACHE_DTYPES
 from kvrelay.common.process import ChildProcess, kvrelay_command, pid_alive, stop_all
 from kvrelay.common.prometheus import Metrics
 from kvrelay.common.system import free_port
@@ -387,7 +388,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-server", default=None,
                    help="llamacpp scenario: llama.cpp's llama-server (default: $KVRELAY_LLAMACPP_BIN's, then the "
                         "peer kit's)")
-    p.add_argument("--kv-cache-dtype", default="int8", choices=["fp8", "fp8_e4m3", "int8"],
+    p.add_argument("--kv-cache-dtype", default="int8", choices=[d for d in KV_CACHE_DTYPES if d != "auto"],
                    help="kvcache scenario: the quantized cache of arm B")
     p.add_argument("--rounds", type=int, default=2,
                    help="vllm, llamacpp and kvcache scenarios: rounds of the pair, run A B, B A, ... (2: ABBA)")
