@@ -244,8 +244,10 @@ def test_stream_resumes_on_another_gateway_after_kill_9(chaos):
 
 def test_sdk_retry_after_kill_9_is_computed_once(chaos):
     """A non-streaming request under X-Request-Id through a gateway that gets SIGKILL: the unmodified openai
-    SDK retries it (max_retries), the load balancer sends the retry to the other gateway, which attaches to the
-    running sequence: the answer equals the fault-free one, and the nodes did the work of one request."""
+    SDK retries it (max_retries), the load balancer sends the retry to the other gateway, which answers it from
+    the same sequence: the answer equals the fault-free one, and the nodes did the work of one request. Whether
+    the retry attaches to the sequence or reads its stored answer depends on whether the SDK's back-off outlasts
+    the rest of the generation (on a fast CPU it can); attaching itself is the streamed test's above."""
     import openai
 
     chaos.ensure("prefill")
@@ -257,7 +259,7 @@ def test_sdk_retry_after_kill_9_is_computed_once(chaos):
     once = tuple(b - a for a, b in zip(reference, _node_work(chaos)))
     victim, lb = _killable_gateway(chaos)
     before = _node_work(chaos)
-    attached = _metric(chaos, "kvrelay:idempotent_replays_total", kind="attached")
+    replays = _replays(chaos)
     try:
         client = openai.OpenAI(base_url=lb.url + "/v1", api_key="none", max_retries=2, timeout=60)
         params = {k: v for k, v in body.items() if k not in ("model", "prompt", "ignore_eos", "stream")}
@@ -275,7 +277,12 @@ def test_sdk_retry_after_kill_9_is_computed_once(chaos):
     assert out.get("error") is None, out
     assert out["result"].choices[0].text == expected
     assert tuple(b - a for a, b in zip(before, _node_work(chaos))) == once
-    assert _metric(chaos, "kvrelay:idempotent_replays_total", kind="attached") == attached + 1
+    assert _replays(chaos) == replays + 1
+
+
+def _replays(chaos: Chaos) -> float:
+    """Requests the gateway answered from an earlier copy under the same key, running or finished."""
+    return sum(_metric(chaos, "kvrelay:idempotent_replays_total", kind=kind) for kind in ("attached", "stored"))
 
 
 def _prompt(tag: str) -> str:
