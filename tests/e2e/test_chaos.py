@@ -40,6 +40,10 @@ BLOCKS = 1024
 LEASE_S = 4.0
 STALL_S = 3.0
 LONG = 400  # tokens: the tiny model streams them for a second or more, long enough to fault it mid-way
+# The handover tests fault a gateway after the 5th event (or 0.3 s into decoding) and then expect the sequence still
+# running: on a fast CPU (a Zen 5) 400 tokens could finish first. Their ~1,100-token prompts leave room in the tiny
+# model's 2,048 positions for this many.
+HANDOVER = 900
 
 
 class Chaos:
@@ -230,7 +234,7 @@ def test_stream_resumes_on_another_gateway_after_kill_9(chaos):
     equals the fault-free run's (nothing lost, nothing repeated), and the prompt was computed once."""
     chaos.ensure("prefill")
     chaos.ensure("decode")
-    body = _body(_prompt("Handover stream"), True, True)
+    body = _body(_prompt("Handover stream"), True, True, max_tokens=HANDOVER)
     expected = _complete(chaos.gw.url, {**body, "stream": False})
     reference = _node_work(chaos)
     expected_again = _complete(chaos.gw.url, {**body, "stream": False})
@@ -252,7 +256,7 @@ def test_sdk_retry_after_kill_9_is_computed_once(chaos):
 
     chaos.ensure("prefill")
     chaos.ensure("decode")
-    body = _body(_prompt("Handover retry"), False, True)
+    body = _body(_prompt("Handover retry"), False, True, max_tokens=HANDOVER)
     expected = _complete(chaos.gw.url, body)
     reference = _node_work(chaos)
     assert _complete(chaos.gw.url, body) == expected
@@ -395,7 +399,7 @@ def test_gateway_and_decode_killed_mid_stream_seeded(chaos):
     other gateway, which finds the recorded node gone and moves the sequence from its recorded prefix. A seeded
     draw repeats itself, so the events the client already had come out the same and the rest follows."""
     chaos.ensure("decode")
-    body = _body(_prompt("Handover crash"), True, True)
+    body = _body(_prompt("Handover crash"), True, True, max_tokens=HANDOVER)
     expected = _complete(chaos.gw.url, {**body, "stream": False})
     before = _metric(chaos, "kvrelay:migrations_total")
 
