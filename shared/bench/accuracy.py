@@ -132,10 +132,10 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> dict:
     def first_divergence(x: list[int], y: list[int]) -> int:
         return next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
 
-    prefix = sum(first_divergence(x, y) for x, y in zip(ours, reference))
-    equal = sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y))
     total = sum(len(y) for y in reference)
-    return {"tokens": total, "before_first_divergence": prefix / total, "positions_equal": equal / total}
+    prefix = sum(first_divergence(x, y) for x, y in zip(ours, reference))
+    return {"tokens": total, "before_first_divergence": prefix / total,
+            "positions_equal": top1_agreement(ours, reference)}
 
 
 def top1(llm, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
@@ -149,6 +149,7 @@ def top1(llm, prompts: list[list[int]], continuations: list[list[int]]) -> list[
 
 
 def top1_agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of the reference's positions where ours holds the same token."""
     return sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) / sum(len(y) for y in reference)
 
 
