@@ -14,7 +14,9 @@ first), or room only by evicting another adapter. A node without LoRA, or one th
 gateway has no path to load it from, is not a candidate at all.
 
 Unloading takes the adapter out of the gateway's table first (new requests for it get 404), then unloads it on
-every node holding it; each node answers once the adapter's running requests are done, so none fails.
+every node holding it; each node answers once the adapter's running requests are done, so none fails. The nodes'
+loads the gateway holds may predate the unload: what a holder reports of the adapter is ignored until a load of
+its no longer lists it, so a stale report never brings the adapter back (nor has the gateway load it again).
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class Adapters:
         self._unloading: set[str] = set()
         self._seen: list[Node] | None = None
         self._reported: dict[str, AdapterRecord] = {}  # adapter -> its record, from the nodes' loads
+        # adapter -> the nodes that held it when it was unloaded: their loads may predate the unload, so what they
+        # report of it is not believed until a load of theirs no longer lists it.
+        self._gone: dict[str, set[str]] = {}
 
     # ----------------------------------------------------------------------------------------- table
 
@@ -83,7 +88,12 @@ class Adapters:
                     continue
                 paths = load.lora_paths if len(load.lora_paths) == len(load.lora_adapters) else ()
                 for i, name in enumerate(load.lora_adapters):
-                    found.setdefault(name, AdapterRecord(name, n.model_id, paths[i] if paths else None))
+                    if n.node_id not in self._gone.get(name, ()):
+                        found.setdefault(name, AdapterRecord(name, n.model_id, paths[i] if paths else None))
+            for name, stale in list(self._gone.items()):
+                stale &= {n.node_id for n in nodes if n.load is not None and name in n.load.lora_adapters}
+                if not stale:
+                    del self._gone[name]
             self._reported = found
         return self._reported
 
@@ -95,8 +105,10 @@ class Adapters:
 
     def holds(self, node: Node, name: str) -> bool:
         record = self.records.get(name)
-        return (node.load is not None and name in node.load.lora_adapters) or (
-            record is not None and node.node_id in record.loaded_on)
+        if record is not None and node.node_id in record.loaded_on:
+            return True
+        return node.load is not None and name in node.load.lora_adapters and node.node_id not in self._gone.get(
+            name, ())
 
     def extra_cost(self, node: Node, name: str) -> float | None:
         """What running adapter `name` adds to the node's routing cost; None: the node cannot run it."""
@@ -159,6 +171,7 @@ class Adapters:
                 logger.warning("LoRA adapter %s not loaded on %s (loaded there when routed): %s", name,
                                node.node_id, err)
         self.records[name] = record
+        self._forget_unload(name)
         return record
 
     async def unload(self, name: str) -> None:
@@ -170,9 +183,15 @@ class Adapters:
             holders = [n for n in self.nodes() if self.holds(n, name)]
             await self._unload_from(record, holders)
             self.records.pop(name, None)
+            self._gone[name] = {n.node_id for n in holders}
         finally:
             self._unloading.discard(name)
-            self._seen = None  # the nodes' next loads no longer report it; until then the table must not
+            self._seen = None  # the table is rebuilt without what the holders' older loads say of it
+
+    def _forget_unload(self, name: str) -> None:
+        """`name` is being loaded again: what the nodes report of it counts from now on."""
+        if self._gone.pop(name, None) is not None:
+            self._seen = None
 
     async def _unload_from(self, record: AdapterRecord, nodes: list[Node]) -> None:
         async def one(node: Node) -> None:

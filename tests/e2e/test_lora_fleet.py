@@ -192,8 +192,9 @@ def test_lora_metrics_reach_the_gateway(fleet):
 
 
 def test_a_request_keeps_its_adapter_when_its_node_dies_mid_stream(fleet):
-    p, n = prompt(7, 40), 200
-    pids = _node_pids(fleet.up.pid)  # looked up first: the kill must come before the tiny model's 200 tokens are out
+    # 900 tokens: on a fast CPU the tiny model had sent all of 200 before the kill, and nothing moved.
+    p, n = prompt(7, 40), 900
+    pids = _node_pids(fleet.up.pid)  # looked up first: the kill must come before the tiny model's tokens are out
     # The node the stream runs on (its response headers say which) dies as soon as the stream has begun.
     raw = fleet.client.completions.with_raw_response.create(model="a16", prompt=p, max_tokens=n, temperature=0,
                                                             stream=True, extra_body=IGNORE_EOS)

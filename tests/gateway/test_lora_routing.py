@@ -100,6 +100,40 @@ def test_the_index_never_matches_another_adapter_the_base_model_or_another_model
     assert create_index(store, "other-model").lookup(under_a) == {}
 
 
+def test_an_unloaded_adapter_stays_gone_while_the_nodes_loads_predate_the_unload():
+    class NodeRpcs:  # each node's unload answer, as a node gives it once the adapter is gone
+        def __init__(self) -> None:
+            self.unloaded: list[tuple[str, str]] = []
+
+        def get(self, address: str):
+            async def unload_lora_adapter(name: str) -> list[str]:
+                self.unloaded.append((address, name))
+                return []
+
+            return SimpleNamespace(unload_lora_adapter=unload_lora_adapter)
+
+    def holding(*names: str) -> NodeLoad:
+        return NodeLoad(lora_adapters=names, lora_resident=names, lora_paths=tuple(f"/x/{n}" for n in names),
+                        lora_capacity=2)
+
+    stale = [node("d0", "decode", holding("a", "b")), node("d1", "decode", holding())]
+    listed, rpcs = [stale], NodeRpcs()
+    adapters = Adapters(lambda: listed[0], rpcs)
+    assert adapters.get("a") == AdapterRecord("a", MODEL, "/x/a")
+    asyncio.run(adapters.unload("a"))
+    assert rpcs.unloaded == [("d0:1", "a")]
+    # The loads the gateway holds still list it (taken before the unload), and so do fresh lists of them.
+    for nodes in (stale, list(stale)):
+        listed[0] = nodes
+        assert adapters.get("a") is None and [r.name for r in adapters.served()] == ["b"]
+        assert not adapters.holds(stale[0], "a") and adapters.extra_cost(stale[1], "a") is None
+    # d0's next load lists it no more: the node's reports count again (it loads "a" at a restart, say).
+    listed[0] = [node("d0", "decode", holding("b")), stale[1]]
+    assert adapters.get("a") is None
+    listed[0] = [node("d0", "decode", holding("a", "b")), stale[1]]
+    assert adapters.get("a") == AdapterRecord("a", MODEL, "/x/a") and adapters.holds(listed[0][0], "a")
+
+
 # -- names and models ---------------------------------------------------------------------------------------
 
 
