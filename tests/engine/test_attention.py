@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvrelay.common.records import kv_cache_shape
+from kvrelay.engine import kernels as cpu_kernels
 from kvrelay.engine.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
@@ -187,6 +188,25 @@ def test_a_quantized_cache_equals_attention_over_the_values_it_holds(kv_dtype, c
         decodes = meta.num_decodes
         assert (out[:decodes].float() - ref[:decodes]).abs().max().item() < 2e-2
         assert (out.float() - ref).abs().mean().item() < 1e-2
+
+
+def test_an_fp8_cache_attends_as_a_bf16_cache_holding_the_same_values():
+    """With bf16 queries, the native kernels widen fp8 rows to bf16 (exactly) as they read them and compute as over
+    a bf16 cache: decodes and chunks come out the same to the bit as over a bf16 cache holding the fp8 cache's
+    values, so the two caches differ in what they store only. (With AMX, tiles compute a bf16 cache.)"""
+    native = cpu_kernels.load()
+    if native is None or native.amx_tiles():
+        pytest.skip("needs the native kernels, computing bf16 caches without AMX tiles")
+    d = 64
+    case = Case(LONG_BATCH, 16, torch.bfloat16, head_size=d)
+    fp8 = case.cache.to(torch.float8_e4m3fn)
+    q, k, v, meta = case.inputs()
+    k, v = (x.to(fp8.dtype).to(torch.bfloat16) for x in (k, v))  # new rows fp8 holds exactly
+    backend = TorchAttentionBackend(use_native=True)
+    assert backend._native_ok(q, fp8, meta)
+    assert meta.num_decodes == 5 and meta.max_query_len == 40  # decodes and chunks, short and long
+    fp8_out, bf16_out = (backend.forward(q, k, v, cache, meta, d**-0.5) for cache in (fp8, fp8.to(torch.bfloat16)))
+    assert torch.equal(fp8_out, bf16_out)
 
 
 def test_int8_rows_hold_their_scales_beside_their_values():

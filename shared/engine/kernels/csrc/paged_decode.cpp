@@ -5,10 +5,10 @@
 //
 // Two implementations: `decode_heads_w`, written once against the machine's vector (vec.h: 16 lanes with AVX512,
 // 8 with AVX2) for head size 64 (and 128 with AVX512): W keys' dot products reduced together by one transposing
-// tree, and with AVX512-BF16 and a bf16 cache and queries, dot products of bf16 pairs in hardware (q . k exact
-// products, fp32 sums; p . v with each weight split into two bf16 parts, p = hi + lo); and `decode_heads` (8-lane
-// AVX2 or scalar) for any other head size. With AMX, a bf16 cache and queries (head size 64 or 128, block size a
-// multiple of 16) run on the tile units instead (paged_decode_amx.cpp).
+// tree, and with AVX512-BF16, bf16 queries and a bf16 or fp8 cache, dot products of bf16 pairs in hardware
+// (q . k exact products, fp32 sums; p . v with each weight split into two bf16 parts, p = hi + lo); and
+// `decode_heads` (8-lane AVX2 or scalar) for any other head size. With AMX, a bf16 cache and queries (head size 64
+// or 128, block size a multiple of 16) run on the tile units instead (paged_decode_amx.cpp).
 #pragma GCC optimize("fp-contract=fast")  // FMAs in the dot products: speed over bit-exactness here
 
 #include <torch/extension.h>
@@ -168,14 +168,20 @@ inline Vf::R scores_w(const float* q, const T* const* k) {
 }
 
 #if defined(KVRELAY_AVX512BF16)
-template <int D>
-inline __m512 scores_w(const at::BFloat16* q, const at::BFloat16* const* k) {
+// 32 numbers of a bf16 or fp8 row from offset c as bf16 (fp8 widened exactly, in registers).
+inline __m512i bf16x32(const at::BFloat16* row, int64_t c) { return _mm512_loadu_si512(row + c); }
+inline __m512i bf16x32(const Fp8* row, int64_t c) {
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(load16(row + c + 16), load16(row + c)));
+}
+
+template <int D, typename T>
+inline __m512 scores_w(const at::BFloat16* q, const T* const* k) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
 #pragma GCC unroll 4
   for (int c = 0; c < D; c += 32) {
     const __m512i qv = _mm512_loadu_si512(q + c);
-    for (int i = 0; i < 16; ++i) acc[i] = dot_pairs(acc[i], _mm512_loadu_si512(k[i] + c), qv);
+    for (int i = 0; i < 16; ++i) acc[i] = dot_pairs(acc[i], bf16x32(k[i], c), qv);
   }
   return hsum16x16(acc);
 }
@@ -205,9 +211,9 @@ class WalkAhead {
   RowCursor<T> cur_;
 };
 
-// Decode for kv heads [h0, h0 + nh) of one request, W lanes at a time. Pairs mode (bf16 cache and queries on a CPU
-// with AVX512-BF16): the queries stay bf16, and p . v takes each weight as hi + lo, two bf16 numbers (16 bits of
-// it, not 8). Rounding p to bf16 alone, as GPU flash attention does, made the output's error 1.3-1.4x that of
+// Decode for kv heads [h0, h0 + nh) of one request, W lanes at a time. Pairs mode (bf16 queries and a bf16 or fp8
+// cache on a CPU with AVX512-BF16; fp8 rows widened to bf16 exactly in registers): the queries stay bf16, and
+// p . v takes each weight as hi + lo, two bf16 numbers (16 bits of it, not 8). Rounding p to bf16 alone, as GPU flash attention does, made the output's error 1.3-1.4x that of
 // rounding the exact result to bf16; the split makes it equal, and whole runs measured level (docs/results/2026-11-27-zen4/NOTES.md).
 // Each kv head walks its keys, then its values, on its own; one WalkAhead prefetches KV_PF_DIST rows ahead
 // across all of the item's walks (32 x 600 tokens fp32: 5% faster than restarting at each walk). (Walking a chunk
@@ -217,7 +223,8 @@ template <typename T, typename Q, int D>
 void decode_heads_w(const AttnView<T, Q>& a, const int32_t* table, int64_t token, int64_t seq_len,
                       int64_t first, int64_t h0, int64_t nh, Scratch& s) {
 #if defined(KVRELAY_AVX512BF16)
-  constexpr bool pairs = std::is_same<T, at::BFloat16>::value && std::is_same<Q, at::BFloat16>::value;
+  constexpr bool pairs = (std::is_same<T, at::BFloat16>::value || std::is_same<T, Fp8>::value) &&
+                         std::is_same<Q, at::BFloat16>::value;
 #else
   constexpr bool pairs = false;
 #endif
@@ -289,7 +296,7 @@ void decode_heads_w(const AttnView<T, Q>& a, const int32_t* table, int64_t token
           if (lead) ahead.advance(2);
           const int64_t j = (t - first) / 2;
           for (int c = 0; c < C / 2; ++c) {
-            const __m512i x = _mm512_loadu_si512(va + 32 * c), y = _mm512_loadu_si512(vb + 32 * c);
+            const __m512i x = bf16x32(va, 32 * c), y = bf16x32(vb, 32 * c);
             const __m512i lo = interleave_pairs(x, y, 0), hi = interleave_pairs(x, y, 1);
             for (int g = 0; g < GT; ++g) {
               if (g >= gt) break;

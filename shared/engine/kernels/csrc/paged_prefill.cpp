@@ -9,9 +9,11 @@
 //      x NR row vectors); mask what a row must not see (causal, window) with -inf; per row: new max, the
 //      rescale factor of what came before, P = exp(S - max), running sum; O[e][row] = alpha O + sum P v;
 //   3. write O / sum in the output's dtype.
-// Units: fp32 numbers (fp32 FMAs; bf16 caches and queries widened exactly), or, with AVX512-BF16 and bf16
-// queries and cache, bf16 pairs (vdpbf16ps: exact products summed in fp32; P rounded to bf16 for P . V, as GPU
-// flash attention does). A row's result does not depend on the other rows of its tile (same chunks, same order).
+// Units: fp32 numbers (fp32 FMAs; bf16 caches and queries widened exactly), or, with AVX512-BF16, bf16 queries
+// and a bf16 or fp8 cache, bf16 pairs (vdpbf16ps: exact products summed in fp32; P rounded to bf16 for P . V, as
+// GPU flash attention does; fp8 rows widened to bf16 exactly as they are staged, so an fp8 cache differs from a
+// bf16 one in its stored values only). A row's result does not depend on the other rows of its tile (same chunks,
+// same order).
 #pragma GCC optimize("fp-contract=fast")
 
 #include <torch/extension.h>
@@ -144,7 +146,7 @@ void stage_kv(const AttnView<T, Q>& a, const int32_t* table, int64_t k0, int64_t
               typename M::U* K, typename M::U* V, const typename M::U* zero, const typename M::U** krows,
               const typename M::U** vrows) {
   using U = typename M::U;
-  constexpr bool in_place = std::is_same<T, float>::value == (M::per_unit == 1);
+  constexpr bool in_place = M::per_unit == 1 ? std::is_same<T, float>::value : std::is_same<T, at::BFloat16>::value;
   const int64_t d = a.d, units = d / M::per_unit;
   RowCursor<T> keys = a.rows(a.k, table, k0, h), vals = a.rows(a.v, table, k0, h);
   for (int64_t t = 0; t < padded; ++t) {
@@ -157,7 +159,12 @@ void stage_kv(const AttnView<T, Q>& a, const int32_t* table, int64_t k0, int64_t
       krows[t] = reinterpret_cast<const U*>(src);
     } else {
       U* kr = K + t * units;
-      for (int64_t u = 0; u < units; ++u) kr[u] = unit_at<M>(src, u);
+#if defined(KVRELAY_AVX512BF16)
+      if constexpr (M::per_unit == 2 && std::is_same<T, Fp8>::value)
+        fp8_row_as_bf16(src, d, reinterpret_cast<uint16_t*>(kr));
+      else
+#endif
+        for (int64_t u = 0; u < units; ++u) kr[u] = unit_at<M>(src, u);
       krows[t] = kr;
     }
   }
@@ -178,10 +185,19 @@ void stage_kv(const AttnView<T, Q>& a, const int32_t* table, int64_t k0, int64_t
     }
   } else {
 #if defined(KVRELAY_AVX512BF16)
+    alignas(64) uint16_t widened[2][256];  // an fp8 cache's two value rows as bf16
+    auto next = [&](int i) -> const void* {
+      if constexpr (std::is_same<T, Fp8>::value) {
+        fp8_row_as_bf16(vals.next(), d, widened[i]);
+        return widened[i];
+      } else {
+        return vals.next();
+      }
+    };
     for (int64_t j = 0; j < padded / 2; ++j) {
       const int64_t t = 2 * j;
-      const void* x = t < count ? static_cast<const void*>(vals.next()) : kZeroRow;
-      const void* y = t + 1 < count ? static_cast<const void*>(vals.next()) : kZeroRow;
+      const void* x = t < count ? next(0) : kZeroRow;
+      const void* y = t + 1 < count ? next(1) : kZeroRow;
       store_pair_row(x, y, d, V + j * d);
       vrows[j] = V + j * d;
     }
@@ -292,6 +308,9 @@ void prefill_item(const AttnView<T, Q>& a, int64_t r, int64_t tok0, int64_t n, i
 #if defined(KVRELAY_AVX512BF16)
   if constexpr (std::is_same<T, at::BFloat16>::value && std::is_same<Q, at::BFloat16>::value) {
     if (prefill_item_amx(a, r, tok0, n, pos0, h, s)) return;
+    if (a.d % 32 == 0) return tile<PairUnits>(a, r, tok0, n, pos0, h, s);
+  }
+  if constexpr (std::is_same<T, Fp8>::value && std::is_same<Q, at::BFloat16>::value) {
     if (a.d % 32 == 0) return tile<PairUnits>(a, r, tok0, n, pos0, h, s);
   }
 #endif

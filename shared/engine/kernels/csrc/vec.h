@@ -204,6 +204,12 @@ inline __m512i interleave_pairs(__m512i a, __m512i b, int half) {
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   return _mm512_permutex2var_epi16(a, half ? hi : lo, b);
 }
+// A row of n fp8 e4m3 numbers (n a multiple of 16) as bf16, exactly: e4m3's exponents and 3 mantissa bits,
+// subnormals included, are all bf16 numbers. An fp8 cache then computes in bf16 pairs as a bf16 cache does.
+inline void fp8_row_as_bf16(const Fp8* src, int64_t n, uint16_t* dst) {
+  for (int64_t e = 0; e < n; e += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e), (__m256i)_mm512_cvtneps_pbh(load16(src + e)));
+}
 // Zeros to read in place of a value row past the end of a chunk (head sizes up to 256).
 alignas(64) inline constexpr uint16_t kZeroRow[256] = {};
 // One row of a P V product's B tiles: dims [0, n) of value rows x and y (16-bit elements, n a multiple of 32) as
