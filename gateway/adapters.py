@@ -189,7 +189,7 @@ class Adapters:
             self._seen = None  # the table is rebuilt without what the holders' older loads say of it
 
     def _forget_unload(self, name: str) -> None:
-        """`name` is being loaded again: what the nodes report of it counts from now on."""
+        """`name` was loaded again: what the nodes report of it counts from now on."""
         if self._gone.pop(name, None) is not None:
             self._seen = None
 
