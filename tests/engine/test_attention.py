@@ -190,7 +190,8 @@ def test_a_quantized_cache_equals_attention_over_the_values_it_holds(kv_dtype, c
         assert (out.float() - ref).abs().mean().item() < 1e-2
 
 
-def test_an_fp8_cache_attends_as_a_bf16_cache_holding_the_same_values():
+@pytest.mark.parametrize("held", ["random", "every_code"])
+def test_an_fp8_cache_attends_as_a_bf16_cache_holding_the_same_values(held):
     """With bf16 queries, the native kernels widen fp8 rows to bf16 (exactly) as they read them and compute as over
     a bf16 cache: decodes and chunks come out the same to the bit as over a bf16 cache holding the fp8 cache's
     values, so the two caches differ in what they store only. (With AMX, tiles compute a bf16 cache.)"""
@@ -200,6 +201,10 @@ def test_an_fp8_cache_attends_as_a_bf16_cache_holding_the_same_values():
     d = 64
     case = Case(LONG_BATCH, 16, torch.bfloat16, head_size=d)
     fp8 = case.cache.to(torch.float8_e4m3fn)
+    if held == "every_code":  # each of the 254 e4m3 numbers (subnormals too; not the NaN codes), over and over
+        codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+        flat = fp8.view(torch.uint8).view(-1)
+        flat.copy_(codes.repeat(flat.numel() // len(codes) + 1)[: flat.numel()])
     q, k, v, meta = case.inputs()
     k, v = (x.to(fp8.dtype).to(torch.bfloat16) for x in (k, v))  # new rows fp8 holds exactly
     backend = TorchAttentionBackend(use_native=True)

@@ -170,9 +170,7 @@ inline Vf::R scores_w(const float* q, const T* const* k) {
 #if defined(KVRELAY_AVX512BF16)
 // 32 numbers of a bf16 or fp8 row from offset c as bf16 (fp8 widened exactly, in registers).
 inline __m512i bf16x32(const at::BFloat16* row, int64_t c) { return _mm512_loadu_si512(row + c); }
-inline __m512i bf16x32(const Fp8* row, int64_t c) {
-  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(load16(row + c + 16), load16(row + c)));
-}
+inline __m512i bf16x32(const Fp8* row, int64_t c) { return fp8x32_as_bf16(row + c); }
 
 template <int D, typename T>
 inline __m512 scores_w(const at::BFloat16* q, const T* const* k) {
