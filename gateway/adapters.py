@@ -88,7 +88,7 @@ class Adapters:
                     continue
                 paths = load.lora_paths if len(load.lora_paths) == len(load.lora_adapters) else ()
                 for i, name in enumerate(load.lora_adapters):
-                    if n.node_id not in self._gone.get(name, ()):
+                    if not self._stale(n, name):
                         found.setdefault(name, AdapterRecord(name, n.model_id, paths[i] if paths else None))
             for name, stale in list(self._gone.items()):
                 stale &= {n.node_id for n in nodes if n.load is not None and name in n.load.lora_adapters}
@@ -107,8 +107,11 @@ class Adapters:
         record = self.records.get(name)
         if record is not None and node.node_id in record.loaded_on:
             return True
-        return node.load is not None and name in node.load.lora_adapters and node.node_id not in self._gone.get(
-            name, ())
+        return node.load is not None and name in node.load.lora_adapters and not self._stale(node, name)
+
+    def _stale(self, node: Node, name: str) -> bool:
+        """Whether what `node` reports of adapter `name` may predate its unload (and so is not believed)."""
+        return node.node_id in self._gone.get(name, ())
 
     def extra_cost(self, node: Node, name: str) -> float | None:
         """What running adapter `name` adds to the node's routing cost; None: the node cannot run it."""

@@ -11,7 +11,6 @@ with the same settings, for `kvrelay bench fleet --scenario vllm`.
 
 from __future__ import annotations
 
-import getpass
 import json
 import math
 import os
@@ -42,9 +41,9 @@ def vllm_env(python: str, num_threads: int, kv_cache_bytes: int, scratch: str) -
     """What vLLM's processes get on top of this environment. `scratch`: a folder of the caller's, removed after
     the run, for vLLM's IPC sockets and temporary files (a stopped vLLM leaves them behind, in /tmp otherwise);
     torch.compile's cache stays where it was, so later runs still find it."""
-    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(Path(tempfile.gettempdir()) /
-                                                                 f"torchinductor_{getpass.getuser()}")
-    env = {"TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch, "TORCHINDUCTOR_CACHE_DIR": inductor,
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # $TORCHINDUCTOR_CACHE_DIR, else torch's default
+
+    env = {"TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch, "TORCHINDUCTOR_CACHE_DIR": cache_dir(),
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{num_threads - 1}" if num_threads > 1 else "0",
            "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv_cache_bytes / 2**30))),
            "OMP_NUM_THREADS": str(num_threads),
