@@ -72,7 +72,7 @@ def measure(args: argparse.Namespace) -> dict:
     kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
     if kv_dtype != dtype:  # the quantized cache, and the same values in the --dtype cache to set beside it
         kv = quantize_int8(kv) if kv_dtype == torch.int8 else kv.to(kv_dtype)
-        unquantized = (kv.float() if kv_dtype != torch.int8 else dequantize_int8(kv, d)).to(dtype)
+        unquantized = (kv.float() if kv_dtype != torch.int8 else dequantize_int8(kv)).to(dtype)
         flat = unquantized.view(2, -1, kvh, d)
         k, v = flat[0, meta.slot_mapping].clone(), flat[1, meta.slot_mapping].clone()
     run_native = lambda: native.forward(q, k, v, kv, meta, scale)  # noqa: E731

@@ -286,7 +286,8 @@ def register(sub) -> None:
                         "(default 2 GiB on CPU)")
     m.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="fp8 (= fp8_e4m3): every node keeps K/V as e4m3 bytes, twice a bf16 cache's tokens in the "
-                        "same memory and half the bytes per KV transfer, at some accuracy (docs/quantization.md); "
+                        "same memory and half the bytes per KV transfer, at some accuracy; int8: the same size, "
+                        "closer to bf16 (docs/quantization.md); "
                         f"the gateway hashes prompts for it ({nodes}: {engine.cache.kv_cache_dtype})")
     add_offload_args(m, d)
     m.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,

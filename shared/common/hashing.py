@@ -35,7 +35,7 @@ DEFAULT_BLOCK_SIZE = 16
 _U32 = struct.Struct("<I")
 
 # --kv-cache-dtype (vLLM's names, and int8): auto keeps K/V in the model's dtype; fp8 and fp8_e4m3 store OCP e4m3
-# bytes; int8 stores int8 values with an fp16 scale per 32 of them.
+# bytes; int8 stores int8 values with an fp16 scale per 32 of them, in the lowest bits of 16 of them.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 
 

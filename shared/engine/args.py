@@ -61,7 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: EngineConfig | None = 
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=c.kv_cache_dtype,
                    help="auto: K/V in --dtype; fp8 (= fp8_e4m3): one byte a value, e4m3 with scale 1.0 as vLLM "
                         "uses without calibrated scales: twice the tokens of a bf16 cache in the same memory, "
-                        "half the bytes per KV transfer (every node of a fleet and the gateway take the same)")
+                        "half the bytes per KV transfer; int8: the same size, an fp16 scale per 32 values kept "
+                        "in their lowest bits, closer to bf16 (head size a multiple of 32). Every node of a fleet "
+                        "and the gateway take the same (docs/quantization.md)")
     add_offload_args(g, c)
     g.add_argument("--gpu-memory-utilization", type=float, default=c.gpu_memory_utilization,
                    help="CUDA: fraction of device memory for weights plus KV cache")

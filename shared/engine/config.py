@@ -39,8 +39,8 @@ _DTYPES = {
 
 def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The KV cache's dtype for --kv-cache-dtype (common.hashing.KV_CACHE_DTYPES): fp8 is e4m3 with the scale 1.0
-    vLLM uses when a checkpoint brings none (half a bf16 cache, a quarter of fp32); int8 rows carry their scales
-    (kvrelay.engine.attention.base.quantize_int8)."""
+    vLLM uses when a checkpoint brings none (half a bf16 cache, a quarter of fp32); int8 the same size, its rows'
+    values carrying their scales (kvrelay.engine.attention.base.quantize_int8)."""
     import torch
 
     return {"": model_dtype, "int8": torch.int8}.get(kv_dtype_key(name), torch.float8_e4m3fn)

@@ -19,7 +19,7 @@ from kvrelay.engine.attention import (
     TorchAttentionBackend,
     get_attention_backend,
 )
-from kvrelay.engine.attention.base import as_cached, cache_row, dequantize_int8, quantize_int8
+from kvrelay.engine.attention.base import as_cached, cache_row, dequantize_int8, int8_scales, quantize_int8
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 8, 2, 32
 SCALE = HEAD_SIZE**-0.5
@@ -155,8 +155,9 @@ def test_torch_backend_bf16_cache_fp32_compute():
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
 def test_a_quantized_cache_equals_attention_over_the_values_it_holds(kv_dtype, compute, native):
     """--kv-cache-dtype fp8 / int8: the kernels read the cache's bytes in place (e4m3 values; int8 values and the
-    fp16 scale of each 32) and attend exactly as over those values widened. The step's new rows are written as
-    torch casts them (fp8: nearest even, saturated) or as quantize_int8 computes them, byte for byte."""
+    fp16 scale each 32 carry in their bits) and attend exactly as over those values widened. The step's new rows
+    are written as torch casts them (fp8: nearest even, saturated) or as quantize_int8 computes them, byte for
+    byte."""
     d = 64  # the vector paths (AVX2, AVX512) of the decode kernels
     case = Case(LONG_BATCH, 16, torch.float32, head_size=d)
     for k in case.keys:  # beyond e4m3's largest finite (448): saturated, not NaN; an int8 group's scale grows
@@ -214,17 +215,65 @@ def test_an_fp8_cache_attends_as_a_bf16_cache_holding_the_same_values(held):
     assert torch.equal(fp8_out, bf16_out)
 
 
-def test_int8_rows_hold_their_scales_beside_their_values():
+def test_int8_rows_carry_their_scales_in_their_values_lowest_bits():
+    """An int8 row is d bytes: group g's fp16 scale is the lowest bits of its values 16-31 (bit j in value 16 + j),
+    those values being the nearest integers of the parity their bit sets."""
     x = torch.tensor([[0.5] * 32 + [-254.0] + [1.0] * 31])
     rows = quantize_int8(x)
-    assert rows.shape == (1, 68) and cache_row(64, torch.int8) == 68 and cache_row(64, torch.bfloat16) == 64
-    small = torch.tensor(0.5 / 127).half().float()  # the first group's scale, as fp16 holds it
-    assert rows[0, :4].contiguous().view(torch.float16).tolist() == [2.0, small.item()]  # the last group's first
-    assert rows[0, 4:36].tolist() == [127] * 32 and rows[0, 36:].tolist() == [-127] + [0] * 31  # 1 / 2 = 0.5: even
-    expected = torch.cat([(127 * small).repeat(32), torch.tensor([-254.0] + [0.0] * 31)])
-    assert torch.equal(dequantize_int8(rows, 64), expected[None])
+    assert rows.shape == (1, 64) and cache_row(64, torch.int8) == 64 and cache_row(64, torch.bfloat16) == 64
+    small = torch.tensor(0.5 / 127).half()  # the first group's scale, as fp16 holds it: 0x1C08
+    bits = [(small.view(torch.int16).item() >> j) & 1 for j in range(16)]
+    assert bits == [0, 0, 0, 1] + [0] * 6 + [1, 1, 1] + [0] * 3
+    # y = 0.5 / small = 126.98...: 127 where odd, 126 where the bit says even
+    assert rows[0, :32].tolist() == [127] * 16 + [126 + b for b in bits]
+    # s = 2.0 = 0x4000, bit 14 only; y = -127 and 0.5 (a tie, to the even half: 0 or 1 by parity)
+    assert rows[0, 32:].tolist() == [-127] + [0] * 15 + [0] * 14 + [1, 0]
+    assert int8_scales(rows).tolist() == [[small.item(), 2.0]]
+    expected = torch.cat([rows[0, :32].float() * small.float(), rows[0, 32:].float() * 2.0])
+    assert torch.equal(dequantize_int8(rows), expected[None])
     with pytest.raises(ValueError, match="multiple of 32 .* is 48"):
         cache_row(48, torch.int8)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_int8_values_err_by_half_a_step_or_one_where_they_carry_a_scale_bit(seed):
+    """Over random rows (and all-zero groups): the scales read back are fp16(absmax / 127), the first 16 values of
+    a group are off by at most half a step, the 16 carrying the scale's bits by at most one (plus what the clamp
+    at 127 or 126 takes off a group's largest, which the scale's rounding to fp16 may put past 127 steps)."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(seed)) * torch.logspace(-3, 3, 64)[:, None]
+    x[5, 32:64] = 0
+    rows = quantize_int8(x)
+    scale = (x.unflatten(-1, (-1, 32)).abs().amax(-1) / 127).half()
+    assert torch.equal(int8_scales(rows), scale)
+    s = scale.float().clamp_min(1e-30).unsqueeze(-1)
+    y = x.unflatten(-1, (-1, 32)) / s
+    err = (dequantize_int8(rows).unflatten(-1, (-1, 32)) / s - y).abs()
+    assert (err[..., :16] <= 0.5 + (y[..., :16].abs() - 127).clamp_min(0) + 1e-4).all()
+    assert (err[..., 16:] <= 1 + (y[..., 16:].abs() - 126).clamp_min(0) + 1e-4).all()
+    assert err[..., 16:].max().item() > 0.9  # the bound is reached: those values are a bit coarser
+    assert torch.equal(dequantize_int8(rows)[5, 32:64], torch.zeros(32))
+
+
+def test_the_native_write_quantizes_int8_rows_as_quantize_int8_does_ties_included():
+    """Rows whose quotients x / s are halves and integers of the wrong parity (the ties of both roundings), zero
+    groups, and subnormal scales: the kernels write the bytes quantize_int8 computes."""
+    native = cpu_kernels.load()
+    if native is None:
+        pytest.skip("needs the native kernels")
+    d = 64
+    case = Case([(3, 1)] * 8, 16, torch.float32, head_size=d)  # decodes: native on every build
+    q, k, v, meta = case.inputs()
+    y = torch.randint(-126, 127, (8, d), generator=torch.Generator().manual_seed(0)).float()
+    y[2:4] += 0.5  # halves: round-half-even's ties (integers of the wrong parity are the odd/even rounding's)
+    y[:, ::32] = 127  # each group's absmax: x / s is y exactly, for the exact scales below
+    x = y * torch.tensor([0.5, 0.5, 0.5, 0.5, 0, 2**-20, 3, 3])[:, None]  # a zero row; subnormal fp16 scales
+    k[:], v[:] = x[:, None], -x.flip(-1)[:, None]
+    cache = torch.zeros(kv_cache_shape(case.cache.shape[1], 16, NUM_KV_HEADS, d), dtype=torch.int8)
+    backend = TorchAttentionBackend(use_native=True)
+    assert backend._native_ok(q, cache, meta)
+    backend.forward(q, k, v, cache, meta, d**-0.5)
+    written = cache.view(2, -1, NUM_KV_HEADS, d)[:, meta.slot_mapping]
+    assert torch.equal(written[0], quantize_int8(k)) and torch.equal(written[1], quantize_int8(v))
 
 
 def test_torch_backend_new_metadata_each_step():

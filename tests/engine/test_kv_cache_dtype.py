@@ -1,8 +1,8 @@
-"""--kv-cache-dtype fp8 / int8: the engine keeps K/V as e4m3 bytes, or int8 values with an fp16 scale per 32
-(kvrelay.engine.attention, csrc kernels).
+"""--kv-cache-dtype fp8 / int8: the engine keeps K/V as e4m3 bytes, or int8 values carrying an fp16 scale per 32
+in their lowest bits (kvrelay.engine.attention, csrc kernels).
 
-What it buys: the same memory holds 4x the tokens of a float32 cache (2x bf16) in fp8, 1.88x bf16's in int8 with
-64-value heads, and a transfer moves that much fewer bytes. What it must keep: the tokens the engine would compute
+What it buys: the same memory holds 4x the tokens of a float32 cache (2x bf16) in either, and a transfer moves
+that much fewer bytes. What it must keep: the tokens the engine would compute
 over K/V as the cache holds them (a beam's forked blocks copied byte for byte), and hashes of its own (the gateway
 hashes prompts the same way).
 """
@@ -49,12 +49,13 @@ def test_fp8_holds_four_times_float32_and_twice_bf16_tokens_in_the_same_memory(t
         core(tiny, "float32", "int8")
 
 
-def test_int8_rows_carry_their_scales(tmp_path):
-    """Heads of 32: a row is 2 bytes of scale and 32 values, so 128 / 34 the tokens of float32 in the same memory."""
+def test_int8_holds_four_times_float32_and_twice_bf16_tokens_in_the_same_memory(tmp_path):
+    """Heads of 32: a row is 32 bytes, its scale in its values' bits, so 4x the tokens of float32 (2x bf16)."""
     model = str(make_tiny_checkpoint("llama", tmp_path, head_dim=32))
-    f32, q8 = core(model, "float32", "auto"), core(model, "float32", "int8")
-    assert q8.kv_layout().head_size == 34 and q8.kv_layout().dtype == "int8"
-    assert q8.num_blocks == MEMORY // (3 * 2 * 16 * 2 * 34) and f32.num_blocks == MEMORY // (3 * 2 * 16 * 2 * 32 * 4)
+    f32, bf16, q8 = core(model, "float32", "auto"), core(model, "bfloat16", "auto"), core(model, "float32", "int8")
+    assert q8.kv_layout().head_size == 32 and q8.kv_layout().dtype == "int8"
+    assert q8.num_blocks == MEMORY // (3 * 2 * 16 * 2 * 32) == 4 * f32.num_blocks == 2 * bf16.num_blocks
+    assert 4 * q8.kv_layout().transfer_nbytes(10) == f32.kv_layout().transfer_nbytes(10)
 
 
 def test_the_engine_hashes_fp8_blocks_as_the_gateway_routes():

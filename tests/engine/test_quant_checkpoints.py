@@ -128,7 +128,7 @@ def test_missing_and_misshapen_tensors_name_the_tensor():
 @pytest.mark.timeout(180)
 def test_disaggregated_equals_colocated_on_a_quantized_checkpoint_and_cache(tmp_path):
     """Prefill and decode nodes on a GPTQ checkpoint (found from its config.json, no flag) with an int8 KV cache:
-    the KV handed over is the quantized model's, its values with their scales, and the tokens are the colocated
+    the KV handed over is the quantized model's, its values carrying their scales, and the tokens are the colocated
     engine's."""
     src = make_tiny_checkpoint("qwen2", tmp_path / "fp32", head_dim=32)
     quantize_checkpoint(src, tmp_path / "gptq", tmp_path / "ref", "gptq", act_order=True)
@@ -140,7 +140,7 @@ def test_disaggregated_equals_colocated_on_a_quantized_checkpoint_and_cache(tmp_
     try:
         got = [disaggregated(prefill, decode, f"d-{i}", p, GREEDY).tokens for i, p in enumerate(PROMPTS)]
         layout = decode.stub().GetNodeInfo(pb.NodeInfoRequest(), timeout=5).layout
-        assert "(gptq weights)" in layout.model_id and (layout.dtype, layout.head_size) == ("int8", 34)
+        assert "(gptq weights)" in layout.model_id and (layout.dtype, layout.head_size) == ("int8", 32)
     finally:
         assert stop_nodes([prefill, decode]) == [0, 0], prefill.log_tail() + decode.log_tail()
     assert got == expected

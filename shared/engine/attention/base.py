@@ -6,9 +6,10 @@ rows query_start_loc[r] : query_start_loc[r+1]. Requests are ordered with single
 attention covers its whole context: seq_lens[r] tokens, the last query_lens[r] of which are the new ones.
 
 The KV cache of one layer is one tensor of shape [2, num_blocks, block_size, num_kv_heads, row]
-(kvrelay.common.records.kv_cache_shape; index 0 = keys, 1 = values), a row being head_size values, or for an
-int8 cache (`cache_row`) head_size / 16 bytes of fp16 scales, one per 32 values in reverse order, then head_size
-int8 values (`quantize_int8`): the scales live beside the values, so every transfer moves them with them.
+(kvrelay.common.records.kv_cache_shape; index 0 = keys, 1 = values), a row being head_size values. An int8
+cache's rows (`quantize_int8`) carry their scales inside their values: each group of 32 values has an fp16 scale
+whose 16 bits are the lowest bits of the group's last 16 values. So an int8 row is exactly half a bf16 row, and
+every transfer moves the scales with the values.
 Token t of the batch writes its key/value at flat slot slot_mapping[t] (= block_id * block_size + offset).
 Request r's context lives in blocks block_tables[r, :ceil(seq_len/bs)].
 """
@@ -62,47 +63,60 @@ class AttentionBackend(ABC):
 
 
 Q8_GROUP = 32  # values per fp16 scale in an int8 cache
+Q8_SCALE_BITS = 16  # the group's last 16 values carry its scale's bits, bit j in value 16 + j's lowest bit
 
 
 def cache_row(head_size: int, kv_dtype: torch.dtype) -> int:
-    """Elements of one head's row in a cache of kv_dtype: its values, plus an int8 row's scales."""
-    if kv_dtype != torch.int8:
-        return head_size
-    if head_size % Q8_GROUP:
+    """Elements of one head's row in a cache of kv_dtype: head_size (an int8 row holds its scales in its values,
+    so its head size must be a multiple of 32)."""
+    if kv_dtype == torch.int8 and head_size % Q8_GROUP:
         raise ValueError(f"kv_cache_dtype: int8 needs a head size that is a multiple of {Q8_GROUP} (this model's "
                          f"is {head_size}); use fp8")
-    return head_size + 2 * (head_size // Q8_GROUP)
+    return head_size
 
 
 def quantize_int8(x: torch.Tensor) -> torch.Tensor:
-    """Rows [..., d] as int8 cache rows [..., d + d / 16]: per group of 32, s = fp16(absmax / 127) and
-    q = round-half-even(x / s) clamped to [-127, 127] (0 where s is 0); the scales first, last group's first.
+    """Rows [..., d] as int8 cache rows [..., d]: per group of 32, s = fp16(absmax / 127) and y = x / s (0 where s
+    is 0). The first 16 values are round-half-even(y) clamped to [-127, 127]. Value 16 + j is the integer nearest
+    to y whose lowest bit is bit j of s (ties to even halves), clamped to [-127, 127] or [-126, 126]: so the
+    group's scale costs no bytes, and those 16 values err by at most 1 instead of 0.5.
     The native kernels' write (csrc/common.h, quantize_q8_row) computes the same bytes."""
     groups = x.float().unflatten(-1, (-1, Q8_GROUP))
     scale = (groups.abs().amax(-1) / 127).to(torch.float16)
     s = scale.float().unsqueeze(-1)
-    q = torch.where(s > 0, torch.round(groups / s).clamp(-127, 127), 0).to(torch.int8).flatten(-2)
-    return torch.cat([scale.flip(-1).contiguous().view(torch.int8), q], -1)
+    y = torch.where(s > 0, groups / s, 0)
+    lead = Q8_GROUP - Q8_SCALE_BITS
+    shifts = torch.arange(Q8_SCALE_BITS, device=x.device, dtype=torch.int32)
+    bit = ((scale.view(torch.int16).int().unsqueeze(-1) >> shifts) & 1).float()
+    low = torch.round(y[..., :lead]).clamp(-127, 127)
+    high = torch.clamp(2 * torch.round((y[..., lead:] - bit) * 0.5) + bit, -126 - bit, 126 + bit)
+    return torch.cat([low, high], -1).to(torch.int8).flatten(-2)
 
 
-def dequantize_int8(rows: torch.Tensor, head_size: int) -> torch.Tensor:
-    """int8 cache rows [..., d + d / 16] as float32 values [..., d]."""
-    lead = rows.shape[-1] - head_size
-    scale = rows[..., :lead].contiguous().view(torch.float16).flip(-1).float()
-    values = rows[..., lead:].float().unflatten(-1, (-1, Q8_GROUP))
-    return (values * scale.unsqueeze(-1)).flatten(-2)
+def int8_scales(rows: torch.Tensor) -> torch.Tensor:
+    """The fp16 scales [..., d / 32] that int8 cache rows [..., d] carry in their values' lowest bits."""
+    high = rows.unflatten(-1, (-1, Q8_GROUP))[..., Q8_GROUP - Q8_SCALE_BITS:]
+    shifts = torch.arange(Q8_SCALE_BITS, device=rows.device, dtype=torch.int32)
+    bits = ((high.int() & 1) << shifts).sum(-1)
+    return bits.to(torch.int16).view(torch.float16)
+
+
+def dequantize_int8(rows: torch.Tensor) -> torch.Tensor:
+    """int8 cache rows [..., d] as float32 values [..., d]: each value times its group's scale."""
+    values = rows.float().unflatten(-1, (-1, Q8_GROUP))
+    return (values * int8_scales(rows).float().unsqueeze(-1)).flatten(-2)
 
 
 def as_cached(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
     """x as a cache of kv_dtype gives it back (fp8: rounded; int8: quantized per group), in x's dtype."""
     if kv_dtype == torch.int8:
-        return dequantize_int8(quantize_int8(x), x.shape[-1]).to(x.dtype)
+        return dequantize_int8(quantize_int8(x)).to(x.dtype)
     return x.to(kv_dtype).to(x.dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter new keys/values into their slots (the paged equivalent of appending), cast to the cache's dtype
-    (fp8 e4m3: rounded to nearest even and saturated at +-448; int8: quantized with their scales)."""
+    (fp8 e4m3: rounded to nearest even and saturated at +-448; int8: quantized, scales in the values' bits)."""
     num_kv_heads = k.shape[1]
     flat = kv_cache.view(2, -1, num_kv_heads, kv_cache.shape[-1])
     if kv_cache.dtype == torch.int8:

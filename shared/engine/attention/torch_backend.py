@@ -121,7 +121,7 @@ class TorchAttentionBackend(AttentionBackend):
         assert dec is not None
         nd, num_heads, d = q.shape
         num_kv_heads = kv_cache.shape[3]
-        kv = self._gather(kv_cache, dec.blocks, q.dtype, d)  # [2, nd * nb, bs, kvh, d]
+        kv = self._gather(kv_cache, dec.blocks, q.dtype)  # [2, nd * nb, bs, kvh, d]
         kv = kv.view(2, nd, -1, num_kv_heads, d).transpose(2, 3)  # [2, nd, kvh, L, d]
         key = ("decode", window, q.dtype)
         if key not in plan.masks:
@@ -149,15 +149,14 @@ class TorchAttentionBackend(AttentionBackend):
             return _sdpa(q, k, v, scale, mask=None)  # the whole context is this chunk: plain causal
         if seq_len > query_len:
             blocks = meta.block_tables[r, : -(-seq_len // meta.block_size)].long()
-            kv = self._gather(kv_cache, blocks, q.dtype, q.shape[-1]).flatten(1, 2)[:, :seq_len]
+            kv = self._gather(kv_cache, blocks, q.dtype).flatten(1, 2)[:, :seq_len]
             k, v = kv[0], kv[1]
         key = ("prefill", r, window, q.dtype)
         if key not in plan.masks:
             plan.masks[key] = _additive(_causal_keep(query_len, seq_len, window, q.device), q.dtype)
         return _sdpa(q, k, v, scale, mask=plan.masks[key])
 
-    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype, head_size: int
-                ) -> torch.Tensor:
+    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Keys and values of the given blocks, [2, n, block_size, kvh, head_size], in `dtype`.
 
         Lands in a reused buffer: fresh tensors this big are mmap'ed and page-faulted on every call, which
@@ -168,8 +167,8 @@ class TorchAttentionBackend(AttentionBackend):
         index = torch.cat([blocks, blocks + num_blocks])  # keys' blocks then values' blocks, one dim-0 gather
         raw = self._buffer(kv_cache.dtype, kv_cache.device, 0, index.numel() * per_block)
         raw = torch.index_select(kv_cache.view(two * num_blocks, per_block), 0, index, out=raw.view(-1, per_block))
-        if kv_cache.dtype == torch.int8:  # rows of scales and values: dequantized (a fresh tensor)
-            return dequantize_int8(raw.view(two, blocks.numel(), *block_shape), head_size).to(dtype)
+        if kv_cache.dtype == torch.int8:  # values carrying their scales: dequantized (a fresh tensor)
+            return dequantize_int8(raw.view(two, blocks.numel(), *block_shape)).to(dtype)
         if dtype != kv_cache.dtype:  # a narrow cache under wider compute (see kvrelay.engine.models.loader)
             raw = self._buffer(dtype, kv_cache.device, 1, raw.numel()).view_as(raw).copy_(raw)
         return raw.view(two, blocks.numel(), *block_shape)

@@ -44,18 +44,17 @@ struct AttnView {
   int64_t table_stride;
   int64_t q_stride;
   int64_t bs, kvh, heads, d;
-  int64_t rw;          // elements of T per head row in the cache: d, or d plus an int8 row's scales (common.h)
   float scale;
   int64_t window;      // <= 0: full attention
 
   int64_t group() const { return heads / kvh; }
-  int64_t token_stride() const { return kvh * rw; }
+  int64_t token_stride() const { return kvh * d; }
   RowCursor<T> rows(const T* cache, const int32_t* table, int64_t pos, int64_t h) const {
-    return RowCursor<T>(cache, table, pos, bs, token_stride(), h * rw);
+    return RowCursor<T>(cache, table, pos, bs, token_stride(), h * d);
   }
   // The row of position pos, kv head h (one lookup; rows() walks many).
   const T* row(const T* cache, const int32_t* table, int64_t pos, int64_t h) const {
-    return cache + (int64_t(table[pos / bs]) * bs + pos % bs) * token_stride() + h * rw;
+    return cache + (int64_t(table[pos / bs]) * bs + pos % bs) * token_stride() + h * d;
   }
 };
 

@@ -12,7 +12,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX2__) && defined(__FMA__) || defined(__F16C__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // every AVX2 CPU has FMA and F16C
@@ -35,25 +35,33 @@ inline float fp8_to_f32(uint8_t b) {
   return (b & 0x80) ? -f : f;
 }
 
-// An int8 KV cache (--kv-cache-dtype int8): each head's row is [s_{G-1} .. s_1 s_0][v_0 .. v_{d-1}], G = d / 32
-// fp16 scales (reversed) then d int8 values, value i standing for v_i * s_{i / 32}. The kernels' row pointers point
-// at v_0 (a view's base is offset by the scales' bytes), so a scale is found from the row and the offset alone.
+// An int8 KV cache (--kv-cache-dtype int8): each head's row is d int8 values, value i standing for v_i * s_{i / 32}.
+// Group g's fp16 scale s_g costs no bytes: its bit j is the lowest bit of the group's value 16 + j (the writer
+// rounds those 16 values to the nearest integer of that parity). So an int8 row is half a bf16 row.
 struct Q8 {
   int8_t v;
 };
 constexpr int64_t kQ8Group = 32;
-inline int64_t q8_lead(int64_t d) { return 2 * (d / kQ8Group); }  // bytes of a row's scales
-inline float half_to_f32(const c10::Half* p) {
+constexpr int64_t kQ8Lead = 16;  // values of a group before those carrying its scale's bits
+inline float half_bits_to_f32(uint16_t bits) {
 #if defined(__F16C__)
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
   return _cvtsh_ss(bits);
 #else
-  return static_cast<float>(*p);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 #endif
 }
+// The scale of the group holding value i of a row.
 inline float q8_scale(const Q8* row, int64_t i) {
-  return half_to_f32(reinterpret_cast<const c10::Half*>(row) - 1 - i / kQ8Group);
+  const int8_t* high = &row[i / kQ8Group * kQ8Group + kQ8Lead].v;
+#if defined(__SSE2__)
+  // Each byte's lowest bit shifted to its top, where movemask collects the 16 of them in order.
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(high));
+  return half_bits_to_f32(static_cast<uint16_t>(_mm_movemask_epi8(_mm_slli_epi16(x, 7))));
+#else
+  uint16_t bits = 0;
+  for (int j = 0; j < 16; ++j) bits |= static_cast<uint16_t>((high[j] & 1) << j);
+  return half_bits_to_f32(bits);
+#endif
 }
 
 inline float bf16_to_f32(uint16_t v) {
@@ -136,18 +144,27 @@ inline float load(const Fp8* p, int64_t i) { return fp8_to_f32(reinterpret_cast<
 inline void put(Fp8* p, int64_t i, float v) { p[i] = Fp8(std::isnan(v) ? v : std::clamp(v, -448.f, 448.f)); }
 inline float load(const Q8* row, int64_t i) { return static_cast<float>(row[i].v) * q8_scale(row, i); }
 
-// d values (any dtype load() reads) into an int8 row (its pointer at v_0): per group of 32, s = fp16(absmax / 127)
-// and v = round-half-even(x / s) clamped to [-127, 127], as kvrelay.engine.attention.base.quantize_int8 does.
+// d values (any dtype load() reads) into an int8 row, as kvrelay.engine.attention.base.quantize_int8 does: per group
+// of 32, s = fp16(absmax / 127) and y = x / s; values 0-15 round-half-even(y) clamped to [-127, 127], value 16 + j
+// the integer nearest y whose lowest bit is bit j of s, clamped to [-127, 127] (odd) or [-126, 126] (even).
 template <typename N>
 inline void quantize_q8_row(const N* src, int64_t d, Q8* row) {
   for (int64_t g = 0; g < d / kQ8Group; ++g) {
+    const int64_t first = g * kQ8Group;
     float amax = 0.f;
-    for (int64_t i = g * kQ8Group; i < (g + 1) * kQ8Group; ++i) amax = std::max(amax, std::fabs(load(src, i)));
+    for (int64_t i = first; i < first + kQ8Group; ++i) amax = std::max(amax, std::fabs(load(src, i)));
     const c10::Half scale(amax / 127.f);
-    reinterpret_cast<c10::Half*>(row)[-1 - g] = scale;
     const float s = static_cast<float>(scale);
-    for (int64_t i = g * kQ8Group; i < (g + 1) * kQ8Group; ++i)  // s == 0: every value of the group is 0
-      row[i].v = s > 0.f ? static_cast<int8_t>(std::clamp(std::nearbyint(load(src, i) / s), -127.f, 127.f)) : 0;
+    for (int64_t i = first; i < first + kQ8Group; ++i) {
+      const float y = s > 0.f ? load(src, i) / s : 0.f;  // s == 0: every value of the group is 0, and so is s
+      if (i < first + kQ8Lead) {
+        row[i].v = static_cast<int8_t>(std::clamp(std::nearbyint(y), -127.f, 127.f));
+      } else {
+        const float bit = static_cast<float>((scale.x >> (i - first - kQ8Lead)) & 1);
+        const float nearest = 2.f * std::nearbyint((y - bit) * 0.5f) + bit;
+        row[i].v = static_cast<int8_t>(std::clamp(nearest, -126.f - bit, 126.f + bit));
+      }
+    }
   }
 }
 

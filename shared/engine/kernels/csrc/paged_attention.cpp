@@ -46,11 +46,11 @@ std::vector<Item> plan(const int32_t* qsl, const int32_t* lens, int64_t reqs, in
 
 // Rows of new keys and values (k, v [tokens, kvh, d], strided rows) into their cache slots, in the cache's dtype.
 template <typename T, typename N>
-void write_row(const N* k, const N* v, int64_t slot, int64_t kvh, int64_t d, int64_t rw, T* kc, T* vc) {
-  if constexpr (std::is_same<T, Q8>::value) {  // per head row: its scales, then its values (kc, vc at v_0)
+void write_row(const N* k, const N* v, int64_t slot, int64_t kvh, int64_t d, T* kc, T* vc) {
+  if constexpr (std::is_same<T, Q8>::value) {  // per head row: its values, carrying their scales
     for (int64_t h = 0; h < kvh; ++h) {
-      quantize_q8_row(k + h * d, d, kc + (slot * kvh + h) * rw);
-      quantize_q8_row(v + h * d, d, vc + (slot * kvh + h) * rw);
+      quantize_q8_row(k + h * d, d, kc + (slot * kvh + h) * d);
+      quantize_q8_row(v + h * d, d, vc + (slot * kvh + h) * d);
     }
   } else {
     const int64_t width = kvh * d;
@@ -72,16 +72,14 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
          const torch::Tensor& lens, int64_t decodes, double scale, int64_t window, const NewKV& fresh,
          torch::Tensor& out) {
   AttnView<T, Q> a{};
-  // An int8 cache's rows start with their scales: the view's rows point past them, at the values.
-  const int64_t lead = std::is_same<T, Q8>::value ? q8_lead(q.size(2)) : 0;
-  a.k = reinterpret_cast<const T*>(kv[0].data_ptr()) + lead;
-  a.v = reinterpret_cast<const T*>(kv[1].data_ptr()) + lead;
+  a.k = reinterpret_cast<const T*>(kv[0].data_ptr());
+  a.v = reinterpret_cast<const T*>(kv[1].data_ptr());
   a.q = reinterpret_cast<const Q*>(q.data_ptr());
   a.out = reinterpret_cast<Q*>(out.data_ptr());
   a.tables = tables.data_ptr<int32_t>();
   a.table_stride = tables.size(1);
   a.q_stride = q.stride(0);
-  a.bs = kv.size(2), a.kvh = kv.size(3), a.heads = q.size(1), a.d = q.size(2), a.rw = kv.size(4);
+  a.bs = kv.size(2), a.kvh = kv.size(3), a.heads = q.size(1), a.d = q.size(2);
   a.scale = static_cast<float>(scale);
   a.window = window;
   const int threads = std::max(1, at::get_num_threads());
@@ -93,8 +91,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
                                        a.kvh, a.group(), tile, threads);
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int64_t tokens = q.size(0);
-  T* kc = reinterpret_cast<T*>(kv[0].data_ptr()) + lead;
-  T* vc = reinterpret_cast<T*>(kv[1].data_ptr()) + lead;
+  T* kc = reinterpret_cast<T*>(kv[0].data_ptr());
+  T* vc = reinterpret_cast<T*>(kv[1].data_ptr());
 #pragma omp parallel num_threads(threads)
   {
     if (fresh.k != nullptr) {  // the step's new rows first; the barrier after this loop orders them before reads
@@ -103,10 +101,10 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
         const int64_t ks = fresh.k->stride(0), vs = fresh.v->stride(0), slot = fresh.slots[t];
         if (fresh.k->scalar_type() == torch::kFloat32)
           write_row(fresh.k->data_ptr<float>() + t * ks, fresh.v->data_ptr<float>() + t * vs, slot, a.kvh, a.d,
-                    a.rw, kc, vc);
+                    kc, vc);
         else
           write_row(fresh.k->data_ptr<at::BFloat16>() + t * ks, fresh.v->data_ptr<at::BFloat16>() + t * vs, slot,
-                    a.kvh, a.d, a.rw, kc, vc);
+                    a.kvh, a.d, kc, vc);
       }
     }
     thread_local Scratch scratch;  // kept across steps: the pool's threads live as long as the process
@@ -122,8 +120,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
 }  // namespace
 
 // q [tokens, heads, d] fp32|bf16 (rows may be strided: a view of a fused qkv projection); kv_cache
-// [2, num_blocks, bs, kvh, d] fp32|bf16|fp8 e4m3 (new rows rounded and saturated to it), or int8 rows of
-// d + d / 16 bytes (fp16 scales per 32 values, then the values: common.h); block_tables
+// [2, num_blocks, bs, kvh, d] fp32|bf16|fp8 e4m3 (new rows rounded and saturated to it) or int8 (values carrying
+// an fp16 scale per 32 of them: common.h); block_tables
 // [reqs, max_blocks], query_start_loc [reqs + 1], seq_lens
 // [reqs] int32, the first num_decodes requests with one query token each; window <= 0: full attention.
 // k, v [tokens, kvh, d] (strided rows) and slot_mapping [tokens] int64: the step's new keys and values, written
@@ -138,9 +136,8 @@ torch::Tensor paged_attention(TensorArg q, OptTensorArg k, OptTensorArg v, Tenso
   TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 || kv_cache.scalar_type() == torch::kBFloat16 ||
                   kv_cache.scalar_type() == torch::kFloat8_e4m3fn || kq8,
               "kv_cache dtype must be float32, bfloat16, float8_e4m3fn or int8");
-  TORCH_CHECK(kv_cache.size(4) == q.size(2) + (kq8 ? q8_lead(q.size(2)) : 0) && q.size(1) % kv_cache.size(3) == 0,
-              "head size must match (an int8 cache's rows: 2 bytes of scale per 32 values, then the values) and "
-              "heads must be a multiple of kv heads");
+  TORCH_CHECK(kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0,
+              "head size must match and heads must be a multiple of kv heads");
   TORCH_CHECK(!kq8 || q.size(2) % kQ8Group == 0, "an int8 cache needs a head size that is a multiple of 32");
   TORCH_CHECK(q.size(2) <= 256, "head size above 256");
   for (const auto* t : {&block_tables, &query_start_loc, &seq_lens})

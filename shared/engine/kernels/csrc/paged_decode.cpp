@@ -65,17 +65,17 @@ inline void pv_rows(const float* p, int64_t p_stride, const T* v, int64_t v_stri
 template <typename T, int D>
 void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t seq_len,
                   int64_t first, int64_t bs, int64_t kvh, int64_t h0, int64_t nh, int64_t group, int64_t d_arg,
-                  int64_t rw, float scale, float* out, std::vector<float>& scores) {
+                  float scale, float* out, std::vector<float>& scores) {
   const int64_t d = D > 0 ? D : d_arg;
   const int64_t n = seq_len - first;
   const int64_t rows_q = nh * group;  // query heads served by this item
   scores.resize(rows_q * n);
-  const int64_t token_stride = kvh * rw;
+  const int64_t token_stride = kvh * d;
   const int64_t block_stride = bs * token_stride;
   const int64_t b_first = first / bs, b_last = (seq_len - 1) / bs;
-  auto block_at = [&](const T* cache, int64_t b) { return cache + int64_t(table[b]) * block_stride + h0 * rw; };
+  auto block_at = [&](const T* cache, int64_t b) { return cache + int64_t(table[b]) * block_stride + h0 * d; };
   auto fetch = [&](const T* cache, int64_t b) {
-    for (int64_t t = 0; t < bs; ++t) prefetch(block_at(cache, b) + t * token_stride, nh * rw * int64_t(sizeof(T)));
+    for (int64_t t = 0; t < bs; ++t) prefetch(block_at(cache, b) + t * token_stride, nh * d * int64_t(sizeof(T)));
   };
   // Pass 1: scores[row, j] = scale * q_row . k_j
   for (int64_t b = b_first; b <= std::min(b_last, b_first + kAhead - 1); ++b) fetch(k_cache, b);
@@ -84,7 +84,7 @@ void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int3
     const T* blk = block_at(k_cache, b);
     const int64_t t0 = std::max(first, b * bs), t1 = std::min(seq_len, (b + 1) * bs);
     for (int64_t hh = 0; hh < nh; ++hh) {
-      const T* k0 = blk + hh * rw - b * bs * token_stride;  // + t * token_stride: key t of this head
+      const T* k0 = blk + hh * d - b * bs * token_stride;  // + t * token_stride: key t of this head
       for (int64_t g = 0; g < group; ++g) {
         const float* qr = q + (hh * group + g) * d;
         float* sr = scores.data() + (hh * group + g) * n - first;
@@ -115,7 +115,7 @@ void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int3
       // bf16 caches only: sharing the widened V rows pays there; with an fp32 cache it measured 5-15% slower
       // than row by row (same sums, same order either way).
       if constexpr (D > 0 && D % 16 == 0 && !std::is_same<T, float>::value) {
-        const T* v0 = blk + hh * rw - b * bs * token_stride;
+        const T* v0 = blk + hh * d - b * bs * token_stride;
         const float* p0 = scores.data() + hh * group * n - first;
         float* o0 = out + hh * group * d;
         for (; g + 3 <= group; g += 3) pv_rows<3, D>(p0 + g * n, n, v0, token_stride, t0, t1, o0 + g * d);
@@ -129,7 +129,7 @@ void decode_heads(const float* q, const T* k_cache, const T* v_cache, const int3
         const float* p = scores.data() + row * n - first;
         float acc[D > 0 ? D : 256];
         for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
-        for (int64_t t = t0; t < t1; ++t) axpy<D>(p[t], blk + (t - b * bs) * token_stride + hh * rw, acc, d);
+        for (int64_t t = t0; t < t1; ++t) axpy<D>(p[t], blk + (t - b * bs) * token_stride + hh * d, acc, d);
         float* o = out + row * d;
         for (int64_t i = 0; i < d; ++i) o[i] += acc[i];
       }
@@ -195,7 +195,7 @@ class WalkAhead {
         cur_(a.rows(a.k, table, first, h0)) {}
   void advance(int64_t rows) {
     for (; rows > 0 && walk_ < 2 * nh_; --rows) {
-      prefetch(cur_.next(), a_.rw * int64_t(sizeof(T)));
+      prefetch(cur_.next(), a_.d * int64_t(sizeof(T)));
       if (++done_ < n_) continue;
       done_ = 0;
       if (++walk_ < 2 * nh_) cur_ = a_.rows(walk_ < nh_ ? a_.k : a_.v, table_, first_, h0_ + walk_ % nh_);
@@ -355,15 +355,15 @@ void decode_item(const AttnView<T, Q>& a, int64_t r, int64_t token, int64_t seq_
   float* of = s.floats(2, rows * d);
   switch (d) {
     case 64:
-      decode_heads<T, 64>(qf, a.k, a.v, table, seq_len, first, a.bs, a.kvh, h0, nh, group, d, a.rw, a.scale, of,
+      decode_heads<T, 64>(qf, a.k, a.v, table, seq_len, first, a.bs, a.kvh, h0, nh, group, d, a.scale, of,
                              s.f[0]);
       break;
     case 128:
-      decode_heads<T, 128>(qf, a.k, a.v, table, seq_len, first, a.bs, a.kvh, h0, nh, group, d, a.rw, a.scale, of,
+      decode_heads<T, 128>(qf, a.k, a.v, table, seq_len, first, a.bs, a.kvh, h0, nh, group, d, a.scale, of,
                              s.f[0]);
       break;
     default:
-      decode_heads<T, 0>(qf, a.k, a.v, table, seq_len, first, a.bs, a.kvh, h0, nh, group, d, a.rw, a.scale, of,
+      decode_heads<T, 0>(qf, a.k, a.v, table, seq_len, first, a.bs, a.kvh, h0, nh, group, d, a.scale, of,
                              s.f[0]);
   }
   store_n(of, a.out + (token * a.heads + h0 * group) * d, rows * d);
