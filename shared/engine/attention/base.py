@@ -77,9 +77,9 @@ def cache_row(head_size: int, kv_dtype: torch.dtype) -> int:
 
 def quantize_int8(x: torch.Tensor) -> torch.Tensor:
     """Rows [..., d] as int8 cache rows [..., d]: per group of 32, s = fp16(absmax / 127) and y = x / s (0 where s
-    is 0). The first 16 values are round-half-even(y) clamped to [-127, 127]. Value 16 + j is the integer nearest
-    to y whose lowest bit is bit j of s (ties to even halves), clamped to [-127, 127] or [-126, 126]: so the
-    group's scale costs no bytes, and those 16 values err by at most 1 instead of 0.5.
+    is 0). The first 16 values are round-half-even(y) clamped to [-127, 127]. Value 16 + j is n, the integer
+    nearest to y whose lowest bit b is bit j of s (a tie to the n whose (n - b) / 2 is even), clamped to [-127, 127]
+    or [-126, 126]: so the group's scale costs no bytes, and those 16 values err by at most 1 instead of 0.5.
     The native kernels' write (csrc/common.h, quantize_q8_row) computes the same bytes."""
     groups = x.float().unflatten(-1, (-1, Q8_GROUP))
     scale = (groups.abs().amax(-1) / 127).to(torch.float16)
