@@ -121,8 +121,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& t
 
 // q [tokens, heads, d] fp32|bf16 (rows may be strided: a view of a fused qkv projection); kv_cache
 // [2, num_blocks, bs, kvh, d] fp32|bf16|fp8 e4m3 (new rows rounded and saturated to it) or int8 (values carrying
-// an fp16 scale per 32 of them: common.h); block_tables
-// [reqs, max_blocks], query_start_loc [reqs + 1], seq_lens
+// an fp16 scale per 32 of them: common.h); block_tables [reqs, max_blocks], query_start_loc [reqs + 1], seq_lens
 // [reqs] int32, the first num_decodes requests with one query token each; window <= 0: full attention.
 // k, v [tokens, kvh, d] (strided rows) and slot_mapping [tokens] int64: the step's new keys and values, written
 // into the cache first (None: the cache holds them already). Returns [tokens, heads, d] in q's dtype.
