@@ -380,7 +380,9 @@ def _lookup(index, hashes) -> dict:
 
 def test_decode_killed_mid_stream_unary_seeded(chaos):
     chaos.ensure("decode")
-    body = _body("Decode crash: tell me a long story", False, True)
+    # 3x the usual length, as the greedy test below: on a Zen 5 under a full test run the tiny model once finished
+    # 400 tokens before the kill, so nothing moved.
+    body = _body("Decode crash: tell me a long story", False, True, max_tokens=3 * LONG)
     expected = _complete(chaos.gw.url, body)
     before = _metric(chaos, "kvrelay:migrations_total")
     thread, box = in_thread(_complete, chaos.gw.url, body)
@@ -389,6 +391,7 @@ def test_decode_killed_mid_stream_unary_seeded(chaos):
                       interval=0.02)
     time.sleep(0.2)
     chaos.nodes[victim].kill()
+    assert thread.is_alive(), "the request finished before its decode node was killed"
     thread.join(120)
     assert box.get("result") == expected, box
     assert _metric(chaos, "kvrelay:migrations_total") == before + 1
