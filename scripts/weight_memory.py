@@ -11,16 +11,18 @@ Loads the model twice in one process and counts what the second load adds to the
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
 import re
+from pathlib import Path
+
+from kvrelay.common.system import release_freed_memory
 
 
 def resident_mib() -> dict[str, int]:
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    release_freed_memory()
     text = open("/proc/self/smaps_rollup").read()
     return {k: int(re.search(rf"^{k}:\s+(\d+)", text, re.M).group(1)) // 1024 for k in ("Rss", "Anonymous")}
 
@@ -35,7 +37,7 @@ def main() -> None:
     from kvrelay.engine.attention import get_attention_backend
     from kvrelay.engine.config import engine_config_from_kwargs
     from kvrelay.engine.model_info import load_model_info
-    from kvrelay.engine.models.loader import load_model
+    from kvrelay.engine.models.loader import checkpoint_files, load_model
 
     quantization = None if args.quantization == "none" else args.quantization
     info = load_model_info(engine_config_from_kwargs(args.model, args.dtype, quantization=quantization).model)
@@ -45,14 +47,12 @@ def main() -> None:
         return load_model(info.path, info.dtype, info.device, attn, gguf_blocks=info.gguf_path,
                           quantization=info.quantization)
 
-    del_me = load()
-    del del_me
+    load()  # every import and one-time setup paid, the model freed
     before = resident_mib()
-    model = load()
+    model = load()  # held until `after` is read
     after = resident_mib()
     source = info.gguf_path or info.path
-    files = [source] if os.path.isfile(source) else [os.path.join(source, f) for f in os.listdir(source)
-                                                    if f.endswith(".safetensors")]
+    files = [Path(source)] if info.gguf_path else checkpoint_files(Path(source))
     size = sum(os.path.getsize(f) for f in files)
     added = after["Rss"] - before["Rss"]
     print(json.dumps({"model": str(source), "dtype": str(info.dtype).removeprefix("torch."),

@@ -308,9 +308,10 @@ void prefill_item(const AttnView<T, Q>& a, int64_t r, int64_t tok0, int64_t n, i
 #if defined(KVRELAY_AVX512BF16)
   if constexpr (std::is_same<T, at::BFloat16>::value && std::is_same<Q, at::BFloat16>::value) {
     if (prefill_item_amx(a, r, tok0, n, pos0, h, s)) return;
-    if (a.d % 32 == 0) return tile<PairUnits>(a, r, tok0, n, pos0, h, s);
   }
-  if constexpr (std::is_same<T, Fp8>::value && std::is_same<Q, at::BFloat16>::value) {
+  // bf16 pairs for bf16 queries over a bf16 cache, or an fp8 one widened to bf16 as it is staged.
+  if constexpr ((std::is_same<T, at::BFloat16>::value || std::is_same<T, Fp8>::value) &&
+                std::is_same<Q, at::BFloat16>::value) {
     if (a.d % 32 == 0) return tile<PairUnits>(a, r, tok0, n, pos0, h, s);
   }
 #endif
